@@ -1,0 +1,198 @@
+"""``python -m calib <command>``: run | eval | worker | aggregator (Hydra) and ls | promote | ui (plain).
+
+Hydra commands are thin ``@hydra.main`` wrappers around plain functions (``calib.run.run``,
+``calib.evaluate.evaluate``, ...) so tests call the functions directly. Before Hydra starts, the
+overrides are checked (method choice, composition) so a user mistake ends in one line on stderr and
+exit status 2 instead of a traceback. ``run``/``eval`` print one JSON object as their LAST stdout
+line and also write it to ``result.json`` in the job's output directory (each job of a multirun).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from calib.errors import UserError
+
+USAGE = """usage: python -m calib <command> [args]
+
+commands:
+  run +method=<name> [overrides]   calibrate a method, log to MLflow, register <method>-<model>
+  eval [artifact=<uri|dir>] [overrides]
+                                   dense vs sparse accuracy on held-out prompts
+  worker [overrides]               one SANTA REINFORCE worker on rl.dir
+  aggregator [overrides]           the SANTA REINFORCE aggregator on rl.dir
+  ls [name-filter]                 registered artifacts: name, version, aliases, method, model, metrics
+  promote <name> <version> [alias=champion]
+                                   point an alias at a version
+  ui [--port 5000] [--host 127.0.0.1]
+                                   start the MLflow UI on the project's tracking store
+"""
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from runtime_kernels.errors import ArtifactError
+
+    return (UserError, ArtifactError)
+
+
+def fail(message: str, code: int = 2) -> None:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+def emit_result(result: dict[str, Any]) -> None:
+    """Write ``result.json`` into the Hydra job's output dir and print the JSON as the last line."""
+    text = json.dumps(result, sort_keys=True, default=str)
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        out = Path(HydraConfig.get().runtime.output_dir)
+        (out / "result.json").write_text(text + "\n")
+    except ValueError:  # not under Hydra (a plain function call)
+        pass
+    sys.stderr.flush()
+    print(text, flush=True)
+
+
+def _hydra_task(fn: Callable[[Any], dict[str, Any]]) -> Callable[[Any], None]:
+    def task(cfg: Any) -> None:
+        try:
+            result = fn(cfg)
+        except _user_errors() as exc:
+            fail(str(exc))
+            return
+        if result is not None:
+            emit_result(result)
+
+    return task
+
+
+def _split_flags(args: Sequence[str]) -> list[str]:
+    """Overrides only (no Hydra flags such as -m, --cfg job, hydra/launcher=...)."""
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+            continue
+        if a in ("--cfg", "-c", "--package", "-p", "--config-name", "-cn", "--config-dir", "-cd",
+                 "--experimental-rerun", "--info", "-i"):
+            skip = a not in ("--info", "-i")
+            continue
+        if a.startswith("-") or a.startswith("hydra.") or a.startswith("hydra/"):
+            continue
+        out.append(a)
+    return out
+
+
+def _run_hydra(cmd: str, args: list[str], fn: Callable[[Any], dict[str, Any]]) -> None:
+    import hydra
+
+    from calib.config import CONFIG_NAME
+    from calib.paths import config_dir
+
+    main = hydra.main(config_path=str(config_dir()), config_name=CONFIG_NAME, version_base=None)(_hydra_task(fn))
+    sys.argv = [f"calib {cmd}", *args]
+    main()
+
+
+def cmd_hydra(cmd: str, args: list[str]) -> None:
+    from calib import config
+
+    overrides = _split_flags(args)
+    if cmd == "run":
+        config.check_method_choice(overrides, required="--help" not in args and "-h" not in args)
+    elif cmd in ("worker", "aggregator"):
+        if not config.method_overrides(overrides):
+            args = [*args, "+method=santa"]
+            overrides = [*overrides, "+method=santa"]
+        config.check_method_choice(overrides)
+    if not any(a in args for a in ("--help", "-h", "--hydra-help")):
+        config.validate_common(config.compose(overrides))
+    if cmd == "run":
+        from calib.run import run as fn
+    elif cmd == "eval":
+        from calib.evaluate import evaluate as fn
+    elif cmd == "worker":
+        from calib.santa.commands import worker as fn
+    else:
+        from calib.santa.commands import aggregator as fn
+    _run_hydra(cmd, args, fn)
+
+
+def cmd_ls(args: list[str]) -> None:
+    from calib import registry, tracking
+
+    parser = argparse.ArgumentParser(prog="python -m calib ls")
+    parser.add_argument("name_filter", nargs="?", default=None)
+    parser.add_argument("--json", action="store_true", help="one JSON object per version")
+    ns = parser.parse_args(args)
+    tracking.configure(tracking.resolve_target())
+    rows = registry.list_versions(ns.name_filter)
+    if ns.json:
+        for r in rows:
+            print(json.dumps(r.__dict__, sort_keys=True, default=str))
+    elif not rows:
+        print("no registered artifacts yet: run `python -m calib run +method=<name>`")
+    else:
+        print(registry.format_table(rows))
+
+
+def cmd_promote(args: list[str]) -> None:
+    from calib import registry, tracking
+
+    positional = [a for a in args if not a.startswith("alias=")]
+    alias = next((a.split("=", 1)[1] for a in args if a.startswith("alias=")), registry.CHAMPION)
+    if len(positional) != 2 or not positional[1].isdigit() or not alias:
+        raise UserError("usage: python -m calib promote <name> <version> [alias=champion]")
+    tracking.configure(tracking.resolve_target())
+    uri = registry.promote(positional[0], positional[1], alias)
+    print(f"{uri} -> version {positional[1]}")
+
+
+def cmd_ui(args: list[str]) -> None:
+    from calib import tracking
+
+    parser = argparse.ArgumentParser(prog="python -m calib ui")
+    parser.add_argument("--port", type=int, default=5000)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--dry-run", action="store_true", help="print the command instead of starting it")
+    ns = parser.parse_args(args)
+    target = tracking.resolve_target()
+    tracking.configure(target)
+    command = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", target.tracking_uri,
+               "--host", ns.host, "--port", str(ns.port)]
+    if target.artifact_root:
+        command += ["--default-artifact-root", target.artifact_root]
+    print(f"MLflow UI for {target.tracking_uri} at http://{ns.host}:{ns.port}", flush=True)
+    if ns.dry_run:
+        print(" ".join(command))
+        return
+    os.execv(sys.executable, command)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(USAGE, end="")
+        return
+    cmd, rest = args[0], args[1:]
+    try:
+        if cmd in ("run", "eval", "worker", "aggregator"):
+            cmd_hydra(cmd, rest)
+        elif cmd == "ls":
+            cmd_ls(rest)
+        elif cmd == "promote":
+            cmd_promote(rest)
+        elif cmd == "ui":
+            cmd_ui(rest)
+        else:
+            raise UserError(f"unknown command {cmd!r}: one of run, eval, worker, aggregator, ls, promote, ui")
+    except _user_errors() as exc:
+        fail(str(exc))
+    except KeyboardInterrupt:
+        fail("interrupted", 130)

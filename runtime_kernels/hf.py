@@ -1,0 +1,207 @@
+"""Plug calib artifacts into a transformers model through ``transformers.AttentionInterface``.
+
+``apply(model, artifact_or_uri, ...)`` verifies each artifact against the model (every sha256, the
+architecture facts), builds the method's runtime object, registers one attention function
+``"calib_sparse"`` and switches the model to it — no model class is patched. Methods compose: at most
+one *prefill* method (SALE, SampleAttention) and one *decode* method (SAAP, SANTA). A call with more
+than one query is a prefill, a single query a decode step; whatever phase has no method runs the
+model's previous attention implementation (SDPA by default), as does any call the method cannot take
+(e.g. a padded batch for a prefill method), logged once.
+
+A method runtime is an object with ``phase`` (``"prefill"`` or ``"decode"``) and
+
+* prefill: ``prefill(layer, q, k, v, scale, ctx) -> out | None`` with ``q: [B, Hq, T, D]``,
+  ``k, v: [B, Hkv, T, D]`` (RoPE'd), returning ``[B, Hq, T, D]`` (``None`` = run dense);
+* decode: ``observe_prefill(layer, q, k, v, ctx)`` (build per-layer state from the prompt's cache) and
+  ``decode(layer, q, k, v, scale, ctx) -> out | None`` with ``q: [B, Hq, 1, D]`` and the full cache.
+
+``ctx`` is an :class:`AttentionCall` carrying the module, the position ids and the model's rotary
+embedding (for de-RoPE).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from runtime_kernels.artifact import load_artifact
+from runtime_kernels.errors import ArtifactError
+from runtime_kernels.manifest import Artifact, facts_from_hf_config
+
+log = logging.getLogger(__name__)
+
+ATTN_NAME = "calib_sparse"
+
+# method -> "module:factory"; the factory is ``from_artifact(artifact, model) -> runtime``.
+RUNTIMES: dict[str, str] = {
+    "sale": "runtime_kernels.sale.api:SalePrefill",
+    "sampleattention": "runtime_kernels.sampleattention.api:SampleAttentionPrefill",
+    "saap": "runtime_kernels.saap.api:SaapDecode",
+    "santa": "runtime_kernels.santa.api:SantaDecode",
+}
+
+
+@dataclass
+class AttentionCall:
+    """What a method runtime may need beyond q/k/v for one attention call."""
+
+    module: torch.nn.Module
+    position_ids: torch.Tensor | None
+    rotary_emb: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None
+    attention_mask: torch.Tensor | None
+
+
+@dataclass
+class CalibAttention:
+    """The state ``apply`` attaches to a model (``model.calib_attention``)."""
+
+    prefill: Any | None
+    decode: Any | None
+    artifacts: list[Artifact]
+    fallback: str
+    rotary_emb: Any | None
+    warned: set[str] = field(default_factory=set)
+
+    def warn_once(self, key: str, message: str) -> None:
+        if key not in self.warned:
+            self.warned.add(key)
+            log.warning(message)
+
+
+def _factory(method: str) -> Callable[[Artifact, Any], Any]:
+    if method not in RUNTIMES:
+        raise ArtifactError(f"no runtime for method {method!r}; known: {', '.join(sorted(RUNTIMES))}")
+    module, _, name = RUNTIMES[method].partition(":")
+    return getattr(importlib.import_module(module), name).from_artifact
+
+
+def model_facts(model: Any) -> dict[str, Any]:
+    """Architecture facts of a transformers model, plus ``model_hash`` if the loader recorded one."""
+    facts = facts_from_hf_config(model.config)
+    facts_hash = getattr(model, "calib_model_hash", None)
+    if facts_hash:
+        facts["model_hash"] = facts_hash
+    return facts
+
+
+def _rotary(model: Any) -> Any | None:
+    inner = getattr(model, "model", model)
+    return getattr(inner, "rotary_emb", None)
+
+
+def apply(model: Any, *artifacts: str | os.PathLike | Artifact, tracking_uri: str | None = None) -> CalibAttention:
+    """Enable the artifacts' methods on ``model``; returns the attached :class:`CalibAttention`.
+
+    Each artifact may be a directory, ``models:/name@alias``/``models:/name/version`` or an already
+    loaded :class:`Artifact` (re-checked against this model). Raises :class:`ArtifactError` for an
+    artifact calibrated for another model or two methods of the same phase.
+    """
+    if not artifacts:
+        raise ArtifactError("apply() needs at least one artifact")
+    facts = model_facts(model)
+    loaded: list[Artifact] = []
+    for a in artifacts:
+        if isinstance(a, Artifact):
+            from runtime_kernels.manifest import check_model_facts
+
+            check_model_facts(a.manifest.model, facts, where=str(a.path))
+            loaded.append(a)
+        else:
+            loaded.append(load_artifact(a, model=facts, tracking_uri=tracking_uri))
+    remove(model)
+    runtimes = {"prefill": None, "decode": None}
+    for art in loaded:
+        rt = _factory(art.method)(art, model)
+        if runtimes[rt.phase] is not None:
+            raise ArtifactError(f"two {rt.phase} methods given ({runtimes[rt.phase].method} and {art.method}); "
+                                "combine one prefill method (sale, sampleattention) with one decode method (saap, santa)")
+        runtimes[rt.phase] = rt
+    _register()
+    fallback = model.config._attn_implementation or "sdpa"
+    state = CalibAttention(runtimes["prefill"], runtimes["decode"], loaded, fallback, _rotary(model))
+    model.calib_attention = state
+    for module in model.modules():
+        if hasattr(module, "layer_idx") and hasattr(module, "q_proj"):
+            module.calib_attention = state
+    _set_impl(model, ATTN_NAME)
+    return state
+
+
+def remove(model: Any) -> None:
+    """Undo :func:`apply`: restore the previous attention implementation."""
+    state = getattr(model, "calib_attention", None)
+    if state is None:
+        return
+    _set_impl(model, state.fallback)
+    for module in model.modules():
+        if getattr(module, "calib_attention", None) is state:
+            del module.calib_attention
+    del model.calib_attention
+
+
+def _set_impl(model: Any, name: str) -> None:
+    setter = getattr(model, "set_attn_implementation", None)
+    if setter is not None:
+        try:
+            setter(name)
+            return
+        except (ValueError, AttributeError, TypeError):
+            pass
+    model.config._attn_implementation = name
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_NAME, calib_attention_forward)
+
+
+def _dense(state: CalibAttention) -> Callable[..., Any]:
+    from transformers import AttentionInterface
+
+    fallback = state.fallback if state.fallback != ATTN_NAME else "sdpa"
+    return AttentionInterface()[fallback]
+
+
+def _plain_prefill(mask: torch.Tensor | None, batch: int, q_len: int, k_len: int) -> bool:
+    """An unpadded causal prefill from position 0, which is what the prefill methods assume.
+
+    With one sequence there is no padding, whatever mask transformers built; with several, only a
+    ``None`` mask (transformers' "all causal, no padding" fast path) is taken as unpadded.
+    """
+    return q_len == k_len and (batch == 1 or mask is None)
+
+
+def calib_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                            **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """The registered attention function: ``query [B, Hq, Tq, D]``, ``key/value [B, Hkv, Tk, D]``.
+
+    Returns ``([B, Tq, Hq, D], None)`` like transformers' SDPA integration.
+    """
+    state: CalibAttention | None = getattr(module, "calib_attention", None)
+    if state is None:
+        raise RuntimeError("calib_sparse attention called on a module without calib state; use runtime_kernels.hf.apply")
+    layer = int(module.layer_idx)
+    scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    ctx = AttentionCall(module, kwargs.get("position_ids"), state.rotary_emb, attention_mask)
+    q_len, k_len = query.shape[2], key.shape[2]
+    out = None
+    if q_len > 1:
+        if state.decode is not None:
+            state.decode.observe_prefill(layer, query, key, value, ctx)
+        if state.prefill is not None:
+            if _plain_prefill(attention_mask, query.shape[0], q_len, k_len):
+                out = state.prefill.prefill(layer, query, key, value, scale, ctx)
+            else:
+                state.warn_once("padded", "calib: padded or chunked prefill falls back to dense attention")
+    elif state.decode is not None:
+        out = state.decode.decode(layer, query, key, value, scale, ctx)
+    if out is None:
+        return _dense(state)(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    return out.transpose(1, 2).contiguous(), None

@@ -1,0 +1,47 @@
+"""Shared pytest setup: skip `gpu` tests without CUDA; isolate the embedded stores per test session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def calib_home(tmp_path, monkeypatch):
+    """A private CALIB_HOME (MLflow SQLite store + artifact store) and no inherited tracking URI."""
+    monkeypatch.setenv("CALIB_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_REGISTRY_URI", raising=False)
+    (tmp_path / "home" / "artifacts").mkdir(parents=True)
+    yield tmp_path / "home"
+    try:
+        import mlflow
+
+        while mlflow.active_run() is not None:
+            mlflow.end_run()
+    except ImportError:
+        pass
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _quiet_env():
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
+    yield

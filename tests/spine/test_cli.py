@@ -1,0 +1,108 @@
+"""CLI error paths (one line, exit 2, no traceback) and composition of every config option."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from omegaconf import OmegaConf
+
+from calib import config
+from calib.errors import UserError
+
+
+def calib_cli(*args: str, env_home=None, timeout: int = 180) -> subprocess.CompletedProcess:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    if env_home is not None:
+        env["CALIB_HOME"] = str(env_home)
+    return subprocess.run([sys.executable, "-m", "calib", *args], capture_output=True, text=True, env=env,
+                          timeout=timeout)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: ")
+    for frag in fragments:
+        assert frag in lines[0], (frag, lines[0])
+
+
+def test_run_without_method_lists_methods(tmp_path):
+    proc = calib_cli("run", env_home=tmp_path)
+    assert_one_line_error(proc, "no method given", *config.available_methods())
+
+
+def test_run_with_unknown_method_lists_methods(tmp_path):
+    proc = calib_cli("run", "+method=nope", env_home=tmp_path)
+    assert_one_line_error(proc, "unknown method 'nope'", *config.available_methods())
+
+
+def test_unknown_override_key(tmp_path):
+    method = config.available_methods()[0]
+    proc = calib_cli("run", f"+method={method}", "no_such_key=1", env_home=tmp_path)
+    assert_one_line_error(proc, "no_such_key")
+
+
+def test_bad_value_is_rejected(tmp_path):
+    method = config.available_methods()[0]
+    proc = calib_cli("run", f"+method={method}", "eval.num_prompts=0", env_home=tmp_path)
+    assert_one_line_error(proc, "eval.num_prompts must be >= 1")
+    proc = calib_cli("run", f"+method={method}", "device=tpu", env_home=tmp_path)
+    assert_one_line_error(proc, "device='tpu'")
+
+
+def test_unknown_model_option_lists_models(tmp_path):
+    method = config.available_methods()[0]
+    proc = calib_cli("run", f"+method={method}", "model=gpt5", env_home=tmp_path)
+    assert_one_line_error(proc, "gpt5", "tiny", "llama31")
+
+
+def test_unknown_command():
+    proc = calib_cli("frobnicate")
+    assert_one_line_error(proc, "unknown command 'frobnicate'")
+
+
+def test_ui_dry_run_prints_url_and_store(tmp_path):
+    proc = calib_cli("ui", "--dry-run", "--port", "5123", env_home=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "http://127.0.0.1:5123" in proc.stdout
+    assert f"sqlite:///{tmp_path / 'artifacts' / 'mlflow.db'}" in proc.stdout
+
+
+def test_method_override_parsing():
+    assert config.method_overrides(["+method=sale", "x=1"]) == ["sale"]
+    assert config.method_overrides(["method=sale,saap"]) == ["sale", "saap"]
+    assert config.method_overrides(["+method=choice(sale,saap)"]) == ["sale", "saap"]
+    assert config.method_overrides(["model=tiny"]) == []
+    with pytest.raises(UserError):
+        config.check_method_choice([])
+
+
+GROUPS = ["model", "data", "tracking", "collect"]
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in config.available(g)])
+def test_every_group_option_composes_and_resolves(group, option):
+    cfg = config.compose([f"{group}={option}"])
+    OmegaConf.to_container(cfg, resolve=True)
+    assert cfg[group] is not None
+
+
+@pytest.mark.parametrize("method", config.available_methods())
+@pytest.mark.parametrize("model", config.available("model"))
+def test_every_method_composes_with_every_model(method, model):
+    cfg = config.compose([f"+method={method}", f"model={model}"])
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    assert resolved["method"]["name"] == method
+    assert isinstance(resolved["method"]["abi_version"], int)
+
+
+def test_eval_seed_must_differ_from_data_seed():
+    cfg = config.compose(["eval.seed=5", "data.seed=5"])
+    with pytest.raises(UserError, match="held out"):
+        config.validate_common(cfg)

@@ -1,0 +1,26 @@
+"""`import runtime_kernels` (and every submodule) pulls in neither hydra, mlflow nor calib."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+CODE = r"""
+import importlib, pkgutil, sys
+import runtime_kernels
+names = [m.name for m in pkgutil.walk_packages(runtime_kernels.__path__, "runtime_kernels.")]
+for name in names:
+    if name.endswith(".triton") or ".triton_" in name:
+        continue  # GPU kernels import triton; checked on the GPU box
+    importlib.import_module(name)
+bad = sorted(m for m in sys.modules if m.split(".")[0] in {"hydra", "mlflow", "calib", "omegaconf"})
+print(len(names), ",".join(bad))
+"""
+
+
+def test_runtime_kernels_imports_no_hydra_mlflow_or_calib():
+    proc = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    count, bad = proc.stdout.strip().split(" ", 1) if " " in proc.stdout.strip() else (proc.stdout.strip(), "")
+    assert int(count) >= 3  # manifest, artifact, blocksparse at least
+    assert bad == "", f"runtime_kernels imported {bad}"

@@ -1,0 +1,5 @@
+"""SALE calibration: per (layer, query head) threshold tau by tau-halving (SPEC §5.2)."""
+
+from calib.sale.halving import HalvingResult, HalvingStep, halve_thresholds, head_errors, sale_errors_fn
+
+__all__ = ["HalvingResult", "HalvingStep", "halve_thresholds", "head_errors", "sale_errors_fn"]

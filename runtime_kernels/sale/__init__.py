@@ -1,0 +1,21 @@
+"""SALE prefill: low-bit Selection-Pass + block-sparse attention (papers/sale.txt; SPEC §5.2)."""
+
+from runtime_kernels.sale.api import sale_block_scores, sale_prefill_attention, sale_select
+from runtime_kernels.sale.reference import (
+    SaleSelectionConfig,
+    approximate_scores,
+    quantize_blockwise,
+    select_blocks,
+    sink_local_stats,
+)
+
+__all__ = [
+    "SaleSelectionConfig",
+    "approximate_scores",
+    "quantize_blockwise",
+    "sale_block_scores",
+    "sale_prefill_attention",
+    "sale_select",
+    "select_blocks",
+    "sink_local_stats",
+]

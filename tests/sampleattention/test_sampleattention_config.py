@@ -1,0 +1,30 @@
+"""conf/method/sampleattention.yaml resolves against every model file into a usable search grid."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from calib.sampleattention.tuning import lengths_by_bucket
+from runtime_kernels.sampleattention.buckets import BucketRow, BucketTable
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+
+
+@pytest.mark.parametrize("model", ["tiny", "llama31"])
+def test_method_config_resolves_per_model(model: str) -> None:
+    cfg = OmegaConf.create({"model": OmegaConf.load(CONF / "model" / f"{model}.yaml"),
+                            "method": OmegaConf.load(CONF / "method" / "sampleattention.yaml")})
+    method = OmegaConf.to_container(cfg.method, resolve=True)
+    assert method["name"] == "sampleattention" and method["abi_version"] >= 1
+    edges = method["bucket_edges"]
+    assert edges == list(cfg.model.method_defaults.sampleattention.bucket_edges)
+    assert all(0 < a < 1 for a in method["alphas_c"] + method["alphas_s"])
+    assert method["chunk_ns"] == [1, 2, 4, 6] and method["min_relative_score"] == 0.99
+    table = BucketTable(edges, [BucketRow(1.0, 1.0, 1)] * (len(edges) + 1), blk=method["blk"])
+    groups = lengths_by_bucket(edges, method["profiling"]["lengths"])
+    assert len(groups) == len(table.rows) and sum(map(len, groups)) == len(method["profiling"]["lengths"])
+    if model == "llama31":  # the paper's five buckets
+        assert edges == [16 * 1024, 48 * 1024, 80 * 1024, 112 * 1024]

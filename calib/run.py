@@ -24,6 +24,7 @@ from omegaconf import DictConfig
 from calib import __version__, registry, tracking
 from calib.config import available_methods, to_container, validate_common
 from calib.errors import UserError
+from calib.models import resolve_device
 from runtime_kernels.artifact import ABI_VERSIONS
 from runtime_kernels.manifest import DataRecord, Manifest, ModelRecord, ProducerRecord, write_artifact
 
@@ -54,14 +55,6 @@ def method_name(cfg: DictConfig) -> str:
     if method is None or "name" not in method:
         raise UserError(f"no method given: add +method=<name>, one of: {', '.join(available_methods())}")
     return str(method.name)
-
-
-def resolve_device(spec: str) -> torch.device:
-    if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if spec.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"device={spec} but CUDA is not available here: use device=cpu or device=auto")
-    return torch.device(spec)
 
 
 def git_sha() -> str | None:

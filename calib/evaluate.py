@@ -1,0 +1,163 @@
+"""``eval``: held-out task accuracy, dense and with an artifact applied (SPEC §8).
+
+The prompts come from the configured data source with ``eval.seed`` (never the calibration seed:
+checked against ``data.seed`` and the artifact's recorded seed). Each prompt is answered greedily,
+first densely, then — with ``artifact=...`` — with the artifact's method plugged in through
+``runtime_kernels.hf.apply``. Accuracy is exact match; the difference is reported with a paired
+bootstrap 95% CI overall and per task and length. Method statistics (sparsity, selectivity, ...)
+come from the runtime's ``pop_stats()`` after every prompt and are averaged per task and length.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from omegaconf import DictConfig
+from tqdm.auto import tqdm
+
+from calib import tracking
+from calib.config import to_container, validate_common
+from calib.errors import UserError
+from calib.stats import paired_bootstrap_diff
+
+
+@dataclass
+class PromptResult:
+    task: str
+    length: int
+    prediction: str
+    correct: bool
+    stats: dict[str, float]
+
+
+def stop_token_ids(tokenizer: Any) -> set[int]:
+    """EOS plus any token that decodes to a newline (answers end at the first newline)."""
+    ids = {i for i in [tokenizer.eos_token_id] if i is not None}
+    for text in ("\n", "Ċ", "<|eot_id|>", "<|im_end|>"):
+        tid = tokenizer.convert_tokens_to_ids(text)
+        if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid is not None and tid >= 0:
+            ids.add(tid)
+    return ids
+
+
+@torch.inference_mode()
+def greedy_generate(model: Any, input_ids: Sequence[int], max_new_tokens: int, stop_ids: set[int]) -> list[int]:
+    """Greedy decoding with a KV cache: one prefill call, then one call per new token."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(input_ids)], device=device)
+    out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+    past, generated = out.past_key_values, []
+    token = out.logits[0, -1].argmax()
+    for _ in range(max_new_tokens):
+        t = int(token)
+        if t in stop_ids:
+            break
+        generated.append(t)
+        out = model(input_ids=token.view(1, 1), past_key_values=past, use_cache=True)
+        past, token = out.past_key_values, out.logits[0, -1].argmax()
+    return generated
+
+
+def answer_prompts(loaded: Any, prompts: Sequence[Any], max_new_tokens: int, runtime: Any = None,
+                   desc: str = "dense") -> list[PromptResult]:
+    """Answer every prompt; ``runtime`` (a CalibAttention) supplies per-prompt method stats."""
+    from calib.data import exact_match
+
+    stops = stop_token_ids(loaded.tokenizer)
+    results = []
+    for p in tqdm(prompts, desc=f"eval {desc}", unit="prompt", leave=False):
+        gen = greedy_generate(loaded.model, p.input_ids, max_new_tokens, stops)
+        text = loaded.tokenizer.decode(gen, skip_special_tokens=True)
+        stats: dict[str, float] = {}
+        if runtime is not None:
+            for rt in (runtime.prefill, runtime.decode):
+                if rt is not None and hasattr(rt, "pop_stats"):
+                    stats.update(rt.pop_stats())
+        results.append(PromptResult(p.task, p.length, text, exact_match(text, p.answer), stats))
+    return results
+
+
+def summarize(dense: list[PromptResult], sparse: list[PromptResult] | None, resamples: int,
+              seed: int) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+    """Per ``task@length`` accuracies (and stats), and flat headline metrics with bootstrap CIs."""
+    groups: dict[str, list[int]] = defaultdict(list)
+    for i, r in enumerate(dense):
+        groups[f"{r.task}@{r.length}"].append(i)
+    tasks: dict[str, dict[str, float]] = {}
+    metrics: dict[str, float] = {}
+    d_all = np.array([r.correct for r in dense], dtype=float)
+    metrics["dense_acc"] = float(d_all.mean())
+    s_all = np.array([r.correct for r in sparse], dtype=float) if sparse is not None else None
+    for key, idx in sorted(groups.items()):
+        entry = {"dense": float(d_all[idx].mean())}
+        if s_all is not None:
+            entry["sparse"] = float(s_all[idx].mean())
+            ci = paired_bootstrap_diff(d_all[idx], s_all[idx], resamples=resamples, seed=seed)
+            metrics[f"{key}.diff_ci_low"], metrics[f"{key}.diff_ci_high"] = ci.low, ci.high
+            for name in sorted({k for i in idx for k in sparse[i].stats}):
+                vals = [sparse[i].stats[name] for i in idx if name in sparse[i].stats]
+                metrics[f"{key}.{name}"] = float(np.mean(vals))
+        tasks[key] = entry
+    if s_all is not None:
+        ci = paired_bootstrap_diff(d_all, s_all, resamples=resamples, seed=seed)
+        metrics.update(sparse_acc=float(s_all.mean()), diff=ci.mean, diff_ci_low=ci.low, diff_ci_high=ci.high)
+    metrics["num_prompts"] = float(len(dense))
+    return tasks, metrics
+
+
+def evaluate(cfg: DictConfig) -> dict[str, Any]:
+    """Run the held-out evaluation; returns the result JSON of SPEC §1."""
+    import mlflow
+
+    from calib.data import build_prompts
+    from calib.models import load_model
+    from calib.models import resolve_device
+    from runtime_kernels import hf
+
+    validate_common(cfg)
+    device = resolve_device(str(cfg.get("device", "auto")))
+    loaded = load_model(cfg.model, device=str(device))
+    artifact = None
+    if cfg.get("artifact"):
+        from runtime_kernels.artifact import load_artifact
+
+        artifact = load_artifact(str(cfg.artifact), model=hf.model_facts(loaded.model))
+        if artifact.manifest.data.seed is not None and int(artifact.manifest.data.seed) == int(cfg.eval.seed):
+            raise UserError(f"eval.seed={cfg.eval.seed} is the artifact's calibration seed: pick another eval.seed")
+    prompts = build_prompts(cfg.data, loaded.tokenizer, seed=int(cfg.eval.seed), lengths=list(cfg.eval.lengths),
+                            tasks=list(cfg.eval.tasks), num_prompts=int(cfg.eval.num_prompts),
+                            purpose="evaluation")
+    if not prompts:
+        raise UserError("no evaluation prompts: check eval.tasks / eval.lengths / eval.num_prompts")
+    target = tracking.resolve_target(cfg.get("tracking"))
+    method = artifact.method if artifact else "dense"
+    with tracking.start_run(target, f"eval-{method}-{cfg.model.name}", tags={"kind": "eval", "method": method}) as run:
+        mlflow.log_params({"artifact": str(cfg.get("artifact")), "model": str(cfg.model.name),
+                           "eval.seed": int(cfg.eval.seed), "eval.num_prompts": int(cfg.eval.num_prompts)})
+        t0 = time.perf_counter()
+        dense = answer_prompts(loaded, prompts, int(cfg.eval.max_new_tokens))
+        timings = {"time_dense_s": time.perf_counter() - t0}
+        sparse = None
+        if artifact is not None:
+            runtime = hf.apply(loaded.model, artifact)
+            try:
+                t0 = time.perf_counter()
+                sparse = answer_prompts(loaded, prompts, int(cfg.eval.max_new_tokens), runtime, desc=method)
+                timings["time_sparse_s"] = time.perf_counter() - t0
+            finally:
+                hf.remove(loaded.model)
+        tasks, metrics = summarize(dense, sparse, int(cfg.eval.bootstrap), int(cfg.seed))
+        metrics.update(timings)
+        mlflow.log_metrics({k.replace("@", "_at_"): v for k, v in metrics.items()})
+        mlflow.log_dict({"tasks": tasks, "metrics": metrics, "config": to_container(cfg),
+                         "predictions": [r.__dict__ for r in (sparse or dense)]}, "eval.json")
+    result: dict[str, Any] = {"artifact": str(cfg.artifact) if cfg.get("artifact") else None, "tasks": tasks,
+                              "metrics": metrics, "run_id": run.info.run_id}
+    print(json.dumps({"eval_summary": {k: v for k, v in metrics.items() if "@" not in k}}), flush=True)
+    return result

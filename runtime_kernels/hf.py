@@ -113,17 +113,26 @@ def apply(model: Any, *artifacts: str | os.PathLike | Artifact, tracking_uri: st
             loaded.append(a)
         else:
             loaded.append(load_artifact(a, model=facts, tracking_uri=tracking_uri))
-    remove(model)
-    runtimes = {"prefill": None, "decode": None}
+    runtimes: dict[str, Any] = {"prefill": None, "decode": None}
     for art in loaded:
         rt = _factory(art.method)(art, model)
         if runtimes[rt.phase] is not None:
             raise ArtifactError(f"two {rt.phase} methods given ({runtimes[rt.phase].method} and {art.method}); "
                                 "combine one prefill method (sale, sampleattention) with one decode method (saap, santa)")
         runtimes[rt.phase] = rt
+    return attach(model, prefill=runtimes["prefill"], decode=runtimes["decode"], artifacts=loaded)
+
+
+def attach(model: Any, *, prefill: Any | None = None, decode: Any | None = None,
+           artifacts: list[Artifact] | None = None) -> CalibAttention:
+    """Attach method runtime objects directly (calibration uses this to score candidate settings).
+
+    ``apply`` is this plus artifact loading and verification. Replaces any earlier attachment.
+    """
+    remove(model)
     _register()
     fallback = model.config._attn_implementation or "sdpa"
-    state = CalibAttention(runtimes["prefill"], runtimes["decode"], loaded, fallback, _rotary(model))
+    state = CalibAttention(prefill, decode, list(artifacts or []), fallback, _rotary(model))
     model.calib_attention = state
     for module in model.modules():
         if hasattr(module, "layer_idx") and hasattr(module, "q_proj"):
@@ -139,7 +148,7 @@ def remove(model: Any) -> None:
         return
     _set_impl(model, state.fallback)
     for module in model.modules():
-        if getattr(module, "calib_attention", None) is state:
+        if module is not model and getattr(module, "calib_attention", None) is state:
             del module.calib_attention
     del model.calib_attention
 

@@ -1,0 +1,64 @@
+"""SAAP calibration (papers/saap.txt; SPEC §5.1): the math, free of I/O and tracking.
+
+* :mod:`calib.saap.kmeans`: per-KV-head L2 k-means on de-RoPE'd keys (Faiss, or a torch fallback).
+* :mod:`calib.saap.targets`: long-range query selection and the KL targets ``A·H_k`` of one prompt.
+* :mod:`calib.saap.classifier`: the per-query-head MLP classifiers, trained batched over heads.
+* :mod:`calib.saap.metrics`: selectivity / recall / output error of SAAP vs the paper's baselines.
+
+The runtime side (bucket index, decode attention) is :mod:`runtime_kernels.saap`.
+
+Recipe, per non-dense layer (layer 0 stays dense), with ``W = window``, ``recent = W - sink``:
+
+1. pass 1 over the calibration prompts: de-RoPE'd keys of positions ``[sink, T - recent)`` (the
+   bucket candidates at the end of the prompt) -> :func:`fit_kmeans_heads` ``[Hkv, C, D]``;
+2. pass 2, per prompt while its q/k are in memory: ``kb = assign(k_derope, centroids)``,
+   ``pos, is_lr = select_training_queries(q_rope, k_rope, n, long_range)``,
+   ``targets = kl_targets(q_rope, k_rope, kb, pos, C)``; keep ``q_derope`` at ``pos`` and ``targets``;
+   held-out prompts: :func:`evaluate_layer` (needs RoPE'd-key centroids for the ``kmeans_rope`` baseline);
+3. :func:`fit_query_classifiers` on the kept rows (``prompt_index`` for one-prompt batches), then
+   ``model.layer_params(centroids, sink=..., recent=...)`` is the runtime's ``SaapLayerParams``.
+"""
+
+from calib.saap.classifier import BatchedQueryClassifier, fit_query_classifiers, kl_loss_per_head
+from calib.saap.kmeans import assign, faiss_available, fit_kmeans, fit_kmeans_heads, inertia
+from calib.saap.metrics import (
+    LayerEvaluation,
+    attention_recall,
+    eval_query_positions,
+    evaluate_layer,
+    output_relative_error,
+    probe_top_l_by_inner_product,
+    recall_at_selectivity,
+    selectivity,
+)
+from calib.saap.targets import (
+    kl_targets,
+    long_range_query_mask,
+    sample_queries,
+    select_training_queries,
+    top1_key_distance,
+)
+
+__all__ = [
+    "BatchedQueryClassifier",
+    "LayerEvaluation",
+    "assign",
+    "attention_recall",
+    "eval_query_positions",
+    "evaluate_layer",
+    "faiss_available",
+    "fit_kmeans",
+    "fit_kmeans_heads",
+    "fit_query_classifiers",
+    "inertia",
+    "kl_loss_per_head",
+    "kl_targets",
+    "long_range_query_mask",
+    "output_relative_error",
+    "probe_top_l_by_inner_product",
+    "recall_at_selectivity",
+    "sample_queries",
+    "select_training_queries",
+    "selectivity",
+    "top1_key_distance",
+]

@@ -1,0 +1,31 @@
+"""SAAP decode attention (papers/saap.txt): bucket index, query classifier, sparse attention."""
+
+from runtime_kernels.saap.api import SaapDecode, derope, saap_decode_attention
+from runtime_kernels.saap.reference import (
+    BucketIndex,
+    SaapLayerParams,
+    classify_queries,
+    dense_decode_attention,
+    merge_partials,
+    nearest_centroid,
+    partial_attention,
+    rank_buckets,
+    saap_decode_attention_reference,
+    searchable_range,
+)
+
+__all__ = [
+    "BucketIndex",
+    "SaapDecode",
+    "SaapLayerParams",
+    "classify_queries",
+    "dense_decode_attention",
+    "derope",
+    "merge_partials",
+    "nearest_centroid",
+    "partial_attention",
+    "rank_buckets",
+    "saap_decode_attention",
+    "saap_decode_attention_reference",
+    "searchable_range",
+]

@@ -1,0 +1,155 @@
+"""Public SAAP decode entry point: the Triton kernel on CUDA when it exists, else the PyTorch reference."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+import torch
+
+from runtime_kernels.saap.reference import BucketIndex, SaapLayerParams, saap_decode_attention_reference
+
+
+def _triton_module() -> ModuleType | None:
+    """``runtime_kernels.saap.triton`` if it and triton import, else None (never raises)."""
+    try:
+        return importlib.import_module("runtime_kernels.saap.triton")
+    except ImportError:
+        return None
+
+
+def saap_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          state: BucketIndex | None, artifact_layer: SaapLayerParams, *, top_l: int,
+                          q_derope: torch.Tensor | None = None, scale: float | None = None,
+                          impl: str = "auto") -> torch.Tensor:
+    """SAAP attention of one decode step of one layer.
+
+    Args:
+        q: ``[B, Hq, D]`` RoPE'd query of the current token (used for the attention itself).
+        k_cache, v_cache: ``[B, Hkv, T, D]`` RoPE'd keys and values, the current token's last.
+        state: the layer's :class:`BucketIndex` covering the ``T`` keys (``None`` for a dense layer).
+        artifact_layer: the layer's :class:`SaapLayerParams`.
+        top_l: buckets visited per KV head (ℓ).
+        q_derope: ``[B, Hq, D]`` query without RoPE (classifier input); required unless dense.
+        scale: softmax scale, ``1/sqrt(D)`` by default.
+        impl: ``"auto"`` (Triton when ``q.is_cuda`` and the kernel imports), ``"reference"``, ``"triton"``.
+
+    Returns:
+        ``[B, Hq, D]`` in ``q.dtype``.
+    """
+    if impl not in ("auto", "reference", "triton"):
+        raise ValueError(f"impl must be auto, reference or triton, got {impl!r}")
+    if not artifact_layer.dense and q_derope is None:
+        raise ValueError("saap_decode_attention needs q_derope (the de-RoPE'd query) for a non-dense layer")
+    kernel = _triton_module() if impl != "reference" and (q.is_cuda or impl == "triton") else None
+    if impl == "triton" and kernel is None:
+        raise RuntimeError("the SAAP Triton kernel is not available (runtime_kernels.saap.triton did not import)")
+    if kernel is not None:
+        return kernel.saap_decode_attention_triton(q, q_derope, k_cache, v_cache, state, artifact_layer,
+                                                   top_l=top_l, scale=scale)
+    return saap_decode_attention_reference(q, q_derope, k_cache, v_cache, state, artifact_layer, top_l, scale)
+
+
+# --------------------------------------------------------------------------------------------------
+# transformers integration (runtime_kernels.hf): SAAP as a decode runtime
+# --------------------------------------------------------------------------------------------------
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, -1)
+    return torch.cat([-b, a], -1)
+
+
+def derope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Undo HF-style RoPE: ``x [B, H, T, D]`` post-RoPE, ``cos, sin [B, T, D]`` -> pre-RoPE, float32.
+
+    ``post = pre·c + rotate_half(pre)·n`` with ``c = s·cosθ``, ``n = s·sinθ`` (``s`` the rotary module's
+    attention scaling) inverts as ``pre = (post·c − rotate_half(post)·n) / (c² + n²)``.
+    """
+    c, n = cos.float().unsqueeze(1), sin.float().unsqueeze(1)  # [B, 1, T, D]
+    xf = x.float()
+    return (xf * c - _rotate_half(xf) * n) / (c * c + n * n)
+
+
+class SaapDecode:
+    """SAAP as the decode runtime of :func:`runtime_kernels.hf.apply` (``phase = "decode"``).
+
+    At prefill (``observe_prefill``) each non-dense layer de-RoPEs the prompt's keys with the model's
+    rotary module and builds its :class:`BucketIndex`; at each decode step the new key is appended and
+    :func:`saap_decode_attention` runs. Dense layers (layer 0), a batch with a padding mask, or a layer
+    whose index does not match the cache (no prefill seen) return ``None``: the model's own attention.
+
+    Artifact layout (written by ``calib``'s SAAP recipe): hyper-parameters ``sink``, ``window``
+    (= sink + recent), ``top_l``, ``dense_layers`` (list), ``bn_eps``; tensors
+    ``layers.<l>.<field>`` for every non-dense layer ``l`` and every
+    :attr:`SaapLayerParams.TENSOR_FIELDS` field.
+    """
+
+    method = "saap"
+    phase = "decode"
+
+    def __init__(self, layers: list[SaapLayerParams], top_l: int, *, impl: str = "auto") -> None:
+        self.layers = layers
+        self.top_l = int(top_l)
+        self.impl = impl
+        self.index: dict[int, BucketIndex] = {}
+        self._on_device: dict[tuple[int, str], SaapLayerParams] = {}
+
+    @classmethod
+    def from_artifact(cls, artifact, model) -> "SaapDecode":
+        hp = artifact.manifest.hyperparameters
+        n_layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+        if n_layers is None:
+            n_layers = 1 + max(int(k.split(".")[1]) for k in artifact.tensors if k.startswith("layers."))
+        sink, recent = int(hp["sink"]), int(hp["window"]) - int(hp["sink"])
+        dense = {int(x) for x in hp.get("dense_layers", [0])}
+        layers = [SaapLayerParams.from_tensors(artifact.tensors, sink=sink, recent=recent, dense=i in dense,
+                                               bn_eps=float(hp.get("bn_eps", 1e-5)), prefix=f"layers.{i}.")
+                  for i in range(n_layers)]
+        return cls(layers, int(hp["top_l"]))
+
+    def _params(self, layer: int, device: torch.device) -> SaapLayerParams:
+        key = (layer, str(device))
+        if key not in self._on_device:
+            self._on_device[key] = self.layers[layer].to(device)
+        return self._on_device[key]
+
+    @staticmethod
+    def _positions(ctx, batch: int, first: int, n: int, device: torch.device) -> torch.Tensor:
+        pos = getattr(ctx, "position_ids", None)
+        if pos is None or pos.shape[-1] != n:
+            pos = torch.arange(first, first + n, device=device)[None]
+        return pos.to(device).expand(batch, -1)
+
+    def _derope(self, x: torch.Tensor, ctx, first: int) -> torch.Tensor:
+        b, _, t, _ = x.shape
+        pos = self._positions(ctx, b, first, t, x.device)
+        cos, sin = ctx.rotary_emb(torch.empty(0, dtype=torch.float32, device=x.device), pos)
+        return derope(x, cos, sin)
+
+    @staticmethod
+    def _padded(ctx, batch: int) -> bool:
+        return batch > 1 and getattr(ctx, "attention_mask", None) is not None
+
+    def observe_prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx) -> None:
+        """Build layer ``layer``'s index from the prompt: ``k [B, Hkv, T, D]`` RoPE'd."""
+        self.index.pop(layer, None)
+        p = self.layers[layer]
+        if p.dense or self._padded(ctx, k.shape[0]) or k.shape[2] != q.shape[2]:
+            return
+        pp = self._params(layer, k.device)
+        self.index[layer] = BucketIndex.build(self._derope(k, ctx, 0), pp.centroids, sink=p.sink, recent=p.recent)
+
+    def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               ctx) -> torch.Tensor | None:
+        """``q [B, Hq, 1, D]``, ``k, v [B, Hkv, T, D]`` (the cache, new token last) -> ``[B, Hq, 1, D]`` or None."""
+        idx = self.index.get(layer)
+        t = k.shape[2]
+        if idx is None or self.layers[layer].dense or self._padded(ctx, k.shape[0]) or idx.length != t - 1:
+            self.index.pop(layer, None)
+            return None
+        idx.append(self._derope(k[:, :, -1:], ctx, t - 1))
+        q_de = self._derope(q, ctx, t - 1)[:, :, 0]
+        out = saap_decode_attention(q[:, :, 0], k, v, idx, self._params(layer, q.device), top_l=self.top_l,
+                                    q_derope=q_de, scale=scale, impl=self.impl)
+        return out.unsqueeze(2)

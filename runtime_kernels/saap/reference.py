@@ -1,0 +1,433 @@
+"""SAAP decode attention, plain PyTorch: the definition of correct (papers/saap.txt §4-§5, App. F).
+
+One decode step of one layer. The cache holds ``T`` keys (the current token's key is the last one);
+the single query of each head sits at position ``T - 1``. Keys split into:
+
+* the **dense region**: the first ``sink`` positions plus the ``recent`` most recent ones
+  (``[0, sink) ∪ [T - recent, T)``; "1+2047" for Llama-3.1, so the config value ``window = sink + recent``);
+* the **bucket candidates**: every other key, positions ``[sink, T - recent)`` (:func:`searchable_range`).
+
+Each key is assigned at arrival to its nearest (L2) k-means centroid of its KV head, computed on the
+de-RoPE'd key. Each query head's MLP classifier maps the de-RoPE'd query to a distribution over the
+``C`` buckets; the ``G`` query heads of a GQA group sum their probabilities and the group visits the ``ℓ``
+highest buckets (all ``ℓ``: the paper's Alg. 2 guard ``ℓ > b_i > 0`` skips the last one, we do not).
+Attention is computed exactly (RoPE'd ``q·k``) over the dense region (one partial) and over *all* keys
+of each visited bucket (one partial per bucket), and the ``ℓ + 1`` partials are merged by log-sum-exp.
+
+:class:`BucketIndex` holds only bucket candidates, so the dense part and the bucket part never overlap
+and a kernel needs no window test: when a key leaves the recent window it is inserted in its bucket
+(its bucket id was recorded when it arrived, from the de-RoPE'd key, which is not kept).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+import torch
+
+_ASSIGN_BUDGET = 1 << 24  # elements of one [..., chunk, C] distance buffer in the nearest-centroid search
+
+
+# --------------------------------------------------------------------------------------------------
+# Calibrated parameters of one layer
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SaapLayerParams:
+    """What SAAP calibrated for one layer (``dense=True``: plain attention, no other tensor needed).
+
+    Classifier of query head ``h``: ``logits = relu(bn(q @ w1[h] + b1[h])) @ w2[h] + b2[h]`` with
+    ``bn(x) = (x - bn_mean[h]) / sqrt(bn_var[h] + bn_eps) * bn_weight[h] + bn_bias[h]`` (eval mode).
+    """
+
+    sink: int  # leading positions always attended densely (1)
+    recent: int  # most recent positions attended densely (window - sink; 2047 for llama31)
+    dense: bool = False  # layer 0 in the paper: plain attention
+    centroids: torch.Tensor | None = None  # [Hkv, C, D] float32, k-means on de-RoPE'd keys
+    w1: torch.Tensor | None = None  # [Hq, D, Hd]
+    b1: torch.Tensor | None = None  # [Hq, Hd]
+    bn_mean: torch.Tensor | None = None  # [Hq, Hd] running mean
+    bn_var: torch.Tensor | None = None  # [Hq, Hd] running variance
+    bn_weight: torch.Tensor | None = None  # [Hq, Hd]
+    bn_bias: torch.Tensor | None = None  # [Hq, Hd]
+    w2: torch.Tensor | None = None  # [Hq, Hd, C]
+    b2: torch.Tensor | None = None  # [Hq, C]
+    bn_eps: float = 1e-5
+
+    TENSOR_FIELDS = ("centroids", "w1", "b1", "bn_mean", "bn_var", "bn_weight", "bn_bias", "w2", "b2")
+
+    def __post_init__(self) -> None:
+        if self.sink < 0 or self.recent < 0 or self.sink + self.recent < 1:
+            raise ValueError(f"SAAP dense region needs sink >= 0, recent >= 0, sink + recent >= 1; "
+                             f"got sink={self.sink}, recent={self.recent}")
+        if self.dense:
+            return
+        missing = [n for n in self.TENSOR_FIELDS if getattr(self, n) is None]
+        if missing:
+            raise ValueError(f"SAAP layer is not dense but lacks tensors {missing}")
+        hkv, c, d = self.centroids.shape
+        hq, d1, hd = self.w1.shape
+        if d1 != d or self.w2.shape != (hq, hd, c) or hq % hkv:
+            raise ValueError(f"SAAP tensor shapes disagree: centroids {tuple(self.centroids.shape)}, "
+                             f"w1 {tuple(self.w1.shape)}, w2 {tuple(self.w2.shape)}")
+
+    @property
+    def num_clusters(self) -> int:
+        return int(self.centroids.shape[1])
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.centroids.shape[0])
+
+    @property
+    def num_heads(self) -> int:
+        return int(self.w1.shape[0])
+
+    def to_tensors(self, prefix: str = "") -> dict[str, torch.Tensor]:
+        """Flat ``{prefix + name: tensor}`` for safetensors (empty for a dense layer)."""
+        if self.dense:
+            return {}
+        return {prefix + n: getattr(self, n).contiguous() for n in self.TENSOR_FIELDS}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], *, sink: int, recent: int, dense: bool = False,
+                     bn_eps: float = 1e-5, prefix: str = "") -> "SaapLayerParams":
+        """Inverse of :meth:`to_tensors`."""
+        if dense:
+            return cls(sink=sink, recent=recent, dense=True, bn_eps=bn_eps)
+        return cls(sink=sink, recent=recent, bn_eps=bn_eps, **{n: tensors[prefix + n] for n in cls.TENSOR_FIELDS})
+
+    def to(self, device: torch.device | str) -> "SaapLayerParams":
+        kw = {f.name: getattr(self, f.name) for f in fields(self)}
+        for n in self.TENSOR_FIELDS:
+            if kw[n] is not None:
+                kw[n] = kw[n].to(device)
+        return SaapLayerParams(**kw)
+
+
+# --------------------------------------------------------------------------------------------------
+# Key assignment
+# --------------------------------------------------------------------------------------------------
+
+
+def searchable_range(seq_len: int, sink: int, recent: int) -> tuple[int, int]:
+    """Positions ``[lo, hi)`` that are bucket candidates in a cache of ``seq_len`` keys (may be empty)."""
+    lo = min(sink, seq_len)
+    return lo, max(lo, seq_len - recent)
+
+
+def nearest_centroid(x: torch.Tensor, centroids: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
+    """Nearest centroid in L2: ``x: [..., N, D]``, ``centroids: [..., C, D]`` -> ``[..., N]`` int64.
+
+    Leading dims broadcast (one codebook per head: ``x [H, N, D]`` with ``centroids [H, C, D]``).
+    ``argmin ||x - c||² = argmin (||c||² - 2 x·c)``, computed in float32, ``chunk`` rows at a time
+    (default: as many as keep the distance buffer at 16M elements).
+    """
+    c = centroids.float()
+    if chunk is None:
+        per_row = math.prod(torch.broadcast_shapes(x.shape[:-2], c.shape[:-2])) * c.shape[-2]
+        chunk = max(1, _ASSIGN_BUDGET // max(1, per_row))
+    c_sq = (c * c).sum(-1).unsqueeze(-2)  # [..., 1, C]
+    out = []
+    for start in range(0, x.shape[-2], chunk):
+        xc = x[..., start:start + chunk, :].float()
+        d = c_sq - 2.0 * (xc @ c.transpose(-1, -2))  # [..., n, C]
+        out.append(d.argmin(-1))
+    if not out:
+        return torch.zeros(x.shape[:-1], dtype=torch.int64, device=x.device)
+    return torch.cat(out, -1)
+
+
+# --------------------------------------------------------------------------------------------------
+# Bucket index (decode state of one layer)
+# --------------------------------------------------------------------------------------------------
+
+
+def _grow(t: torch.Tensor, need: int, dim: int = -1, fill: int = 0) -> torch.Tensor:
+    """Return ``t`` with at least ``need`` entries along ``dim`` (capacity doubles, amortized O(1))."""
+    have = t.shape[dim]
+    if need <= have:
+        return t
+    shape = list(t.shape)
+    shape[dim] = max(need, 2 * have, 16)
+    out = torch.full(shape, fill, dtype=t.dtype, device=t.device)
+    out.narrow(dim, 0, have).copy_(t)
+    return out
+
+
+@dataclass
+class BucketIndex:
+    """Inverted lists of the bucket candidates of one layer, for ``B`` sequences and ``Hkv`` KV heads.
+
+    All sequences of the batch share the cache length ``T`` (no padding support in the reference).
+
+    Storage, read by a kernel per ``(b, h, c)`` (CSR with slack so that decode appends are O(1)):
+    bucket ``c`` of ``(b, h)`` is ``slots[b, h, slot_start[b, h, c] : slot_start[b, h, c] + bucket_count[b, h, c]]``,
+    key positions in ascending order; ``slot_start[..., c + 1] - slot_start[..., c]`` is the bucket's capacity.
+    With no slack (``slack=0`` and no append yet) ``slot_start`` *is* the packed CSR offsets. :meth:`csr`
+    returns the packed form ``(offsets [B, Hkv, C+1], indices [B, Hkv, N_s])`` whatever the slack.
+
+    ``key_bucket[b, h, t]`` is the bucket of every key of the cache (``-1`` for sink positions), recorded
+    when the key arrives, because the de-RoPE'd key is not kept. Only positions in
+    :func:`searchable_range` are in the inverted lists.
+
+    A layout gives every bucket ``ceil(slack · count) + min_slack`` free slots; a decode append writes
+    one slot per (b, h) and, only when some bucket is full, lays everything out again (``O(N)``, rare:
+    capacity grows with the bucket, so appends are amortized ``O(1)``).
+    """
+
+    centroids: torch.Tensor  # [Hkv, C, D] float32 (a reference to the layer's centroids)
+    sink: int
+    recent: int
+    length: int  # T, keys in the cache
+    key_bucket_buf: torch.Tensor  # [B, Hkv, T_cap] int32, valid [..., :length]
+    slot_start: torch.Tensor  # [B, Hkv, C + 1] int32
+    bucket_count: torch.Tensor  # [B, Hkv, C] int32
+    slots: torch.Tensor  # [B, Hkv, S] int32 key positions (S >= slot_start[..., -1])
+    searchable_hi: int  # positions [sink, searchable_hi) are in the lists
+    slack: float = 0.25  # extra capacity per bucket at (re)layout: ceil(slack * count) + min_slack
+    min_slack: int = 4
+    repacks: int = field(default=0)  # how many times the slot layout was rebuilt (for tests and logs)
+
+    # ----------------------------------------------------------------------------------------- build
+    @classmethod
+    def build(cls, keys_derope: torch.Tensor, centroids: torch.Tensor, *, sink: int, recent: int,
+              slack: float = 0.25, min_slack: int = 4) -> "BucketIndex":
+        """Index a prefilled cache. ``keys_derope: [B, Hkv, T, D]``, ``centroids: [Hkv, C, D]``."""
+        b, hkv, t, _ = keys_derope.shape
+        if centroids.shape[0] != hkv or centroids.shape[-1] != keys_derope.shape[-1]:
+            raise ValueError(f"centroids {tuple(centroids.shape)} do not fit keys {tuple(keys_derope.shape)}")
+        kb = cls._assign(keys_derope, centroids, 0, sink)
+        idx = cls(centroids=centroids, sink=sink, recent=recent, length=t, key_bucket_buf=kb,
+                  slot_start=torch.zeros(b, hkv, centroids.shape[1] + 1, dtype=torch.int32, device=kb.device),
+                  bucket_count=torch.zeros(b, hkv, centroids.shape[1], dtype=torch.int32, device=kb.device),
+                  slots=torch.zeros(b, hkv, 0, dtype=torch.int32, device=kb.device),
+                  searchable_hi=min(sink, t), slack=slack, min_slack=min_slack)
+        idx._relayout(searchable_range(t, sink, recent)[1])
+        return idx
+
+    @staticmethod
+    def _assign(keys_derope: torch.Tensor, centroids: torch.Tensor, first_pos: int, sink: int) -> torch.Tensor:
+        """Bucket ids ``[B, Hkv, n]`` int32 of keys at positions ``first_pos ...``; sink positions get -1."""
+        b, hkv, n, d = keys_derope.shape
+        x = keys_derope.transpose(0, 1).reshape(hkv, b * n, d)  # [Hkv, B*n, D]
+        kb = nearest_centroid(x, centroids.to(keys_derope.device)).view(hkv, b, n).transpose(0, 1)
+        kb = kb.to(torch.int32).contiguous()
+        n_sink = max(0, min(n, sink - first_pos))
+        kb[..., :n_sink] = -1
+        return kb
+
+    @property
+    def num_clusters(self) -> int:
+        return int(self.bucket_count.shape[-1])
+
+    @property
+    def key_bucket(self) -> torch.Tensor:
+        """``[B, Hkv, T]`` int32 bucket of every cached key (-1 for the sink)."""
+        return self.key_bucket_buf[..., : self.length]
+
+    def _relayout(self, hi: int) -> None:
+        """Rebuild the slot layout from ``key_bucket`` for candidates ``[sink, hi)`` (fresh slack)."""
+        b, hkv, c = self.bucket_count.shape
+        lo = min(self.sink, hi)
+        kb = self.key_bucket_buf[..., lo:hi].long()  # [B, Hkv, N_s]
+        counts = torch.zeros(b, hkv, c, dtype=torch.int64, device=kb.device)
+        counts.scatter_add_(-1, kb, torch.ones_like(kb))
+        cap = counts + torch.ceil(counts.float() * self.slack).long() + self.min_slack  # [B, Hkv, C]
+        start = torch.zeros(b, hkv, c + 1, dtype=torch.int64, device=kb.device)
+        start[..., 1:] = torch.cumsum(cap, -1)
+        # stable sort by bucket keeps positions ascending inside each bucket
+        order = torch.sort(kb, dim=-1, stable=True).indices  # [B, Hkv, N_s]
+        sorted_b = kb.gather(-1, order)
+        packed = torch.zeros_like(start)
+        packed[..., 1:] = torch.cumsum(counts, -1)
+        rank = torch.arange(kb.shape[-1], device=kb.device) - packed.gather(-1, sorted_b)  # rank inside bucket
+        dest = start.gather(-1, sorted_b) + rank
+        slots = torch.zeros(b, hkv, int(start[..., -1].max()) if start.numel() else 0, dtype=torch.int32,
+                            device=kb.device)
+        slots.scatter_(-1, dest, (order + lo).to(torch.int32))
+        self.slot_start, self.bucket_count, self.slots = start.to(torch.int32), counts.to(torch.int32), slots
+        self.searchable_hi = hi
+        self.repacks += 1
+
+    # ---------------------------------------------------------------------------------------- append
+    def append(self, new_keys_derope: torch.Tensor) -> None:
+        """Add ``n`` decoded keys ``[B, Hkv, n, D]`` (de-RoPE'd) at positions ``T .. T+n-1``.
+
+        Each new key gets its bucket now; keys that leave the recent window (positions
+        ``[old hi, new hi)``) are appended to their bucket's list. Afterwards the index equals
+        :meth:`build` on the whole cache (same ``key_bucket``, same :meth:`csr`).
+        """
+        n = new_keys_derope.shape[-2]
+        kb = self._assign(new_keys_derope, self.centroids, self.length, self.sink)
+        self.key_bucket_buf = _grow(self.key_bucket_buf, self.length + n, fill=-1)
+        self.key_bucket_buf[..., self.length:self.length + n] = kb
+        self.length += n
+        hi = searchable_range(self.length, self.sink, self.recent)[1]
+        entering = hi - self.searchable_hi
+        if entering > max(64, (hi - self.sink) // 8):  # a large chunk: rebuild is cheaper than inserts
+            self._relayout(hi)
+            return
+        for pos in range(self.searchable_hi, hi):
+            self._insert(pos)
+        self.searchable_hi = hi
+
+    def _insert(self, pos: int) -> None:
+        """Append key ``pos`` (largest position so far) to the end of its bucket, for every (b, h)."""
+        c = self.key_bucket_buf[..., pos].long().unsqueeze(-1)  # [B, Hkv, 1]
+        cnt = self.bucket_count.gather(-1, c).long()
+        start = self.slot_start.gather(-1, c).long()
+        cap = self.slot_start.gather(-1, c + 1).long() - start
+        if bool((cnt >= cap).any()):  # some bucket is full: new layout with fresh slack, then insert
+            self._relayout(pos + 1)
+            return
+        self.slots.scatter_(-1, start + cnt, torch.full_like(cnt, pos, dtype=torch.int32))
+        self.bucket_count.scatter_add_(-1, c, torch.ones_like(c, dtype=torch.int32))
+
+    # ------------------------------------------------------------------------------------------ read
+    def csr(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Packed CSR: ``offsets [B, Hkv, C+1]`` int32 and ``indices [B, Hkv, N_s]`` int32.
+
+        ``indices[b, h, offsets[b, h, c] : offsets[b, h, c+1]]`` are the positions in bucket ``c``,
+        ascending; ``N_s = hi - sink`` is the number of candidates (the same for every ``(b, h)``).
+        """
+        b, hkv, c = self.bucket_count.shape
+        offsets = torch.zeros(b, hkv, c + 1, dtype=torch.int32, device=self.slots.device)
+        offsets[..., 1:] = torch.cumsum(self.bucket_count, -1)
+        s = torch.arange(self.slots.shape[-1], device=self.slots.device)
+        # bucket owning each slot, then keep filled slots only (region order = bucket order)
+        owner = torch.searchsorted(self.slot_start[..., 1:].contiguous().long(), s.expand(b, hkv, -1).contiguous(),
+                                   right=True)  # [B, Hkv, S]
+        filled = (owner < c) & (s - self.slot_start.gather(-1, owner.clamp(max=c - 1)).long()
+                                < self.bucket_count.gather(-1, owner.clamp(max=c - 1)).long())
+        n_s = self.searchable_hi - min(self.sink, self.searchable_hi)
+        return offsets, self.slots[filled].view(b, hkv, n_s)
+
+    def gather_buckets(self, buckets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Key positions of the chosen buckets, padded: ``buckets [B, Hkv, L]`` ->
+        ``positions [B, Hkv, L, M]`` int64 and ``valid [B, Hkv, L, M]`` bool (``M`` = largest chosen bucket).
+        """
+        c = buckets.long()
+        start = self.slot_start.gather(-1, c).long()  # [B, Hkv, L]
+        cnt = self.bucket_count.gather(-1, c).long()
+        m = int(cnt.max()) if cnt.numel() else 0
+        ar = torch.arange(m, device=c.device)
+        valid = ar < cnt.unsqueeze(-1)  # [B, Hkv, L, M]
+        slot = torch.where(valid, start.unsqueeze(-1) + ar, 0)
+        flat = slot.flatten(2)  # [B, Hkv, L*M]
+        pos = self.slots.gather(-1, flat).long().view_as(slot) if self.slots.shape[-1] else torch.zeros_like(slot)
+        return torch.where(valid, pos, 0), valid
+
+
+# --------------------------------------------------------------------------------------------------
+# Query classifier and bucket ranking
+# --------------------------------------------------------------------------------------------------
+
+
+def classify_queries(q_derope: torch.Tensor, params: SaapLayerParams) -> torch.Tensor:
+    """Bucket probabilities per query head: ``q_derope [B, Hq, D]`` -> ``[B, Hq, C]`` (softmax, float32).
+
+    The 2-layer MLP of every head at once (batch-norm in eval mode, i.e. with running statistics).
+    """
+    x = q_derope.float().transpose(0, 1)  # [Hq, B, D]
+    h = torch.baddbmm(params.b1.float().unsqueeze(1), x, params.w1.float())  # [Hq, B, Hd]
+    inv = torch.rsqrt(params.bn_var.float() + params.bn_eps)
+    h = (h - params.bn_mean.float().unsqueeze(1)) * (inv * params.bn_weight.float()).unsqueeze(1)
+    h = torch.relu(h + params.bn_bias.float().unsqueeze(1))
+    logits = torch.baddbmm(params.b2.float().unsqueeze(1), h, params.w2.float())  # [Hq, B, C]
+    return torch.softmax(logits, -1).transpose(0, 1)
+
+
+def rank_buckets(probs: torch.Tensor, group: int, top_l: int) -> torch.Tensor:
+    """Top-ℓ buckets per KV head: ``probs [B, Hq, C]`` -> ``[B, Hkv, min(ℓ, C)]`` int64, best first.
+
+    Query heads ``h*group .. h*group + group - 1`` share KV head ``h`` (the transformers GQA layout);
+    their probabilities are summed (paper §5, "batched queries").
+    """
+    b, hq, c = probs.shape
+    score = probs.view(b, hq // group, group, c).sum(2)  # [B, Hkv, C]
+    return score.topk(min(top_l, c), dim=-1).indices
+
+
+# --------------------------------------------------------------------------------------------------
+# Attention
+# --------------------------------------------------------------------------------------------------
+
+
+def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scale: float
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One partial softmax (App. F Alg. 1, over a whole key set at once), float32.
+
+    ``q [..., G, D]``, ``k, v [..., M, D]``, ``valid [..., M]`` -> ``o [..., G, D]`` (unnormalized,
+    ``Σ exp(s - m) v``), ``m [..., G]`` (max score, ``-inf`` if no valid key), ``s [..., G]`` (``Σ exp(s - m)``).
+    """
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale  # [..., G, M]
+    scores = scores.masked_fill(~valid.unsqueeze(-2), float("-inf"))
+    m = scores.amax(-1) if scores.shape[-1] else scores.new_full(scores.shape[:-1], float("-inf"))
+    p = torch.exp(scores - torch.where(torch.isinf(m), 0.0, m).unsqueeze(-1))  # exp(-inf) = 0 for masked keys
+    return p @ v.float(), m, p.sum(-1)
+
+
+def merge_partials(o: torch.Tensor, m: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact log-sum-exp merge of ``P`` partials: ``o [..., P, D]``, ``m, s [..., P]`` ->
+    (attention output ``[..., D]``, log-sum-exp ``[..., ]``). Empty partials (``m = -inf``) weigh 0.
+    """
+    m_max = m.amax(-1, keepdim=True)  # [..., 1]
+    m_max = torch.where(torch.isinf(m_max), 0.0, m_max)
+    w = torch.exp(m - m_max)  # [..., P], 0 for empty partials
+    num = (w.unsqueeze(-1) * o).sum(-2)
+    den = (w * s).sum(-1)
+    return num / den.unsqueeze(-1), m_max.squeeze(-1) + torch.log(den)
+
+
+def dense_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+                           ) -> torch.Tensor:
+    """Plain attention of one query per head over the whole cache (GQA): ``q [B, Hq, D]`` -> ``[B, Hq, D]``."""
+    b, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    qg = q.view(b, hkv, hq // hkv, d)
+    valid = torch.ones(k_cache.shape[:-1], dtype=torch.bool, device=q.device)
+    o, m, s = partial_attention(qg, k_cache, v_cache, valid, scale)
+    return (o / s.unsqueeze(-1)).reshape(b, hq, d).to(q.dtype)
+
+
+def saap_decode_attention_reference(q: torch.Tensor, q_derope: torch.Tensor, k_cache: torch.Tensor,
+                                    v_cache: torch.Tensor, index: BucketIndex | None, params: SaapLayerParams,
+                                    top_l: int, scale: float | None = None) -> torch.Tensor:
+    """SAAP attention for one decode step.
+
+    ``q [B, Hq, D]`` RoPE'd query (for the attention), ``q_derope [B, Hq, D]`` (for the classifier),
+    ``k_cache, v_cache [B, Hkv, T, D]`` (RoPE'd keys, current token last), ``index`` built for these
+    ``T`` keys -> ``[B, Hq, D]`` in ``q.dtype``. ``params.dense`` (layer 0) means plain attention.
+    """
+    b, hq, d = q.shape
+    hkv, t = k_cache.shape[1], k_cache.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    if params.dense:
+        return dense_decode_attention(q, k_cache, v_cache, scale)
+    if index is None or index.length != t:
+        raise ValueError(f"bucket index covers {None if index is None else index.length} keys, cache has {t}")
+    g = hq // hkv
+    qg = q.view(b, hkv, g, d)
+    lo, hi = searchable_range(t, params.sink, params.recent)
+    # partial 0: the dense region (sink + recent window)
+    dense_pos = torch.cat([torch.arange(lo, device=q.device), torch.arange(hi, t, device=q.device)])
+    valid = torch.ones(b, hkv, dense_pos.numel(), dtype=torch.bool, device=q.device)
+    o0, m0, s0 = partial_attention(qg, k_cache[:, :, dense_pos], v_cache[:, :, dense_pos], valid, scale)
+    if hi == lo or top_l <= 0:
+        return (o0 / s0.unsqueeze(-1)).reshape(b, hq, d).to(q.dtype)
+    # partials 1..ℓ: every key of each visited bucket
+    buckets = rank_buckets(classify_queries(q_derope, params), g, top_l)  # [B, Hkv, L]
+    pos, valid = index.gather_buckets(buckets)  # [B, Hkv, L, M]
+    nl, mm = pos.shape[-2], pos.shape[-1]
+    flat = pos.flatten(2).unsqueeze(-1).expand(-1, -1, -1, d)  # [B, Hkv, L*M, D]
+    kb = k_cache.gather(2, flat).view(b, hkv, nl, mm, d)
+    vb = v_cache.gather(2, flat).view(b, hkv, nl, mm, d)
+    ob, mb, sb = partial_attention(qg.unsqueeze(2).expand(-1, -1, nl, -1, -1), kb, vb, valid, scale)  # [B,Hkv,L,G,.]
+    o = torch.cat([o0.unsqueeze(2), ob], 2).transpose(2, 3)  # [B, Hkv, G, 1+L, D]
+    m = torch.cat([m0.unsqueeze(2), mb], 2).transpose(2, 3)  # [B, Hkv, G, 1+L]
+    s = torch.cat([s0.unsqueeze(2), sb], 2).transpose(2, 3)
+    out, _ = merge_partials(o, m, s)
+    return out.reshape(b, hq, d).to(q.dtype)

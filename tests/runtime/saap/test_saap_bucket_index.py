@@ -1,0 +1,100 @@
+"""BucketIndex: build at prefill, incremental append during decode (must equal build on the whole cache)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime_kernels.saap.reference import BucketIndex, nearest_centroid, searchable_range
+
+
+def _data(b=2, hkv=3, t=200, d=8, c=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, hkv, t, d, generator=g), torch.randn(hkv, c, d, generator=g)
+
+
+def _brute_bucket(keys: torch.Tensor, cents: torch.Tensor) -> torch.Tensor:
+    """float64 argmin ||k - c||² per (b, h, t): [B, Hkv, T]."""
+    d2 = ((keys.double().unsqueeze(-2) - cents.double()[None, :, None]) ** 2).sum(-1)  # [B, Hkv, T, C]
+    return d2.argmin(-1)
+
+
+def _lists(offsets: torch.Tensor, indices: torch.Tensor) -> dict:
+    b, h, c1 = offsets.shape
+    return {(i, j, c): indices[i, j, offsets[i, j, c]:offsets[i, j, c + 1]].tolist()
+            for i in range(b) for j in range(h) for c in range(c1 - 1)}
+
+
+@pytest.mark.parametrize("sink,recent", [(1, 20), (0, 5), (4, 1), (1, 0)], ids=lambda v: str(v))
+def test_build_matches_brute_force(sink, recent):
+    keys, cents = _data()
+    idx = BucketIndex.build(keys, cents, sink=sink, recent=recent)
+    brute = _brute_bucket(keys, cents)
+    kb = idx.key_bucket.long()
+    assert (kb[..., :sink] == -1).all()
+    assert torch.equal(kb[..., sink:], brute[..., sink:])
+    lo, hi = searchable_range(keys.shape[2], sink, recent)
+    offsets, indices = idx.csr()
+    assert indices.shape[-1] == hi - lo
+    for (i, j, c), pos in _lists(offsets, indices).items():
+        expect = [p for p in range(lo, hi) if brute[i, j, p] == c]
+        assert pos == expect  # exactly the candidates of bucket c, ascending
+
+
+def test_no_slack_build_is_packed_csr():
+    keys, cents = _data()
+    idx = BucketIndex.build(keys, cents, sink=1, recent=10, slack=0.0, min_slack=0)
+    offsets, indices = idx.csr()
+    assert torch.equal(idx.slot_start, offsets)
+    assert torch.equal(idx.slots[..., : indices.shape[-1]], indices)
+
+
+@pytest.mark.parametrize("t0,step", [(150, 1), (100, 3), (30, 1), (1, 1), (10, 170)],
+                         ids=["T0150-step1", "T0100-step3", "T030-step1", "T01-step1", "T010-chunk170"])
+@pytest.mark.parametrize("slack,min_slack", [(0.25, 4), (0.0, 0)], ids=["slack", "noslack"])
+def test_append_equals_build(t0, step, slack, min_slack):
+    keys, cents = _data(t=180)
+    sink, recent = 1, 16
+    full = BucketIndex.build(keys, cents, sink=sink, recent=recent)
+    inc = BucketIndex.build(keys[:, :, :t0], cents, sink=sink, recent=recent, slack=slack, min_slack=min_slack)
+    for n_step, start in enumerate(range(t0, keys.shape[2], step)):
+        inc.append(keys[:, :, start:start + step])
+        if n_step % 5 and inc.length < keys.shape[2]:
+            continue  # compare every 5th step and at the end
+        ref = BucketIndex.build(keys[:, :, : inc.length], cents, sink=sink, recent=recent)
+        assert torch.equal(inc.key_bucket, ref.key_bucket)
+        o1, i1 = inc.csr()
+        o2, i2 = ref.csr()
+        assert torch.equal(o1, o2) and torch.equal(i1, i2)
+    assert inc.length == full.length
+    assert torch.equal(inc.csr()[1], full.csr()[1])
+
+
+def test_append_amortizes_repacks():
+    keys, cents = _data(b=1, hkv=2, t=1200, c=4)
+    idx = BucketIndex.build(keys[:, :, :1000], cents, sink=1, recent=8)
+    for t in range(1000, 1200):
+        idx.append(keys[:, :, t:t + 1])
+    # 25% slack on ~250-key buckets: 200 appends fit without a new layout
+    assert idx.repacks == 1
+
+
+def test_gather_buckets():
+    keys, cents = _data()
+    idx = BucketIndex.build(keys, cents, sink=1, recent=20)
+    offsets, indices = idx.csr()
+    buckets = torch.tensor([[[0, 3], [6, 1], [2, 2]], [[5, 4], [0, 6], [1, 0]]])
+    pos, valid = idx.gather_buckets(buckets)
+    for i in range(2):
+        for j in range(3):
+            for li in range(2):
+                c = int(buckets[i, j, li])
+                expect = indices[i, j, offsets[i, j, c]:offsets[i, j, c + 1]].tolist()
+                assert pos[i, j, li][valid[i, j, li]].tolist() == expect
+
+
+def test_nearest_centroid_broadcast_and_chunks():
+    x = torch.randn(3, 500, 6)
+    c = torch.randn(3, 9, 6)
+    brute = ((x.double().unsqueeze(-2) - c.double().unsqueeze(1)) ** 2).sum(-1).argmin(-1)
+    assert torch.equal(nearest_centroid(x, c, chunk=64), brute)

@@ -8,7 +8,8 @@ than one query is a prefill, a single query a decode step; whatever phase has no
 model's previous attention implementation (SDPA by default), as does any call the method cannot take
 (e.g. a padded batch for a prefill method), logged once.
 
-A method runtime is an object with ``phase`` (``"prefill"`` or ``"decode"``) and
+A method runtime is an object with ``phase`` (``"prefill"``, ``"decode"`` or ``"both"``, e.g. SANTA
+sampling in prefill and decode) and
 
 * prefill: ``prefill(layer, q, k, v, scale, ctx) -> out | None`` with ``q: [B, Hq, T, D]``,
   ``k, v: [B, Hkv, T, D]`` (RoPE'd), returning ``[B, Hq, T, D]`` (``None`` = run dense);
@@ -116,10 +117,11 @@ def apply(model: Any, *artifacts: str | os.PathLike | Artifact, tracking_uri: st
     runtimes: dict[str, Any] = {"prefill": None, "decode": None}
     for art in loaded:
         rt = _factory(art.method)(art, model)
-        if runtimes[rt.phase] is not None:
-            raise ArtifactError(f"two {rt.phase} methods given ({runtimes[rt.phase].method} and {art.method}); "
-                                "combine one prefill method (sale, sampleattention) with one decode method (saap, santa)")
-        runtimes[rt.phase] = rt
+        for phase in (("prefill", "decode") if rt.phase == "both" else (rt.phase,)):
+            if runtimes[phase] is not None:
+                raise ArtifactError(f"two {phase} methods given ({runtimes[phase].method} and {art.method}); combine "
+                                    "one prefill method (sale, sampleattention) with one decode method (saap, santa)")
+            runtimes[phase] = rt
     return attach(model, prefill=runtimes["prefill"], decode=runtimes["decode"], artifacts=loaded)
 
 
@@ -202,7 +204,7 @@ def calib_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     q_len, k_len = query.shape[2], key.shape[2]
     out = None
     if q_len > 1:
-        if state.decode is not None:
+        if state.decode is not None and state.decode is not state.prefill:
             state.decode.observe_prefill(layer, query, key, value, ctx)
         if state.prefill is not None:
             if _plain_prefill(attention_mask, query.shape[0], q_len, k_len):

@@ -1,0 +1,517 @@
+"""The SANTA REINFORCE aggregator (santa.txt App. K Alg. 1 lines 10-15, App. L; SPEC §5.4).
+
+Whenever at least one result file is in ``inbox/``, the aggregator validates them (malformed ones
+go to ``quarantine/``), claims the rest for the next iteration ``k`` and commits update ``k``::
+
+    1. write claimed/k/manifest.json   (the file list, atomically)        "after-manifest"
+    2. rename each file inbox/ -> claimed/k/                              "after-first-move", "after-moves"
+    3. compute theta_k from theta_{k-1} and the claimed records, each with the p of its own
+       policy_iteration (read from policy/policy-<i>.json)
+    4. check the lease, then publish policy/policy-k.json exclusively     "after-snapshot"
+       (temp + fsync + link: THE COMMIT POINT of iteration k)
+    5. write history/k.json (atomically)                                   "after-history"
+    6. call on_iteration(record)  (e.g. MLflow logging, aggregator only)
+
+It never waits for or signals workers. Iteration ``k`` produces ``policy-k`` from ``policy-(k-1)``;
+``policy-0`` is theta = 0, written at the first start.
+
+Crash windows (the quoted names are the ``fault_hook`` points the tests kill at). On restart the
+aggregator takes the lease, lets ``c`` be the newest snapshot (snapshots 0..c must be consecutive)
+and repairs before doing anything else:
+
+* killed while writing the manifest (before 1 completes): ``claimed/k/`` holds at most a hidden
+  temp file and every result is still in ``inbox/``. The folder's temp files are removed and the
+  results are claimed afresh (new arrivals may join the claim: nothing was counted yet).
+* "after-manifest" / "after-first-move" / "after-moves" (killed between 1 and 4, including during
+  the snapshot's temp write): no ``policy-k`` exists, so iteration ``k`` never happened. The
+  manifest fixes the claim: files it lists that are still in ``inbox/`` are moved, files that arrived
+  later are not part of it, and update ``k`` is recomputed from exactly the listed files (the same
+  bytes, order and theta_{k-1}, so the same numbers). No result of ``k`` is in any history, so none
+  is counted twice; ``k`` is not skipped or reused.
+* "after-snapshot" (killed between 4 and 5): ``policy-k`` exists, so iteration ``k`` is complete.
+  Its missing ``history/k.json`` is rebuilt from the manifest and the claimed files (marked
+  ``rebuilt``), after checking that recomputing the update reproduces the committed theta.
+* "after-history" (killed between 5 and 6): everything is on disk; the callback may not have run.
+  After every restart the callback is called again for the newest committed iteration with
+  ``replayed=True`` (at-least-once for the last iteration; earlier ones had theirs before the next
+  claim started).
+* killed while quarantining: the reason file is written before the rename, so the garbage file is
+  either still in ``inbox/`` (judged again) or already in ``quarantine/``.
+* killed anywhere: temp files (``.<name>.tmp-*``) are hidden from every reader and swept once
+  older than ``temp_max_age_s``.
+
+"Counted" means listed in a committed iteration's history (``result_ids``); a file whose ids were
+already counted, or that repeats ids of another file in the same claim, is quarantined, so every
+result counts at most once even if a file were replayed into the inbox. Results never enter theta
+unvalidated: schedule length and sum, reward finite in [0, 1], a policy iteration that has a
+snapshot; a non-finite update is rejected (its files are quarantined, theta is unchanged).
+
+Single aggregator: :class:`calib.santa.lease.Lease` (O_EXCL lease file + heartbeat, taken over when
+unchanged for ``lease_ttl_s``; works on NFS, no flock). The commit in step 4 uses ``link``, which
+refuses to replace an existing snapshot, so a split brain cannot commit one iteration twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from calib.errors import UserError
+from calib.santa.inbox import (
+    Layout,
+    MalformedResult,
+    PolicySnapshot,
+    ResultRecord,
+    atomic_write_json,
+    exclusive_publish_json,
+    is_temp_name,
+    list_results,
+    move_claimed,
+    parse_result_file,
+    policy_iterations,
+    quarantine,
+    read_json,
+    read_manifest,
+    read_policy,
+    sweep_temp_files,
+    write_manifest,
+)
+from calib.santa.lease import Lease, LeaseHeld, LeaseLost
+from calib.santa.policy import NonFiniteUpdate, reinforce_update, softmax
+
+log = logging.getLogger("calib.santa.aggregator")
+
+CRASH_POINTS = ("after-manifest", "after-first-move", "after-moves", "after-snapshot", "after-history")
+
+
+class CorruptState(RuntimeError):
+    """The shared directory contradicts the protocol (e.g. a gap in the snapshots); needs a human."""
+
+
+@dataclass
+class IterationRecord:
+    """``history/<iteration>.json``: what update ``iteration`` consumed and produced."""
+
+    iteration: int
+    theta_before: list[float]
+    theta_after: list[float]
+    baseline: float
+    gradient: list[float]
+    result_ids: list[str]
+    files: list[str]
+    rewards: list[float]
+    policy_iterations: list[int]  # per result, the policy that produced its schedule
+    lr: float
+    budget: int
+    committed_at: float
+    quarantined: list[str] = field(default_factory=list)  # files quarantined while claiming
+    rebuilt: bool = False  # rebuilt after a crash between snapshot and history
+    replayed: bool = False  # not stored: set when the callback is re-invoked after a restart
+
+    @property
+    def num_results(self) -> int:
+        return len(self.result_ids)
+
+    @property
+    def probs_after(self) -> np.ndarray:
+        return softmax(np.asarray(self.theta_after))
+
+    def metrics(self) -> dict[str, float]:
+        """Flat per-iteration metrics for a tracker (MLflow ``log_metrics(..., step=iteration)``)."""
+        p = self.probs_after
+        stale = [self.iteration - 1 - i for i in self.policy_iterations]
+        return {"baseline": self.baseline, "num_results": float(self.num_results),
+                "grad_norm": float(np.linalg.norm(self.gradient)),
+                "policy_entropy": float(-(p * np.log(np.maximum(p, 1e-300))).sum()),
+                "staleness_mean": float(np.mean(stale)), "staleness_max": float(max(stale))}
+
+    def to_json(self) -> dict[str, Any]:
+        obj = asdict(self)
+        obj.pop("replayed")
+        obj["num_results"] = self.num_results
+        return obj
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> "IterationRecord":
+        names = {f for f in cls.__dataclass_fields__ if f != "replayed"}
+        return cls(**{k: v for k, v in obj.items() if k in names})
+
+
+@dataclass
+class AggregatorSummary:
+    iteration: int  # the newest committed iteration
+    committed: list[int]  # iterations committed by this call
+    quarantined: list[str]
+    swept: int
+    stopped_because: str
+
+
+FaultHook = Callable[[str, int], None]
+
+
+class Aggregator:
+    """The aggregator's state over one shared directory; :func:`run_aggregator` drives it."""
+
+    def __init__(self, rl_dir: str | Path, num_layers: int, budget: int, *, lr: float,
+                 on_iteration: Callable[[IterationRecord], None] | None, fault_hook: FaultHook | None):
+        if num_layers < 1 or budget < num_layers:
+            raise UserError(f"santa needs num_layers >= 1 and a budget of at least one sample per layer "
+                            f"(got {num_layers} layers, budget {budget}): raise rl.budget_per_layer")
+        if not (math.isfinite(lr) and lr > 0):
+            raise UserError(f"rl.lr must be a positive number (got {lr})")
+        self.layout = Layout(Path(rl_dir))
+        self.num_layers, self.budget, self.lr = num_layers, budget, lr
+        self.on_iteration = on_iteration
+        self.fault = fault_hook or (lambda point, iteration: None)
+        self.current = -1  # newest committed iteration
+        self.counted: set[str] = set()
+        self.thetas: dict[int, np.ndarray] = {}
+        self.quarantined: list[str] = []
+        self._claim_quarantined: list[str] = []
+        self.last_record: IterationRecord | None = None  # the newest committed iteration's record
+        self.lease: Lease | None = None  # checked before every claim and commit
+
+    def check_lease(self) -> None:
+        if self.lease is not None:
+            self.lease.check()
+
+    # ------------------------------------------------------------------------------ recovery
+
+    def recover(self) -> int | None:
+        """Bring the directory to a consistent state; return a pending iteration to redo, or None."""
+        layout = self.layout.ensure()
+        its = policy_iterations(layout)
+        if not its:
+            snap = PolicySnapshot(0, np.zeros(self.num_layers), self.budget)
+            exclusive_publish_json(layout.policy_file(0), snap.to_json())
+            its = [0]
+        if its != list(range(its[-1] + 1)):
+            raise CorruptState(f"policy snapshots in {layout.policy} are not consecutive: {its}")
+        first = read_policy(layout, 0)
+        if first.num_layers != self.num_layers or first.budget != self.budget:
+            raise UserError(f"{layout.root} holds a run with {first.num_layers} layers and budget {first.budget}, "
+                            f"not {self.num_layers} and {self.budget}: use another rl.dir or matching settings")
+        self.current = its[-1]
+        for j in range(1, self.current + 1):
+            record = self._history_or_rebuild(j)
+            self.counted.update(record.result_ids)
+            self.last_record = record
+        return self._pending_claim(self.current + 1)
+
+    def _history_or_rebuild(self, j: int) -> IterationRecord:
+        try:
+            return IterationRecord.from_json(read_json(self.layout.history_file(j)))
+        except (FileNotFoundError, ValueError, TypeError):
+            pass
+        files = read_manifest(self.layout, j)
+        if files is None:
+            raise CorruptState(f"iteration {j} is committed but has neither history nor claim manifest")
+        records, used = self._load_claimed(j, files, quarantine_bad=False)
+        snap = read_policy(self.layout, j)
+        record = self._compute(j, used, records, lr=snap.lr if snap.lr is not None else self.lr)
+        committed = self._theta(j)
+        if not np.allclose(committed, record.theta_after, rtol=0, atol=1e-12):
+            raise CorruptState(f"recomputing iteration {j} from claimed/{j} does not give policy-{j}")
+        record.theta_after = [float(x) for x in committed]
+        record.rebuilt = True
+        atomic_write_json(self.layout.history_file(j), record.to_json())
+        log.warning("rebuilt history/%d.json from its claim manifest", j)
+        return record
+
+    def _pending_claim(self, k: int) -> int | None:
+        layout = self.layout
+        later = [int(p.name) for p in layout.claimed.iterdir() if p.name.isdigit() and int(p.name) > k]
+        if later:
+            raise CorruptState(f"claimed/{max(later)} exists but the newest snapshot is policy-{k - 1}")
+        d = layout.claim_dir(k)
+        if not d.exists():
+            return None
+        if read_manifest(layout, k) is not None:
+            log.warning("iteration %d was claimed but not committed: redoing it from its manifest", k)
+            return k
+        leftovers = [p for p in d.iterdir() if not is_temp_name(p.name)]
+        if leftovers:
+            raise CorruptState(f"{d} holds {leftovers[0].name} but no readable manifest")
+        for p in d.iterdir():
+            p.unlink()
+        d.rmdir()
+        return None
+
+    # ------------------------------------------------------------------------------ claiming
+
+    def _theta(self, iteration: int) -> np.ndarray:
+        if iteration not in self.thetas:
+            self.thetas[iteration] = read_policy(self.layout, iteration).theta
+        return self.thetas[iteration]
+
+    def _validate(self, path: Path, seen: set[str], k: int) -> list[ResultRecord]:
+        """Parse a result file for update ``k`` and check it against the committed state.
+
+        Raises MalformedResult: bad content, a policy iteration >= k or without a snapshot, or a
+        result id already counted (``self.counted``) or seen in another file of this claim (``seen``).
+        """
+        records = parse_result_file(path, self.num_layers, self.budget)
+        for r in records:
+            if r.policy_iteration >= k:
+                raise MalformedResult(f"policy_iteration {r.policy_iteration} is newer than policy-{k - 1}")
+            try:
+                self._theta(r.policy_iteration)
+            except (OSError, ValueError):
+                raise MalformedResult(f"policy_iteration {r.policy_iteration} has no readable snapshot") from None
+        dup = next((r.result_id for r in records if r.result_id in self.counted or r.result_id in seen), None)
+        if dup is not None:
+            raise MalformedResult(f"result_id {dup} was already counted")
+        return records
+
+    def _quarantine(self, path: Path, reason: str, origin: str) -> None:
+        target = quarantine(self.layout, path, reason, origin=origin)
+        self.quarantined.append(target.name)
+        self._claim_quarantined.append(target.name)
+        log.warning("quarantined %s: %s", path.name, reason)
+
+    def claim_inbox(self) -> int | None:
+        """Validate the inbox, claim the good files for iteration current+1; None if nothing to claim."""
+        k = self.current + 1
+        good: list[str] = []
+        seen: set[str] = set()
+        for name in list_results(self.layout.inbox):
+            path = self.layout.inbox / name
+            try:
+                records = self._validate(path, seen, k)
+            except FileNotFoundError:
+                continue
+            except MalformedResult as exc:
+                self._quarantine(path, str(exc), origin="inbox")
+                continue
+            seen.update(r.result_id for r in records)
+            good.append(name)
+        if not good:
+            return None
+        self.check_lease()
+        write_manifest(self.layout, k, good)
+        self.fault("after-manifest", k)
+        return k
+
+    def _load_claimed(self, k: int, files: list[str], *, quarantine_bad: bool) -> tuple[list[ResultRecord], list[str]]:
+        records: list[ResultRecord] = []
+        used: list[str] = []
+        seen: set[str] = set()
+        for name in sorted(files):
+            path = self.layout.claim_dir(k) / name
+            try:
+                recs = self._validate(path, seen, k)
+            except FileNotFoundError:
+                log.warning("claimed/%d/%s listed in the manifest is gone (quarantined before a crash?)", k, name)
+                continue
+            except MalformedResult as exc:
+                if not quarantine_bad:
+                    raise CorruptState(f"committed claimed/{k}/{name} is malformed: {exc}") from None
+                self._quarantine(path, str(exc), origin=f"claimed/{k}")
+                continue
+            seen.update(r.result_id for r in recs)
+            records += recs
+            used.append(name)
+        return records, used
+
+    # ------------------------------------------------------------------------------ committing
+
+    def _compute(self, k: int, files: list[str], records: list[ResultRecord], lr: float) -> IterationRecord:
+        theta = self._theta(k - 1)
+        probs = np.stack([softmax(self._theta(r.policy_iteration)) for r in records])  # [K, L]
+        schedules = np.asarray([r.schedule for r in records], dtype=np.float64)  # [K, L]
+        rewards = np.asarray([r.reward for r in records], dtype=np.float64)  # [K]
+        step = reinforce_update(theta, schedules, rewards, probs, lr)
+        return IterationRecord(
+            iteration=k, theta_before=[float(x) for x in theta], theta_after=[float(x) for x in step.theta],
+            baseline=step.baseline, gradient=[float(x) for x in step.gradient],
+            result_ids=[r.result_id for r in records], files=sorted(files), rewards=[r.reward for r in records],
+            policy_iterations=[r.policy_iteration for r in records], lr=lr, budget=self.budget,
+            committed_at=time.time())
+
+    def commit(self, k: int) -> IterationRecord | None:
+        """Move the manifest's files, compute and commit iteration ``k``; None if nothing valid remained."""
+        files = read_manifest(self.layout, k)
+        if files is None:
+            raise CorruptState(f"claimed/{k}/manifest.json vanished")
+        move_claimed(self.layout, k, files, lambda i: self.fault("after-first-move", k) if i == 0 else None)
+        self.fault("after-moves", k)
+        records, used = self._load_claimed(k, files, quarantine_bad=True)
+        try:
+            record = self._compute(k, used, records, self.lr) if records else None
+        except NonFiniteUpdate as exc:
+            for name in used:
+                self._quarantine(self.layout.claim_dir(k) / name, str(exc), origin=f"claimed/{k}")
+            record = None
+        if record is None:
+            self._abandon_claim(k)
+            return None
+        record.quarantined = list(self._claim_quarantined)
+        self.check_lease()
+        snapshot = PolicySnapshot(k, np.asarray(record.theta_after), self.budget, lr=self.lr)
+        if not exclusive_publish_json(self.layout.policy_file(k), snapshot.to_json()):
+            raise LeaseLost(f"policy-{k} was committed by another aggregator; stopping")
+        self.fault("after-snapshot", k)
+        atomic_write_json(self.layout.history_file(k), record.to_json())
+        self.fault("after-history", k)
+        self.current = k
+        self.thetas[k] = snapshot.theta
+        self.counted.update(record.result_ids)
+        self._claim_quarantined = []
+        self.last_record = record
+        return record
+
+    def _abandon_claim(self, k: int) -> None:
+        """Nothing valid in claim ``k``: drop its manifest so ``k`` is claimed afresh later."""
+        with contextlib.suppress(FileNotFoundError):
+            self.layout.manifest_file(k).unlink()
+        d = self.layout.claim_dir(k)
+        for p in d.iterdir():
+            if is_temp_name(p.name):
+                p.unlink()
+        with contextlib.suppress(OSError):
+            d.rmdir()
+
+    def notify(self, record: IterationRecord) -> None:
+        if self.on_iteration is not None:
+            self.on_iteration(record)
+
+
+def run_aggregator(
+    rl_dir: str | Path,
+    num_layers: int,
+    budget: int,
+    *,
+    iterations: int,
+    lr: float = 0.02,
+    poll_s: float = 1.0,
+    lease_ttl_s: float = 30.0,
+    temp_max_age_s: float = 600.0,
+    on_iteration: Callable[[IterationRecord], None] | None = None,
+    stop_event: threading.Event | None = None,
+    lease_wait_s: float | None = None,
+    fault_hook: FaultHook | None = None,
+) -> AggregatorSummary:
+    """Run the aggregator on ``rl_dir`` until ``iterations`` updates are committed (or ``stop_event``).
+
+    num_layers: L; budget: the total N of a schedule (``rl.budget_per_layer * L``). Resumes whatever
+    the directory holds. Raises ``LeaseHeld`` if another aggregator keeps the lease for
+    ``lease_wait_s`` seconds (None: wait, taking a stale lease over after ``lease_ttl_s``),
+    ``LeaseLost`` if the lease is taken over while running, ``UserError`` on a mismatched directory.
+    """
+    for name, value in (("poll_s", poll_s), ("lease_ttl_s", lease_ttl_s), ("temp_max_age_s", temp_max_age_s)):
+        if not value > 0:
+            raise UserError(f"rl.{name} must be > 0 (got {value})")
+    if iterations < 0:
+        raise UserError(f"rl.iterations must be >= 0 (got {iterations})")
+    agg = Aggregator(rl_dir, num_layers, budget, lr=lr, on_iteration=on_iteration, fault_hook=fault_hook)
+    agg.layout.root.mkdir(parents=True, exist_ok=True)
+    lease = agg.lease = Lease(agg.layout.lease, ttl_s=lease_ttl_s)
+    lease.acquire(wait_s=lease_wait_s, poll_s=min(poll_s, lease_ttl_s / 4), log=log.info)
+    stop = stop_event or threading.Event()
+    committed: list[int] = []
+    swept = 0
+    try:
+        swept += len(sweep_temp_files(agg.layout, temp_max_age_s))
+        pending = agg.recover()
+        if agg.current < iterations:
+            with contextlib.suppress(FileNotFoundError):
+                agg.layout.done.unlink()
+        if agg.last_record is not None:  # its callback may not have run before a crash
+            agg.last_record.replayed = True
+            agg.notify(agg.last_record)
+        sweep_every = min(max(temp_max_age_s / 2, poll_s), 60.0)
+        last_sweep = time.monotonic()
+        reason = "iterations"
+        while agg.current < iterations:
+            if stop.is_set():
+                reason = "stop_event"
+                break
+            if lease.lost:  # the heartbeat found another owner: stop before touching anything
+                raise LeaseLost(f"the aggregator lease {lease.path} was taken over; stopping")
+            if time.monotonic() - last_sweep >= sweep_every:
+                swept += len(sweep_temp_files(agg.layout, temp_max_age_s))
+                last_sweep = time.monotonic()
+            k = pending if pending is not None else agg.claim_inbox()
+            pending = None
+            if k is None:
+                stop.wait(poll_s)
+                continue
+            record = agg.commit(k)
+            if record is None:
+                continue
+            committed.append(k)
+            log.info("iteration %d: %d results, baseline %.4f", k, record.num_results, record.baseline)
+            agg.notify(record)
+        if agg.current >= iterations:
+            atomic_write_json(agg.layout.done, {"iterations": agg.current, "time": time.time()})
+        return AggregatorSummary(iteration=agg.current, committed=committed, quarantined=agg.quarantined,
+                                 swept=swept, stopped_because=reason)
+    finally:
+        lease.release()
+
+
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM (``kubectl delete``, a Recreate rollout) into SystemExit so the lease is released
+    at once instead of after ``lease_ttl_s``. Call from the main thread of a command."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
+def _crash_hook(spec: str | None) -> FaultHook | None:
+    """``POINT:ITER`` -> a hook that SIGKILLs this process at that point (tests of crash windows)."""
+    if not spec:
+        return None
+    point, _, it = spec.partition(":")
+    if point not in CRASH_POINTS or not it.isdigit():
+        raise SystemExit(f"--crash-at {spec!r}: expected one of {', '.join(CRASH_POINTS)} followed by :ITERATION")
+
+    def hook(at: str, iteration: int) -> None:
+        if at == point and iteration == int(it):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m calib.santa.aggregator", description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", required=True, help="the shared rl.dir")
+    parser.add_argument("--layers", type=int, required=True, help="L, the number of attention layers")
+    parser.add_argument("--budget", type=int, required=True, help="N, the total samples of a schedule")
+    parser.add_argument("--iterations", type=int, required=True)
+    parser.add_argument("--lr", type=float, default=0.02)
+    parser.add_argument("--poll-s", type=float, default=1.0)
+    parser.add_argument("--lease-ttl-s", type=float, default=30.0)
+    parser.add_argument("--lease-wait-s", type=float, default=None)
+    parser.add_argument("--temp-max-age-s", type=float, default=600.0)
+    parser.add_argument("--crash-at", default=None, help="testing: SIGKILL self at POINT:ITERATION")
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
+    exit_on_sigterm()
+    try:
+        summary = run_aggregator(ns.dir, ns.layers, ns.budget, iterations=ns.iterations, lr=ns.lr, poll_s=ns.poll_s,
+                                 lease_ttl_s=ns.lease_ttl_s, temp_max_age_s=ns.temp_max_age_s,
+                                 lease_wait_s=ns.lease_wait_s, fault_hook=_crash_hook(ns.crash_at))
+    except LeaseHeld as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 3
+    except (UserError, CorruptState, LeaseLost) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(asdict(summary), sort_keys=True), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -122,12 +122,15 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
 
     validate_common(cfg)
     device = resolve_device(str(cfg.get("device", "auto")))
+    target = tracking.resolve_target(cfg.get("tracking"))
+    tracking.configure(target)  # before resolving models:/ URIs, so they resolve in the project's store
     loaded = load_model(cfg.model, device=str(device))
     artifact = None
     if cfg.get("artifact"):
         from runtime_kernels.artifact import load_artifact
 
-        artifact = load_artifact(str(cfg.artifact), model=hf.model_facts(loaded.model))
+        artifact = load_artifact(str(cfg.artifact), model=hf.model_facts(loaded.model),
+                                 tracking_uri=target.tracking_uri)
         if artifact.manifest.data.seed is not None and int(artifact.manifest.data.seed) == int(cfg.eval.seed):
             raise UserError(f"eval.seed={cfg.eval.seed} is the artifact's calibration seed: pick another eval.seed")
     prompts = build_prompts(cfg.data, loaded.tokenizer, seed=int(cfg.eval.seed), lengths=list(cfg.eval.lengths),
@@ -135,7 +138,6 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
                             purpose="evaluation")
     if not prompts:
         raise UserError("no evaluation prompts: check eval.tasks / eval.lengths / eval.num_prompts")
-    target = tracking.resolve_target(cfg.get("tracking"))
     method = artifact.method if artifact else "dense"
     with tracking.start_run(target, f"eval-{method}-{cfg.model.name}", tags={"kind": "eval", "method": method}) as run:
         mlflow.log_params({"artifact": str(cfg.get("artifact")), "model": str(cfg.model.name),

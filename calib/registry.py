@@ -50,8 +50,10 @@ def publish(artifact_dir: str | Path, run_id: str, *, alias: str = CANDIDATE) ->
     name = model_name(m.method, m.model.name)
     digest = artifact_sha256(artifact_dir)
     client = MlflowClient()
-    client.log_artifacts(run_id, str(artifact_dir), artifact_path=ARTIFACT_PATH)
-    source = f"{client.get_run(run_id).info.artifact_uri.rstrip('/')}/{ARTIFACT_PATH}"
+    run_root = client.get_run(run_id).info.artifact_uri.rstrip("/")
+    source = f"{run_root}/{ARTIFACT_PATH}"
+    if not _is_logged_copy(Path(artifact_dir), source):
+        client.log_artifacts(run_id, str(artifact_dir), artifact_path=ARTIFACT_PATH)
     try:
         client.create_registered_model(name, description=f"calib {m.method} artifacts for model {m.model.name}")
     except MlflowException as exc:
@@ -71,6 +73,14 @@ def publish(artifact_dir: str | Path, run_id: str, *, alias: str = CANDIDATE) ->
     client.set_registered_model_alias(name, alias, mv.version)
     mlflow.set_tags({"registered_model": name, "registered_version": mv.version})
     return Published(name, str(mv.version), f"models:/{name}/{mv.version}", source, digest)
+
+
+def _is_logged_copy(artifact_dir: Path, source: str) -> bool:
+    """True when ``artifact_dir`` already IS the run's ``artifact/`` folder (a local file store)."""
+    from runtime_kernels.artifact import _local_path
+
+    local = _local_path(source) if source.startswith("file:") or "://" not in source else None
+    return local is not None and local.exists() and local.resolve() == artifact_dir.resolve()
 
 
 def _wait_ready(client: Any, name: str, version: str, timeout_s: float = 60.0) -> None:

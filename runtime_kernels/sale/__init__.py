@@ -1,6 +1,6 @@
 """SALE prefill: low-bit Selection-Pass + block-sparse attention (papers/sale.txt; SPEC §5.2)."""
 
-from runtime_kernels.sale.api import sale_block_scores, sale_prefill_attention, sale_select
+from runtime_kernels.sale.api import SalePrefill, sale_block_scores, sale_prefill_attention, sale_select
 from runtime_kernels.sale.reference import (
     SaleSelectionConfig,
     approximate_scores,
@@ -10,6 +10,7 @@ from runtime_kernels.sale.reference import (
 )
 
 __all__ = [
+    "SalePrefill",
     "SaleSelectionConfig",
     "approximate_scores",
     "quantize_blockwise",

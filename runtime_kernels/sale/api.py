@@ -7,15 +7,17 @@ module imports, otherwise the PyTorch reference; the attention itself goes throu
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 from types import ModuleType
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
 from runtime_kernels.blocksparse import api as blocksparse_api
 from runtime_kernels.blocksparse.mask import BlockMask
+from runtime_kernels.errors import ArtifactError
 from runtime_kernels.sale import reference
 from runtime_kernels.sale.reference import SaleSelectionConfig
 
@@ -68,3 +70,88 @@ def sale_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ta
     """
     mask = sale_select(q, k, tau, config=config, scale=scale, backend=backend)
     return blocksparse_api.block_sparse_attention(q, k, v, mask, scale=scale, backend=backend)
+
+
+def _selection_config(artifact: Any) -> SaleSelectionConfig:
+    """The Selection-Pass config an artifact recorded: ``payload["selection"]`` (``SaleSelectionConfig
+    .to_dict()``), else the hyper-parameters of the same names."""
+    manifest = artifact.manifest
+    stored = dict(manifest.payload.get("selection") or manifest.hyperparameters or {})
+    names = {f.name for f in dataclasses.fields(SaleSelectionConfig)}
+    try:
+        return SaleSelectionConfig(**{k: v for k, v in stored.items() if k in names})
+    except (TypeError, ValueError) as exc:
+        raise ArtifactError(f"{artifact.path}: invalid SALE selection config {stored} ({exc})") from None
+
+
+class SalePrefill:
+    """SALE as a prefill runtime for :func:`runtime_kernels.hf.apply` / ``hf.attach``.
+
+    Per layer ``l`` the query heads use the thresholds ``tau[l]: [Hq]`` (0 = dense head). A layer whose
+    thresholds are all 0 returns ``None``, so the model's own dense attention runs unchanged (bitwise
+    the dense model); otherwise the Selection-Pass picks blocks and :func:`block_sparse_attention`
+    computes the exact softmax over them. Decode is not touched (SALE is a prefill method).
+
+    ``pop_stats()`` returns ``{"density", "sparsity"}``: kept / causal blocks averaged over every
+    (layer, batch row, query head) since the previous call (a dense layer counts as density 1).
+    """
+
+    method = "sale"
+    phase = "prefill"
+
+    def __init__(self, tau: torch.Tensor, config: SaleSelectionConfig = SaleSelectionConfig(), *,
+                 backend: Backend = "auto") -> None:
+        """``tau: [L, Hq]`` thresholds in ``[0, 1]``."""
+        tau = torch.as_tensor(tau, dtype=torch.float32).detach().cpu()
+        if tau.dim() != 2 or bool(((tau < 0) | (tau > 1) | tau.isnan()).any()):
+            raise ValueError(f"tau must be an [L, Hq] tensor with values in [0, 1]; got shape {tuple(tau.shape)}")
+        self.tau = tau
+        self.config = config
+        self.backend = backend
+        self._dense_layers = [bool((row == 0).all()) for row in tau]
+        self._on_device: dict[str, torch.Tensor] = {}
+        self._density_sum = 0.0
+        self._count = 0
+
+    @classmethod
+    def from_artifact(cls, artifact: Any, model: Any) -> "SalePrefill":
+        """Build from a verified SALE artifact (tensor ``tau: [L, Hq]``) for ``model``."""
+        tau = artifact.tensor("tau")
+        cfg = getattr(model, "config", None)
+        want = (getattr(cfg, "num_hidden_layers", tau.shape[0]), getattr(cfg, "num_attention_heads", tau.shape[-1]))
+        if tau.dim() != 2 or tuple(tau.shape) != tuple(want):
+            raise ArtifactError(f"{artifact.path}: tau has shape {tuple(tau.shape)} but the model has "
+                                f"{want[0]} layers x {want[1]} query heads; use an artifact calibrated for this model")
+        return cls(tau, _selection_config(artifact))
+
+    def _tau_row(self, layer: int, device: torch.device) -> torch.Tensor:
+        key = str(device)
+        if key not in self._on_device:
+            self._on_device[key] = self.tau.to(device)
+        return self._on_device[key][layer]
+
+    def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                ctx: Any = None) -> torch.Tensor | None:
+        """``q: [B, Hq, T, D]``, ``k, v: [B, Hkv, T, D]`` (RoPE'd) -> ``[B, Hq, T, Dv]``, or ``None``
+        (run the model's dense attention) when every threshold of ``layer`` is 0."""
+        if layer >= self.tau.shape[0] or q.shape[1] != self.tau.shape[1]:
+            raise ValueError(f"SALE thresholds are [{self.tau.shape[0]}, {self.tau.shape[1]}]; "
+                             f"got layer {layer} with {q.shape[1]} query heads")
+        if self._dense_layers[layer]:
+            self._density_sum += float(q.shape[0] * q.shape[1])
+            self._count += q.shape[0] * q.shape[1]
+            return None
+        mask = sale_select(q, k, self._tau_row(layer, q.device), config=self.config, scale=scale,
+                           backend=self.backend)
+        density = mask.density()  # [B, Hq]
+        self._density_sum += float(density.sum())
+        self._count += density.numel()
+        return blocksparse_api.block_sparse_attention(q, k, v, mask, scale=scale, backend=self.backend)
+
+    def pop_stats(self) -> dict[str, float]:
+        """Mean block density / sparsity since the last call (``{}`` when no prefill ran)."""
+        if self._count == 0:
+            return {}
+        density = self._density_sum / self._count
+        self._density_sum, self._count = 0.0, 0
+        return {"density": density, "sparsity": 1.0 - density}

@@ -1,0 +1,83 @@
+"""The prompt record every data source produces, and how a question becomes model input.
+
+:class:`PromptFormatter` is the one place that knows about chat templates and BOS tokens:
+
+- without a chat template the text is ``{context}\\n\\nQuestion: {question}\\nAnswer: {prefix}``;
+- with one, ``{context}\\n\\nQuestion: {question}`` is the user message, the template's generation
+  prompt follows, and the answer prefix starts the assistant's reply (as RULER does);
+- ``input_ids`` hold the tokenizer's BOS exactly once when the tokenizer uses one (by default or in
+  its chat template), and none otherwise; a BOS written by the template into the text is not doubled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from calib.errors import UserError
+
+
+@dataclass
+class Prompt:
+    """One prompt: ``text`` is what the model reads, ``answer`` the expected completion.
+
+    ``text`` is the final string (chat template applied if any); ``input_ids`` are the tokenizer's ids
+    of ``text`` with BOS exactly once; ``answer`` is whitespace-stripped (score with
+    :func:`calib.data.exact_match`); ``length`` is the target length in tokens (for synthetic prompts
+    ``len(input_ids) <= length``; for file/hub prompts it is the actual token count).
+    """
+
+    prompt_id: str
+    task: str
+    length: int
+    text: str
+    answer: str
+    input_ids: list[int]
+
+
+class PromptFormatter:
+    """Turns (context, question, answer prefix) into text and ids for one tokenizer."""
+
+    def __init__(self, tokenizer, chat_template: bool | None = None) -> None:
+        self.tokenizer = tokenizer
+        has_template = bool(getattr(tokenizer, "chat_template", None))
+        if chat_template and not has_template:
+            raise UserError("data.chat_template=true but the tokenizer has no chat template; "
+                            "set data.chat_template=null (auto) or false")
+        self.use_chat = has_template if chat_template is None else bool(chat_template)
+        self.bos_id = getattr(tokenizer, "bos_token_id", None)
+        self.add_bos = self.bos_id is not None and self._uses_bos()
+
+    def _uses_bos(self) -> bool:
+        probe = list(self.tokenizer("a", add_special_tokens=True)["input_ids"])
+        if probe and probe[0] == self.bos_id:
+            return True
+        if self.use_chat:
+            rendered = self.render("a", "b", "")
+            bos_text = self.tokenizer.bos_token
+            return bool(bos_text) and rendered.startswith(bos_text)
+        return False
+
+    def render(self, context: str, question: str, prefix: str) -> str:
+        """The model's input text (no BOS added here unless the chat template writes one)."""
+        if not self.use_chat:
+            return f"{context}\n\nQuestion: {question}\nAnswer: {prefix}"
+        messages = [{"role": "user", "content": f"{context}\n\nQuestion: {question}"}]
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return text + prefix
+
+    def wrap_user_text(self, user_text: str) -> str:
+        """A raw prompt (JSONL/HF rows) as model input: chat-templated when a template is in use."""
+        if not self.use_chat:
+            return user_text
+        messages = [{"role": "user", "content": user_text}]
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` with BOS exactly once (when the tokenizer uses BOS)."""
+        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        if self.add_bos:
+            start = 0
+            while start < len(ids) and ids[start] == self.bos_id:
+                start += 1
+            ids = [self.bos_id] + ids[start:]
+        return ids

@@ -1,0 +1,408 @@
+"""``python -m calib run +method=sale``: per (layer, query head) thresholds tau by tau-halving (SPEC §5.2).
+
+Stages (each timed):
+
+1. ``calibrate`` — ``num_samples`` calibration prompts of ``calib_length`` tokens (default: the longest
+   data length) run through the DENSE model once each. For every (layer, prompt) the capture callback
+   gets the RoPE'd q, k, v the attention used and O = the model's own per-head attention output before
+   ``o_proj`` (``keep_attn_output``), estimates the Selection-Pass block scores once and records every
+   head's ``Err(tau) = ||O - O~||_1 / N`` and density at every tau of the halving ladder
+   (:mod:`calib.sale.tables`). Each layer is thus calibrated on the dense model's inputs to that layer
+   (no error cascade), only one layer of one prompt is in memory at a time, and there is one forward
+   per prompt. Halving then runs per layer on those tables, all heads at once per step: a head keeps
+   the first tau whose error is ``<= theta`` on EVERY sample; ``tau <= tau_min`` becomes 0 (dense).
+2. ``sparsity_by_length`` — block sparsity of the calibrated tau on held-out prompts (``eval.seed``)
+   of every data length: the Selection-Pass only, on the dense model's inputs (``sparsity_at_<len>``).
+3. ``ablation`` (``compare_shared_tau``) — one tau shared by all heads whose mean sparsity on the
+   calibration samples matches the per-head result (paper Fig. 3b): worst per-head Err of both on the
+   calibration samples, and held-out task accuracy of dense / per-head / shared on ``ablation_prompts``
+   prompts per task at ``ablation_length`` (default the calibration length), SALE plugged in with
+   ``runtime_kernels.hf.attach(model, prefill=SalePrefill(tau))`` exactly as ``hf.apply`` would.
+
+O vs q/k/v: the stored errors compare with the model's own attention output (SDPA in the model's
+dtype, e.g. bf16 on GPU); O~ is the exact softmax over the kept blocks of the same RoPE'd q, k, v in
+float32 (:func:`calib.sale.tables.ladder_errors_partials`, equal to :func:`block_sparse_attention`).
+At tau = 0 the error is the float noise floor between the two (reported as ``err_dense_floor``); the
+test recomputes every stored error from float64 dense and block-sparse attention.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from omegaconf import DictConfig
+
+from calib.config import require, to_container
+from calib.errors import UserError
+from calib.sale.tables import (LadderEval, at_tau, evaluate_ladder, halve_from_table, match_shared_tau,
+                               shared_tau_grid, tau_ladder)
+from runtime_kernels.manifest import DataRecord
+from runtime_kernels.sale.api import SalePrefill, sale_select
+from runtime_kernels.sale.reference import SaleSelectionConfig
+
+BITS = {4: "int4", 8: "int8"}
+
+
+# ------------------------------------------------------------------------------------------- config
+def _number(m: Any, key: str, kind: type = float) -> Any:
+    try:
+        value = m.get(key)
+        if value is None or isinstance(value, bool):
+            raise ValueError
+        return kind(value)
+    except Exception:  # noqa: BLE001 - any unreadable value (missing interpolation, text) is the same user error
+        from omegaconf import OmegaConf
+
+        raw = OmegaConf.to_container(m, resolve=False).get(key)
+        raise UserError(f"method.{key} must be a number ({kind.__name__}), got {raw!r}; "
+                        f"set method.{key}=<value>") from None
+
+
+def validate(cfg: DictConfig) -> None:
+    """Range checks of ``cfg.method`` (one-line :class:`UserError`)."""
+    m = cfg.method
+    theta, tau0, tau_min = _number(m, "theta"), _number(m, "tau0"), _number(m, "tau_min")
+    require(theta > 0, f"method.theta must be > 0 (got {theta}); e.g. method.theta=0.4 for llama31")
+    require(0 < tau0 <= 1, f"method.tau0 must lie in (0, 1] (got {tau0}); the paper uses 0.008")
+    require(0 <= tau_min < tau0, f"method.tau_min must lie in [0, tau0={tau0}) (got {tau_min}); default 1e-4")
+    bits = _number(m, "bits", int)
+    require(bits in BITS, f"method.bits must be 4 or 8 (got {bits}): the Selection-Pass precision")
+    for key in ("block_q", "block_k", "num_samples", "sparsity_prompts"):
+        require(_number(m, key, int) >= 1, f"method.{key} must be >= 1 (got {m.get(key)})")
+    for key in ("sink", "local", "ablation_prompts"):
+        require(_number(m, key, int) >= 0, f"method.{key} must be >= 0 (got {m.get(key)})")
+    for key in ("calib_length", "ablation_length"):
+        if m.get(key) is not None:
+            require(_number(m, key, int) >= 1, f"method.{key} must be >= 1 or null (got {m.get(key)})")
+    tasks = m.get("calib_tasks")
+    require(tasks is None or (not isinstance(tasks, str) and len(tasks) >= 1),
+            f"method.calib_tasks must be null or a non-empty list (got {tasks!r}), e.g. [kv_retrieval]")
+    curve = m.get("theta_curve") or []
+    require(not isinstance(curve, str) and all(float(x) > 0 for x in curve),
+            f"method.theta_curve must be a list of positive multiples of theta (got {curve!r})")
+    require(isinstance(m.get("compare_shared_tau", True), bool),
+            f"method.compare_shared_tau must be true or false (got {m.get('compare_shared_tau')!r})")
+
+
+def selection_config(m: Any) -> SaleSelectionConfig:
+    """The Selection-Pass config of ``cfg.method``."""
+    return SaleSelectionConfig(block_q=int(m.block_q), block_k=int(m.block_k), sink=int(m.sink),
+                               local=int(m.local), bits=int(m.bits))
+
+
+def calibration_length(cfg: DictConfig) -> int:
+    m = cfg.method
+    return int(m.calib_length) if m.get("calib_length") is not None else max(int(x) for x in cfg.data.lengths)
+
+
+def calibration_prompts(cfg: DictConfig, tokenizer: Any) -> list[Any]:
+    """``num_samples`` prompts (``data.seed``, ``calib_length``), tasks taken in turn."""
+    from calib.data import build_prompts
+
+    m = cfg.method
+    n = int(m.num_samples)
+    tasks = [str(t) for t in (m.get("calib_tasks") or cfg.data.tasks)]
+    per_task = -(-n // len(tasks))
+    prompts = build_prompts(cfg.data, tokenizer, seed=int(cfg.data.seed), lengths=[calibration_length(cfg)],
+                            tasks=tasks, num_prompts=per_task, purpose="calibration")
+    by_task: dict[str, list[Any]] = defaultdict(list)
+    for p in prompts:
+        by_task[p.task].append(p)
+    queues = list(by_task.values())
+    chosen = [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)][:n]
+    if len(chosen) < n:
+        raise UserError(f"only {len(chosen)} calibration prompts available but method.num_samples={n}; "
+                        "lower method.num_samples or provide more data")
+    return chosen
+
+
+# ------------------------------------------------------------------------------------- calibration
+@dataclass
+class CalibTables:
+    """All (layer, sample) ladder evaluations; see :mod:`calib.sale.tables`."""
+
+    ladder: list[float]
+    err: torch.Tensor  # [L, K, S, H] float32
+    density: torch.Tensor  # [L, K, S, H] float32
+    kept: torch.Tensor  # [L, S, H, G] int64 (G = 0 without the shared-tau grid)
+    causal: torch.Tensor  # [S] int64
+
+
+@dataclass
+class Calibrated:
+    """The halving result of every layer."""
+
+    tau: torch.Tensor  # [L, H] float32, 0 = dense
+    err: torch.Tensor  # [S, L, H] float32, Err at the chosen tau per sample
+    density: torch.Tensor  # [S, L, H] float32, kept / causal blocks at the chosen tau
+    steps: list[int]  # halving evaluations per layer
+
+
+def layer_scales(model: Any) -> dict[int, float | None]:
+    """Softmax scale per layer (the attention module's ``scaling``; None = 1/sqrt(D))."""
+    from calib.collect.capture import attention_modules
+
+    return {i: (float(a.scaling) if getattr(a, "scaling", None) is not None else None)
+            for i, a in attention_modules(model).items()}
+
+
+def collect_tables(loaded: Any, prompts: Sequence[Any], ladder: list[float], sel: SaleSelectionConfig,
+                   grid: torch.Tensor | None) -> CalibTables:
+    """One dense forward per prompt; per (layer, prompt) every head at every ladder tau."""
+    from calib.collect.capture import run_layer_callbacks
+
+    n_layers, n_heads, s = loaded.facts.num_layers, loaded.facts.num_heads, len(prompts)
+    g = 0 if grid is None else grid.numel()
+    err = torch.zeros(n_layers, len(ladder), s, n_heads)
+    density = torch.zeros(n_layers, len(ladder), s, n_heads)
+    kept = torch.zeros(n_layers, s, n_heads, g, dtype=torch.int64)
+    causal = torch.zeros(s, dtype=torch.int64)
+    scales = layer_scales(loaded.model)
+
+    def on_layer(cap: Any) -> None:
+        ev: LadderEval = evaluate_ladder(cap.q_post, cap.k_post, cap.v, cap.attn_output, ladder, sel,
+                                         scale=scales[cap.layer], grid=grid)
+        err[cap.layer, :, cap.prompt_index] = ev.err
+        density[cap.layer, :, cap.prompt_index] = ev.density
+        kept[cap.layer, cap.prompt_index] = ev.kept
+        causal[cap.prompt_index] = ev.causal
+
+    run_layer_callbacks(loaded, [p.input_ids for p in prompts], on_layer, keep_attn_output=True,
+                        desc="sale calibration")
+    return CalibTables(ladder, err, density, kept, causal)
+
+
+def halve_layers(tables: CalibTables, *, theta: float, tau0: float, tau_min: float) -> Calibrated:
+    """tau-halving of every layer on its table (all heads of a layer at once per step)."""
+    taus, errs, dens, steps = [], [], [], []
+    for layer_err, layer_density in zip(tables.err, tables.density):
+        res = halve_from_table(layer_err, tables.ladder, theta=theta, tau0=tau0, tau_min=tau_min)
+        taus.append(res.tau)
+        errs.append(res.err)  # [S, H]
+        dens.append(at_tau(layer_density, tables.ladder, res.tau))  # [S, H]
+        steps.append(len(res.trace))
+    return Calibrated(torch.stack(taus), torch.stack(errs, 1), torch.stack(dens, 1), steps)
+
+
+def sparsity_by_length(loaded: Any, prompts: Sequence[Any], tau: torch.Tensor,
+                       sel: SaleSelectionConfig) -> dict[int, list[float]]:
+    """Per prompt length, each prompt's block sparsity (mean over layers and heads) under ``tau: [L, H]``.
+
+    Selection-Pass only, on the dense model's inputs to each layer.
+    """
+    from calib.collect.capture import run_layer_callbacks
+
+    scales = layer_scales(loaded.model)
+    dens_sum = torch.zeros(len(prompts), dtype=torch.float64)
+    count = torch.zeros(len(prompts), dtype=torch.float64)
+
+    def on_layer(cap: Any) -> None:
+        row = tau[cap.layer]
+        if bool((row == 0).all()):
+            d = torch.ones(row.numel(), dtype=torch.float64)
+        else:
+            mask = sale_select(cap.q_post[None], cap.k_post[None], row.to(cap.q_post.device), config=sel,
+                               scale=scales[cap.layer])
+            d = mask.density()[0].double().cpu()
+        dens_sum[cap.prompt_index] += d.sum()
+        count[cap.prompt_index] += d.numel()
+
+    run_layer_callbacks(loaded, [p.input_ids for p in prompts], on_layer, desc="sale sparsity by length")
+    out: dict[int, list[float]] = defaultdict(list)
+    for p, d in zip(prompts, (dens_sum / count).tolist()):
+        out[int(p.length)].append(1.0 - d)
+    return dict(sorted(out.items()))
+
+
+def errors_at_shared_tau(loaded: Any, prompts: Sequence[Any], tau: float,
+                         sel: SaleSelectionConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Err and density ``[S, L, H]`` of one tau shared by every head, on ``prompts``."""
+    from calib.collect.capture import run_layer_callbacks
+
+    n_layers, n_heads = loaded.facts.num_layers, loaded.facts.num_heads
+    err = torch.zeros(len(prompts), n_layers, n_heads)
+    density = torch.zeros(len(prompts), n_layers, n_heads)
+    scales = layer_scales(loaded.model)
+
+    def on_layer(cap: Any) -> None:
+        ev = evaluate_ladder(cap.q_post, cap.k_post, cap.v, cap.attn_output, [tau], sel, scale=scales[cap.layer])
+        err[cap.prompt_index, cap.layer] = ev.err[0]
+        density[cap.prompt_index, cap.layer] = ev.density[0]
+
+    run_layer_callbacks(loaded, [p.input_ids for p in prompts], on_layer, keep_attn_output=True,
+                        desc="sale shared tau")
+    return err, density
+
+
+def ablation_accuracy(cfg: DictConfig, loaded: Any, taus: dict[str, torch.Tensor],
+                      sel: SaleSelectionConfig, length: int) -> dict[str, float]:
+    """Held-out exact-match accuracy dense and with SALE at each ``taus[name]: [L, H]``."""
+    from calib.data import build_prompts
+    from calib.evaluate import answer_prompts
+    from calib.stats import paired_bootstrap_diff
+    from runtime_kernels import hf
+
+    prompts = build_prompts(cfg.data, loaded.tokenizer, seed=int(cfg.eval.seed), lengths=[length],
+                            tasks=list(cfg.data.tasks), num_prompts=int(cfg.method.ablation_prompts),
+                            purpose="evaluation")
+    max_new = int(cfg.eval.max_new_tokens)
+    correct = {"dense": np.array([r.correct for r in answer_prompts(loaded, prompts, max_new)], dtype=float)}
+    out: dict[str, float] = {}
+    for name, tau in taus.items():
+        runtime = hf.attach(loaded.model, prefill=SalePrefill(tau, sel))
+        try:
+            res = answer_prompts(loaded, prompts, max_new, runtime=runtime, desc=f"sale {name}")
+        finally:
+            hf.remove(loaded.model)
+        correct[name] = np.array([r.correct for r in res], dtype=float)
+        out[f"runtime_sparsity_{name}"] = float(np.mean([r.stats.get("sparsity", 0.0) for r in res]))
+    out.update({f"acc_{k}": float(v.mean()) for k, v in correct.items()})
+    if "per_head" in correct and "shared" in correct:
+        ci = paired_bootstrap_diff(correct["shared"], correct["per_head"], resamples=int(cfg.eval.bootstrap),
+                                   seed=int(cfg.seed))
+        out.update(acc_diff_per_head_minus_shared=ci.mean, acc_diff_ci_low=ci.low, acc_diff_ci_high=ci.high)
+    out["ablation_prompts"] = float(len(prompts))
+    return out
+
+
+# --------------------------------------------------------------------------------------- reporting
+def per_head_table(cal: Calibrated, theta: float) -> dict[str, Any]:
+    """JSON table of the calibration (logged to MLflow as ``sale/per_head.json``)."""
+    return {"theta": theta, "layers": int(cal.tau.shape[0]), "heads": int(cal.tau.shape[1]),
+            "tau": cal.tau.tolist(), "sparsity": (1 - cal.density.mean(0)).tolist(),
+            "err_max": cal.err.amax(0).tolist(), "err": cal.err.tolist(), "halving_steps": cal.steps}
+
+
+def log_plots(cal: Calibrated, by_length: dict[int, list[float]], curve: dict[float, float], theta: float,
+              model_name: str) -> None:
+    """Heatmaps of tau / sparsity / worst error, sparsity vs length and vs theta, to the active run."""
+    from calib.sale import plots
+    from calib.tracking import log_figure
+
+    title = f"SALE {model_name}, theta={theta:g}"
+    log_figure(plots.tau_heatmap(cal.tau, f"{title}: tau per head"), "plots/sale_tau_heatmap.png")
+    log_figure(plots.heatmap(1 - cal.density.mean(0), f"{title}: block sparsity per head", "sparsity",
+                             vmin=0.0, vmax=1.0), "plots/sale_sparsity_heatmap.png")
+    log_figure(plots.heatmap(cal.err.amax(0) / theta, f"{title}: worst Err / theta over samples", "Err / theta",
+                             vmin=0.0, vmax=1.0), "plots/sale_err_heatmap.png")
+    if by_length:
+        lengths = list(by_length)
+        log_figure(plots.sparsity_vs_length(lengths, [float(np.mean(by_length[n])) for n in lengths],
+                                            [float(np.std(by_length[n])) for n in lengths],
+                                            f"sparsity vs length, {title}"), "plots/sale_sparsity_vs_length.png")
+    if len(curve) > 1:
+        log_figure(plots.sparsity_vs_theta(list(curve), list(curve.values()),
+                                           f"SALE {model_name}: sparsity vs theta (calibration samples)", mark=theta),
+                   "plots/sale_sparsity_vs_theta.png")
+
+
+def log_shared_tau(cal: Calibrated, err_shared: torch.Tensor, dens_shared: torch.Tensor, tau_shared: float,
+                   theta: float, model_name: str) -> None:
+    """Worst Err per head of the shared tau (heatmap in units of theta, next to ``sale_err_heatmap.png`` of
+    the per-head tau) and the raw table."""
+    import mlflow
+
+    from calib.sale import plots
+    from calib.tracking import log_figure
+
+    top = float(err_shared.amax(0).max()) / theta
+    log_figure(plots.heatmap(err_shared.amax(0) / theta, f"SALE {model_name}: worst Err / theta, one shared "
+                             f"tau = {tau_shared:.3g}\n(same mean sparsity as per-head tau)", "Err / theta",
+                             vmin=0.0, vmax=max(top, 1.0)), "plots/sale_err_shared_heatmap.png")
+    mlflow.log_dict({"tau_shared": tau_shared, "theta": theta, "err_shared": err_shared.tolist(),
+                     "sparsity_shared": (1 - dens_shared.mean(0)).tolist()}, "sale/shared_tau.json")
+
+
+def theta_curve(tables: CalibTables, theta: float, multiples: Sequence[float], tau0: float,
+                tau_min: float) -> dict[float, float]:
+    """Mean sparsity on the calibration samples at ``theta * multiples`` (and theta), from the tables."""
+    out = {}
+    for th in sorted({theta, *(theta * float(x) for x in multiples)}):
+        out[th] = float(1 - halve_layers(tables, theta=th, tau0=tau0, tau_min=tau_min).density.mean())
+    return out
+
+
+# ------------------------------------------------------------------------------------------- recipe
+def calibrate(cfg: DictConfig, ctx: Any) -> Any:
+    """Calibrate per-head tau; returns the :class:`calib.run.MethodOutput` (see the module docstring)."""
+    import mlflow
+
+    from calib.data import build_prompts, dataset_hash
+    from calib.models import load_model
+    from calib.run import MethodOutput
+
+    m = cfg.method
+    theta, tau0, tau_min = float(m.theta), float(m.tau0), float(m.tau_min)
+    sel = selection_config(m)
+    compare = bool(m.get("compare_shared_tau", True))
+    with ctx.timer.stage("load"):
+        loaded = load_model(cfg.model, device=str(ctx.device))
+        prompts = calibration_prompts(cfg, loaded.tokenizer)
+    length = calibration_length(cfg)
+    ladder = tau_ladder(tau0, tau_min)
+    grid = shared_tau_grid() if compare else None
+    with ctx.timer.stage("calibrate"):
+        tables = collect_tables(loaded, prompts, ladder, sel, grid)
+        cal = halve_layers(tables, theta=theta, tau0=tau0, tau_min=tau_min)
+    sparsity = float(1 - cal.density.mean())
+    metrics: dict[str, Any] = {
+        "theta": theta, "sparsity": sparsity, "density": 1 - sparsity,
+        "err_worst": float(cal.err.max()), "dense_head_fraction": float((cal.tau == 0).float().mean()),
+        "tau_mean": float(cal.tau.mean()), "err_dense_floor": float(tables.err[:, -1].max()),
+        "bound_met": float(bool(((cal.err <= theta) | (cal.tau == 0)[None]).all())),
+    }
+    curve = theta_curve(tables, theta, list(m.get("theta_curve") or []), tau0, tau_min)
+    metrics["sparsity_vs_theta"] = {f"{th:g}": v for th, v in curve.items()}
+    with ctx.timer.stage("sparsity_by_length"):
+        held_out = build_prompts(cfg.data, loaded.tokenizer, seed=int(cfg.eval.seed),
+                                 lengths=[int(x) for x in cfg.data.lengths], tasks=list(cfg.data.tasks),
+                                 num_prompts=int(m.sparsity_prompts), purpose="evaluation")
+        by_length = sparsity_by_length(loaded, held_out, cal.tau, sel)
+    metrics.update({f"sparsity_at_{n}": float(np.mean(v)) for n, v in by_length.items()})
+    payload: dict[str, Any] = {"selection": sel.to_dict(), "precision": sel.precision, "ladder": ladder,
+                               "sparsity_by_length": {str(n): float(np.mean(v)) for n, v in by_length.items()}}
+    if compare:
+        with ctx.timer.stage("ablation"):
+            ablation = shared_tau_ablation(cfg, loaded, prompts, tables, cal, sel, length)
+        metrics["ablation"] = {k: v for k, v in ablation.items() if isinstance(v, float)}
+        payload["shared_tau"] = ablation
+    mlflow.log_dict(per_head_table(cal, theta), "sale/per_head.json")
+    mlflow.log_dict({"theta": list(curve), "sparsity": list(curve.values())}, "sale/sparsity_vs_theta.json")
+    log_plots(cal, by_length, curve, theta, str(cfg.model.name))
+    data = DataRecord(source=str(cfg.data.get("source", "synthetic")), seed=int(cfg.data.seed), count=len(prompts),
+                      lengths=[length], content_hash=dataset_hash(prompts), tasks=sorted({p.task for p in prompts}),
+                      details={"prompt_ids": [p.prompt_id for p in prompts],
+                               "tokens": [len(p.input_ids) for p in prompts], "heldout_seed": int(cfg.eval.seed)})
+    hyper = {"theta": theta, "tau0": tau0, "tau_min": tau_min, "bits": sel.bits, "block_q": sel.block_q,
+             "block_k": sel.block_k, "sink": sel.sink, "local": sel.local, "smooth_k": sel.smooth_k,
+             "num_samples": len(prompts), "calib_length": length,
+             "calib_tasks": to_container(cfg)["method"].get("calib_tasks"), "precision": sel.precision}
+    tensors = {"thresholds": {"tau": cal.tau.float().contiguous(), "err": cal.err.float().contiguous(),
+                              "density": cal.density.mean(0).float().contiguous()}}
+    return MethodOutput(tensors=tensors, hyperparameters=hyper, model=loaded.facts.to_dict(), data=data,
+                        metrics=metrics, payload=payload)
+
+
+def shared_tau_ablation(cfg: DictConfig, loaded: Any, prompts: Sequence[Any], tables: CalibTables,
+                        cal: Calibrated, sel: SaleSelectionConfig, length: int) -> dict[str, float]:
+    """Per-head vs one shared tau at equal mean sparsity (paper Fig. 3b): worst Err and accuracy."""
+    theta = float(cfg.method.theta)
+    target = float(cal.density.mean())
+    tau_shared, predicted = match_shared_tau(tables.kept, tables.causal, shared_tau_grid(), target)
+    err_shared, dens_shared = errors_at_shared_tau(loaded, prompts, tau_shared, sel)
+    log_shared_tau(cal, err_shared, dens_shared, tau_shared, theta, str(cfg.model.name))
+    out = {"tau_shared": tau_shared, "sparsity_per_head": 1 - target, "sparsity_shared": float(1 - dens_shared.mean()),
+           "sparsity_shared_predicted": 1 - predicted,
+           "err_worst_per_head": float(cal.err.max()), "err_worst_shared": float(err_shared.max()),
+           "heads_over_theta_per_head": float((cal.err.amax(0) > theta).float().mean()),
+           "heads_over_theta_shared": float((err_shared.amax(0) > theta).float().mean())}
+    if int(cfg.method.ablation_prompts) > 0:
+        shared = torch.full_like(cal.tau, tau_shared)
+        acc_length = int(cfg.method.get("ablation_length") or length)
+        out.update(ablation_accuracy(cfg, loaded, {"per_head": cal.tau, "shared": shared}, sel, acc_length))
+        out["ablation_length"] = float(acc_length)
+    return out

@@ -1,0 +1,521 @@
+#!/usr/bin/env python
+"""Train the embedded ``tiny`` model (SPEC §2) on the synthetic tasks and write it, with its card.
+
+    python scripts/train_tiny.py                      # GPU: ~5 min of training + evaluation
+    python scripts/train_tiny.py --smoke --out /tmp/t # CPU smoke run (< 60 s)
+
+What it does, deterministically from ``--seed``:
+
+1. Architecture from ``conf/model/tiny.yaml`` (a 4-layer ``LlamaForCausalLM``, GQA 8 query / 2 KV
+   heads of dim 64, RoPE θ=10000, tied embeddings) and the tokenizer of
+   :mod:`calib.data.tokenizer`.
+2. Data: every step is one batch of fresh prompts from the same generators as ``calib.data``
+   (training seeds live in their own namespace, ``calib-train/<seed>/<step>/<j>``, disjoint from every
+   ``build_prompts`` seed), built in DataLoader workers so the GPU never waits. A curriculum of three
+   phases moves from short prompts (retrieval/induction heads form fast) to prompts up to 8192 tokens
+   (RoPE positions up to 8k are seen). After the evaluated question, a training sequence may carry
+   further questions on the same context (other keys of the JSON object, the other needles) - extra
+   answer tokens for the same context cost; by causality they cannot change how the model answers the
+   first question.
+3. Loss: cross-entropy on the answer tokens and the EOS after each answer (each example weighted
+   equally), plus ``lm_loss_weight`` x next-token loss on all other tokens.
+4. AdamW, linear warm-up + cosine decay, gradient clipping, bf16 autocast, SDPA attention.
+5. Saves bf16 safetensors + tokenizer + ``training_config.json``, then evaluates the saved weights with
+   greedy decoding on held-out prompts (``calib.data.build_prompts`` with ``--eval-seed``), writes
+   ``eval.json`` and ``MODEL_CARD.md`` (accuracy table, attention-structure summary).
+
+GPU nondeterminism: data and initialization are bitwise deterministic; the CUDA backward of SDPA
+(flash) and of the embedding use atomics, so two GPU runs agree only up to float rounding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import platform
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # forked data workers tokenize one text at a time
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+from calib.data import TASKS, build_prompts, exact_match  # noqa: E402
+from calib.data.prompt import PromptFormatter  # noqa: E402
+from calib.data.synthetic import MIN_UNITS, TASK_FUNCTIONS, fit_to_length  # noqa: E402
+from calib.data.tokenizer import load_tokenizer, save_tiny_tokenizer  # noqa: E402
+from calib.data.vocab import StableRng, name_pool, seed_from, sentence_bank  # noqa: E402
+
+
+@dataclass
+class Phase:
+    name: str
+    steps: int
+    min_len: int  # target prompt length drawn uniformly in [min_len, max_len] per step
+    max_len: int
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 0
+    tokens_per_step: int = 65536
+    phases: list[Phase] = field(default_factory=lambda: [
+        Phase("short", 1500, 256, 1024), Phase("medium", 700, 1024, 4096), Phase("long", 900, 1024, 8704)])
+    lr: float = 1.5e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 150
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    lm_loss_weight: float = 0.1
+    task_weights: dict[str, float] = field(default_factory=lambda: {
+        "niah_single": 0.2, "niah_multikey": 0.2, "kv_retrieval": 0.25, "variable_tracking": 0.175,
+        "frequent_words": 0.175})
+    extra_queries: dict[str, int] = field(default_factory=lambda: {
+        "niah_multikey": 3, "kv_retrieval": 15, "variable_tracking": 1})
+    length_jitter: float = 0.05  # a training prompt aims at target * U(1 - jitter, 1)
+    # architecture (conf/model/tiny.yaml supplies the shape; these complete it)
+    intermediate_size: int = 768
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = True
+    initializer_range: float = 0.02
+    save_dtype: str = "bfloat16"
+    # evaluation of the saved weights
+    eval_seed: int = 424242
+    eval_num_prompts: int = 50
+    eval_lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192])
+    eval_max_new_tokens: int = 16
+    eval_tokens_per_batch: int = 65536
+    attention_report_length: int = 2048
+    unit_fit_length: int = 2048  # prompt length at which the tokens-per-unit of each task is measured
+    workers: int = 14            # DataLoader workers building training batches
+    eval_pool: int = 4           # processes building the evaluation prompts during training
+    log_every: int = 50
+
+    @property
+    def total_steps(self) -> int:
+        return sum(p.steps for p in self.phases)
+
+
+def smoke_config() -> TrainConfig:
+    """A few small steps with the real architecture: exercises every stage on a CPU in seconds."""
+    return TrainConfig(tokens_per_step=768, phases=[Phase("short", 3, 160, 256), Phase("long", 1, 256, 320)],
+                       warmup_steps=2, eval_num_prompts=1, eval_lengths=[192, 256], eval_max_new_tokens=8,
+                       eval_tokens_per_batch=1024, attention_report_length=256, unit_fit_length=512,
+                       workers=1, eval_pool=1, log_every=1)
+
+
+# --------------------------------------------------------------------------------------------------
+# Data
+
+
+def read_arch(path: Path) -> dict:
+    import yaml
+
+    return yaml.safe_load(path.read_text())["arch"]
+
+
+class UnitModel:
+    """Tokens of a training prompt as a linear function of its filler units, per task (tiny tokenizer)."""
+
+    def __init__(self, formatter: PromptFormatter, fit_length: int) -> None:
+        self.base: dict[str, float] = {}
+        self.per_unit: dict[str, float] = {}
+        for task in TASKS:
+            lo = MIN_UNITS[task]
+            fitted = fit_to_length(task, seed_from("calib-train-units", task), fit_length, formatter)
+            inst = TASK_FUNCTIONS[task](seed_from("calib-train-units", task), lo)
+            q = inst.queries[0]
+            base = len(formatter.encode(formatter.render(inst.context, q.question, q.prefix)))
+            self.base[task] = base
+            self.per_unit[task] = (len(fitted.input_ids) - base) / max(1, fitted.units - lo)
+
+    def units_for(self, task: str, target: float) -> int:
+        return MIN_UNITS[task] + max(0, int((target - self.base[task]) / self.per_unit[task]))
+
+
+class StepBatches(torch.utils.data.Dataset):
+    """Item ``step`` is the whole batch of that step: a pure function of (seed, step)."""
+
+    def __init__(self, cfg: TrainConfig, tokenizer) -> None:
+        self.cfg = cfg
+        self.tok = tokenizer
+        self.fmt = PromptFormatter(tokenizer, chat_template=False)
+        self.eos, self.pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+        self.units = UnitModel(self.fmt, cfg.unit_fit_length)
+        self.extra_tokens = {}  # tokens after the evaluated prompt: answers and extra questions
+        for task in TASKS:
+            inst = TASK_FUNCTIONS[task](seed_from("calib-train-units", task), self.units.units_for(task, 1024))
+            q0 = inst.queries[0]
+            prompt = self.fmt.encode(self.fmt.render(inst.context, q0.question, q0.prefix))
+            self.extra_tokens[task] = len(self.sequence(inst)[0]) - len(prompt)
+        self.tasks = list(cfg.task_weights)
+        w = torch.tensor([cfg.task_weights[t] for t in self.tasks], dtype=torch.float64)
+        self.cum = (w / w.sum()).cumsum(0).tolist()
+
+    def __len__(self) -> int:
+        return self.cfg.total_steps
+
+    def phase(self, step: int) -> Phase:
+        for p in self.cfg.phases:
+            if step < p.steps:
+                return p
+            step -= p.steps
+        return self.cfg.phases[-1]
+
+    def _ids(self, text: str) -> list[int]:
+        return list(self.tok(text, add_special_tokens=False)["input_ids"])
+
+    def sequence(self, inst) -> tuple[list[int], list[int]]:
+        """Token ids of an instance's training sequence, and answer flags (1 on answer tokens and the
+        EOS after each answer): the evaluated prompt, its answer, then any extra questions."""
+        q0 = inst.queries[0]
+        ids = self.fmt.encode(self.fmt.render(inst.context, q0.question, q0.prefix))
+        flags = [0] * len(ids)
+        for k, q in enumerate(inst.queries[: 1 + self.cfg.extra_queries.get(inst.task, 0)]):
+            if k:
+                seg = self._ids(f"\n\nQuestion: {q.question}\nAnswer: {q.prefix}")
+                ids += seg
+                flags += [0] * len(seg)
+            ans = self._ids(q.completion) + [self.eos]
+            ids += ans
+            flags += [1] * len(ans)
+        return ids, flags
+
+    def example(self, task: str, seed: int, target: float) -> tuple[list[int], list[int]]:
+        """A sequence of about ``target`` tokens in all (extra questions included)."""
+        aim = max(target - self.extra_tokens[task], 0.5 * target)  # short targets keep some context
+        return self.sequence(TASK_FUNCTIONS[task](seed, self.units.units_for(task, aim)))
+
+    def __getitem__(self, step: int) -> dict[str, torch.Tensor]:
+        phase = self.phase(step)
+        rng = StableRng(seed_from("calib-train", self.cfg.seed, step))
+        target = phase.min_len + rng.uniform() * (phase.max_len - phase.min_len)
+        batch = max(1, self.cfg.tokens_per_step // int(target))
+        seqs = []
+        for j in range(batch):
+            u = rng.uniform()
+            task = self.tasks[next(i for i, c in enumerate(self.cum) if u < c or i == len(self.cum) - 1)]
+            aim = target * (1 - self.cfg.length_jitter * rng.uniform())
+            seqs.append(self.example(task, seed_from("calib-train", self.cfg.seed, step, j), aim))
+        width = max(len(s) for s, _ in seqs)
+        ids = torch.full((batch, width), self.pad, dtype=torch.long)
+        answer = torch.zeros((batch, width), dtype=torch.bool)
+        real = torch.zeros((batch, width), dtype=torch.bool)
+        for b, (s, f) in enumerate(seqs):
+            ids[b, : len(s)] = torch.tensor(s)
+            answer[b, : len(f)] = torch.tensor(f, dtype=torch.bool)
+            real[b, : len(s)] = True
+        return {"input_ids": ids, "answer": answer, "real": real, "target_len": torch.tensor(int(target))}
+
+
+def _worker_init(_: int) -> None:
+    torch.set_num_threads(1)
+
+
+# --------------------------------------------------------------------------------------------------
+# Model, loss, schedule
+
+
+def build_model(cfg: TrainConfig, arch: dict, tokenizer):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=arch["hidden_size"], intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=arch["num_layers"], num_attention_heads=arch["num_heads"],
+        num_key_value_heads=arch["num_kv_heads"], head_dim=arch["head_dim"],
+        max_position_embeddings=arch["max_position_embeddings"],
+        rope_parameters={"rope_type": "default", "rope_theta": float(arch["rope_theta"])},
+        rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=cfg.tie_word_embeddings,
+        initializer_range=cfg.initializer_range, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(cfg.seed)
+    model = LlamaForCausalLM(config)
+    model.config._attn_implementation = "sdpa"
+    return model
+
+
+def loss_terms(model, batch: dict[str, torch.Tensor], device: torch.device, autocast: bool):
+    """(answer loss, LM loss, answer-token accuracy). Targets are the next tokens; an answer position is
+    one whose next token is an answer token. Answer loss: mean per example, then over examples."""
+    ids = batch["input_ids"].to(device, non_blocking=True)
+    ans = batch["answer"].to(device, non_blocking=True)[:, 1:]  # [B, T-1]: next token is an answer token
+    real = batch["real"].to(device, non_blocking=True)[:, 1:]
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+        hidden = model.model(input_ids=ids).last_hidden_state[:, :-1]  # [B, T-1, H]
+        logits = model.lm_head(hidden).float()                           # [B, T-1, V]
+    targets = ids[:, 1:]
+    ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none")  # [B, T-1]
+    ans_f, lm_f = ans.float(), (real & ~ans).float()
+    per_example = (ce * ans_f).sum(1) / ans_f.sum(1).clamp(min=1)
+    answer_loss = per_example.mean()
+    lm_loss = (ce * lm_f).sum() / lm_f.sum().clamp(min=1)
+    correct = ((logits.argmax(-1) == targets) & ans).sum() / ans.sum().clamp(min=1)
+    return answer_loss, lm_loss, correct
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    t = (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+
+
+def make_optimizer(cfg: TrainConfig, model, device: torch.device):
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, fused=device.type == "cuda")
+
+
+def train(cfg: TrainConfig, model, tokenizer, device: torch.device, log) -> dict:
+    data = StepBatches(cfg, tokenizer)
+    loader = torch.utils.data.DataLoader(
+        data, batch_size=None, shuffle=False, num_workers=cfg.workers, pin_memory=device.type == "cuda",
+        prefetch_factor=8 if cfg.workers else None, persistent_workers=False, worker_init_fn=_worker_init)
+    opt = make_optimizer(cfg, model, device)
+    model.train()
+    autocast = device.type == "cuda"
+    stats = {"answer_loss": 0.0, "lm_loss": 0.0, "answer_acc": 0.0, "tokens": 0, "wait": 0.0, "n": 0}
+    history, t_start, t_mark = [], time.time(), time.time()
+    t_data = time.time()
+    for step, batch in enumerate(loader):
+        stats["wait"] += time.time() - t_data
+        for g in opt.param_groups:
+            g["lr"] = lr_at(cfg, step)
+        answer_loss, lm_loss, acc = loss_terms(model, batch, device, autocast)
+        loss = answer_loss + cfg.lm_loss_weight * lm_loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        stats["n"] += 1
+        stats["tokens"] += int(batch["real"].sum())
+        if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.total_steps:
+            for k, v in (("answer_loss", answer_loss), ("lm_loss", lm_loss), ("answer_acc", acc)):
+                stats[k] = float(v.detach())  # last step's values (one sync per log line)
+            now = time.time()
+            rec = {"step": step + 1, "phase": data.phase(step).name, "len": int(batch["target_len"]),
+                   "batch": int(batch["input_ids"].shape[0]), "lr": lr_at(cfg, step),
+                   "answer_loss": round(stats["answer_loss"], 4), "lm_loss": round(stats["lm_loss"], 4),
+                   "answer_acc": round(stats["answer_acc"], 4), "grad_norm": round(float(gnorm), 3),
+                   "ms_per_step": round(1000 * (now - t_mark) / stats["n"], 1),
+                   "data_wait_ms": round(1000 * stats["wait"] / stats["n"], 1),
+                   "tokens_per_s": int(stats["tokens"] / (now - t_mark)),
+                   "elapsed_s": round(now - t_start, 1)}
+            rec["eta_s"] = round(rec["elapsed_s"] / (step + 1) * (cfg.total_steps - step - 1), 0)
+            history.append(rec)
+            log(json.dumps(rec))
+            stats.update(tokens=0, wait=0.0, n=0)
+            t_mark = now
+        t_data = time.time()
+    return {"train_seconds": round(time.time() - t_start, 1), "log": history}
+
+
+# --------------------------------------------------------------------------------------------------
+# Evaluation: exact greedy decoding without a KV cache (right padding is harmless under causal
+# attention: a sequence's own positions never see the padding after it).
+
+
+@torch.no_grad()
+def greedy_decode(model, prompts: list[list[int]], eos: int, pad: int, max_new: int, device) -> list[list[int]]:
+    seqs = [list(p) for p in prompts]
+    out: list[list[int]] = [[] for _ in prompts]
+    live = list(range(len(prompts)))
+    for _ in range(max_new):
+        if not live:
+            break
+        width = max(len(seqs[i]) for i in live)
+        ids = torch.full((len(live), width), pad, dtype=torch.long)
+        for r, i in enumerate(live):
+            ids[r, : len(seqs[i])] = torch.tensor(seqs[i])
+        last = torch.tensor([len(seqs[i]) - 1 for i in live], device=device)
+        hidden = model.model(input_ids=ids.to(device)).last_hidden_state   # [B, T, H]
+        picked = hidden[torch.arange(len(live), device=device), last]      # [B, H]
+        nxt = model.lm_head(picked).argmax(-1).tolist()
+        still = []
+        for i, t in zip(live, nxt):
+            if t == eos:
+                continue
+            out[i].append(t)
+            seqs[i].append(t)
+            still.append(i)
+        live = still
+    return out
+
+
+def _build_eval_chunk(args: tuple) -> list:
+    tok_dir, task, length, n, seed = args
+    tok = load_tokenizer(tok_dir)
+    cfg = {"source": "synthetic", "tasks": [task], "lengths": [length], "num_prompts": n, "seed": seed}
+    return build_prompts(cfg, tok)
+
+
+def evaluate(cfg: TrainConfig, model, tokenizer, prompts_by_key: dict, device, log) -> dict:
+    model.eval()
+    results = {}
+    for (task, length), prompts in prompts_by_key.items():
+        per_batch = max(1, cfg.eval_tokens_per_batch // length)
+        hits = 0
+        for s in range(0, len(prompts), per_batch):
+            chunk = prompts[s: s + per_batch]
+            gen = greedy_decode(model, [p.input_ids for p in chunk], tokenizer.eos_token_id,
+                                tokenizer.pad_token_id, cfg.eval_max_new_tokens, device)
+            for p, g in zip(chunk, gen):
+                hits += exact_match(tokenizer.decode(g, skip_special_tokens=True), p.answer)
+        results[f"{task}@{length}"] = round(hits / len(prompts), 4)
+        log(f"eval {task}@{length}: {results[f'{task}@{length}']:.3f} ({len(prompts)} prompts)")
+    return results
+
+
+# --------------------------------------------------------------------------------------------------
+# Writing the model directory
+
+
+def write_card(out: Path, cfg: TrainConfig, acc: dict, info: dict, attention: dict | None) -> None:
+    lengths = cfg.eval_lengths
+    rows = ["| task | " + " | ".join(str(n) for n in lengths) + " |",
+            "|---|" + "---|" * len(lengths)]
+    for task in TASKS:
+        rows.append(f"| {task} | " + " | ".join(f"{acc[f'{task}@{n}']:.2f}" for n in lengths) + " |")
+    att = ""
+    if attention:
+        att = ("\n## Attention structure\n\n"
+               f"`scripts/attention_report.py` on {attention['prompts']} niah_single prompts of "
+               f"{attention['length']} tokens: {attention['summary']}\n\n```\n{attention['table']}\n```\n")
+    text = f"""# tiny — the embedded model of calib
+
+A {info['layers']}-layer `LlamaForCausalLM` ({info['params']:,} parameters, {info['heads']} query heads /
+{info['kv_heads']} KV heads of dim {info['head_dim']}, hidden {info['hidden']}, RoPE θ={info['rope_theta']},
+tied embeddings, vocabulary {info['vocab']}) trained from scratch by `scripts/train_tiny.py` (seed {cfg.seed})
+on the synthetic tasks of `calib.data` at prompt lengths up to {max(p.max_len for p in cfg.phases)} tokens.
+Weights: `model.safetensors` ({cfg.save_dtype}). Tokenizer: word-level WordPiece over the tasks' closed
+vocabulary (`calib/data/tokenizer.py`), no chat template. Every hyper-parameter: `training_config.json`.
+
+Training: {cfg.total_steps} steps of {cfg.tokens_per_step} tokens, {info['train_seconds']} s on
+{info['device']} ({info['wall_seconds']} s for the whole script).
+
+## Dense exact-match accuracy
+
+Greedy decoding (at most {cfg.eval_max_new_tokens} new tokens, stop at EOS), `calib.data.exact_match`,
+{cfg.eval_num_prompts} held-out prompts per task and length (`build_prompts` seed {cfg.eval_seed}; training
+prompts come from a separate seed namespace), weights as saved ({cfg.save_dtype}), evaluated on
+{info['device']}. Every task and length is listed, whatever the score.
+
+{chr(10).join(rows)}
+
+Numbers also in `eval.json`.
+{att}"""
+    (out / "MODEL_CARD.md").write_text(text)
+
+
+def save_model(model, tokenizer_dir: Path, out: Path, cfg: TrainConfig):
+    from transformers import GenerationConfig
+
+    model = model.to(getattr(torch, cfg.save_dtype))
+    model.config.use_cache = True
+    model.generation_config = GenerationConfig(
+        bos_token_id=model.config.bos_token_id, eos_token_id=model.config.eos_token_id,
+        pad_token_id=model.config.pad_token_id, do_sample=False, max_new_tokens=cfg.eval_max_new_tokens)
+    model.save_pretrained(out, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tokenizer_dir / name).resolve() != (out / name).resolve():
+            shutil.copy(tokenizer_dir / name, out / name)
+    return model
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=ROOT / "artifacts" / "models" / "tiny")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--smoke", action="store_true", help="a few tiny steps on CPU (tests)")
+    ap.add_argument("--device", default=None, help="cuda | cpu (default: cuda if available)")
+    ap.add_argument("--workers", type=int, default=None, help="DataLoader workers")
+    ap.add_argument("--steps-scale", type=float, default=1.0, help="multiply every phase's steps")
+    ap.add_argument("--no-eval", action="store_true")
+    args = ap.parse_args(argv)
+    t0 = time.time()
+    cfg = smoke_config() if args.smoke else TrainConfig()
+    cfg.seed = args.seed
+    if args.workers is not None:
+        cfg.workers = args.workers
+    for p in cfg.phases:
+        p.steps = max(1, round(p.steps * args.steps_scale))
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cpu":  # leave cores to the data worker and the eval pool: spinning threads stall
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+
+    def log(msg: str) -> None:
+        print(f"[train_tiny {time.time() - t0:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    tok_dir = out  # the tokenizer files are written first; the weights join them at the end
+    save_tiny_tokenizer(tok_dir)
+    tokenizer = load_tokenizer(tok_dir)
+    sentence_bank(), name_pool()  # built once, inherited by forked workers
+    arch = read_arch(ROOT / "conf" / "model" / "tiny.yaml")
+
+    # Held-out evaluation prompts are built on the CPU while the GPU trains.
+    pool = mp.get_context("fork").Pool(max(1, min(cfg.eval_pool, os.cpu_count() or 1)))
+    eval_jobs = [(str(tok_dir), t, n, cfg.eval_num_prompts, cfg.eval_seed) for t in TASKS for n in cfg.eval_lengths]
+    eval_async = None if args.no_eval else pool.map_async(_build_eval_chunk, eval_jobs)
+
+    model = build_model(cfg, arch, tokenizer).to(device)
+    params = sum(p.numel() for p in model.parameters())
+    log(f"device={device} params={params:,} vocab={len(tokenizer)} steps={cfg.total_steps} "
+        f"workers={cfg.workers}")
+    result = train(cfg, model, tokenizer, device, log)
+    save_model(model, tok_dir, out, cfg)
+    info = {"layers": arch["num_layers"], "heads": arch["num_heads"], "kv_heads": arch["num_kv_heads"],
+            "head_dim": arch["head_dim"], "hidden": arch["hidden_size"], "rope_theta": arch["rope_theta"],
+            "vocab": len(tokenizer), "params": params, "train_seconds": result["train_seconds"],
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"}
+    record = {"config": asdict(cfg), "arch": arch, "params": params, "vocab_size": len(tokenizer),
+              "torch": torch.__version__, "transformers": __import__("transformers").__version__,
+              "device": info["device"], "train_seconds": result["train_seconds"], "log": result["log"]}
+    (out / "training_config.json").write_text(json.dumps(record, indent=2) + "\n")
+
+    if not args.no_eval:
+        from transformers import AutoModelForCausalLM
+
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        saved = AutoModelForCausalLM.from_pretrained(out, dtype=dtype, attn_implementation="sdpa").to(device)
+        chunks = eval_async.get()
+        prompts = {(t, n): ps for (_, t, n, _, _), ps in zip(eval_jobs, chunks)}
+        acc = evaluate(cfg, saved, tokenizer, prompts, device, log)
+        attention = attention_summary(out, cfg, device)
+        info["wall_seconds"] = round(time.time() - t0, 1)
+        (out / "eval.json").write_text(json.dumps(
+            {"accuracy": acc, "seed": cfg.eval_seed, "num_prompts": cfg.eval_num_prompts,
+             "lengths": cfg.eval_lengths, "decoding": "greedy", "dtype": str(dtype).replace("torch.", ""),
+             "device": info["device"], "attention": attention}, indent=2) + "\n")
+        write_card(out, cfg, acc, info, attention)
+        print(json.dumps({"out": str(out), "accuracy": acc, "wall_seconds": info["wall_seconds"]}))
+    pool.close()
+    log(f"done in {time.time() - t0:.1f}s -> {out}")
+    return 0
+
+
+def attention_summary(model_dir: Path, cfg: TrainConfig, device) -> dict | None:
+    try:
+        import attention_report
+    except ImportError:
+        return None
+    stats = attention_report.head_statistics(model_dir, length=cfg.attention_report_length, prompts=2,
+                                             device=str(device))
+    return {"length": cfg.attention_report_length, "prompts": 2, "summary": attention_report.summarize(stats),
+            "table": attention_report.format_table(stats)}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

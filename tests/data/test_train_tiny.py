@@ -1,0 +1,104 @@
+"""scripts/train_tiny.py --smoke: every stage (data workers, training, saving, evaluation, card) on CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_smoke_run(tmp_path):
+    out = tmp_path / "tiny"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "train_tiny.py"), "--smoke", "--out", str(out),
+                           "--device", "cpu"], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    names = {p.name for p in out.iterdir()}
+    assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
+            "tokenizer_config.json", "special_tokens_map.json", "training_config.json", "eval.json",
+            "MODEL_CARD.md"} <= names
+    arch = yaml.safe_load((ROOT / "conf" / "model" / "tiny.yaml").read_text())["arch"]
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_hidden_layers"] == arch["num_layers"]
+    assert config["num_attention_heads"] == arch["num_heads"]
+    assert config["num_key_value_heads"] == arch["num_kv_heads"]
+    assert config["head_dim"] == arch["head_dim"] and config["hidden_size"] == arch["hidden_size"]
+    assert config["max_position_embeddings"] == arch["max_position_embeddings"]
+    evaluation = json.loads((out / "eval.json").read_text())
+    assert set(evaluation["accuracy"]) == {f"{t}@{n}" for t in
+                                           ["niah_single", "niah_multikey", "kv_retrieval", "variable_tracking",
+                                            "frequent_words"] for n in evaluation["lengths"]}
+    training = json.loads((out / "training_config.json").read_text())
+    assert training["config"]["seed"] == 0 and training["log"]
+    card = (out / "MODEL_CARD.md").read_text()
+    assert "| niah_single |" in card and "Attention structure" in card
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    assert model.config.vocab_size == len(tok)
+    assert (out / "model.safetensors").stat().st_size < 12 * 2**20
+
+
+def _step_batches(tokenizer):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import train_tiny
+
+    cfg = train_tiny.TrainConfig(tokens_per_step=1024, unit_fit_length=512,
+                                 phases=[train_tiny.Phase("short", 4, 200, 400)])
+    return train_tiny, train_tiny.StepBatches(cfg, tokenizer)
+
+
+def test_training_batches_deterministic_and_labelled(tiny_tokenizer):
+    tt, data = _step_batches(tiny_tokenizer)
+    _, again = _step_batches(tiny_tokenizer)
+    for step in (0, 3):
+        a, b = data[step], again[step]
+        assert all(torch_equal(a[k], b[k]) for k in a)
+    batch = data[1]
+    assert not torch_equal(batch["input_ids"], data[2]["input_ids"])
+    eos = tiny_tokenizer.eos_token_id
+    for ids, ans, real in zip(batch["input_ids"].tolist(), batch["answer"].tolist(), batch["real"].tolist()):
+        n = sum(real)
+        assert real == [True] * n + [False] * (len(real) - n)
+        assert ids[0] == tiny_tokenizer.bos_token_id and ids[n - 1] == eos
+        flagged = [t for t, f in zip(ids, ans) if f]
+        assert flagged.count(eos) == sum(1 for t in ids[:n] if t == eos) >= 1  # each answer ends with EOS
+        first = flagged[: flagged.index(eos)]
+        assert tiny_tokenizer.unk_token_id not in ids[:n] and first
+
+
+def test_example_answer_is_the_prompt_answer(tiny_tokenizer):
+    from calib.data.prompt import PromptFormatter
+    from calib.data.synthetic import TASK_FUNCTIONS
+    from calib.data.vocab import seed_from
+
+    tt, data = _step_batches(tiny_tokenizer)
+    fmt = PromptFormatter(tiny_tokenizer)
+    for task in TASK_FUNCTIONS:
+        inst = TASK_FUNCTIONS[task](seed_from("t", task), 20)
+        ids, flags = data.sequence(inst)
+        q = inst.queries[0]
+        prompt = fmt.encode(fmt.render(inst.context, q.question, q.prefix))
+        assert ids[: len(prompt)] == prompt and not any(flags[: len(prompt)])
+        end = flags.index(0, len(prompt)) if 0 in flags[len(prompt):] else len(ids)
+        answer = ids[len(prompt): end]  # the first answer and its EOS
+        assert answer[-1] == tiny_tokenizer.eos_token_id
+        assert tiny_tokenizer.decode(answer, skip_special_tokens=True) == q.answer
+        # the prompt + answer tokenizes as one text the same way (no merge across the boundary)
+        assert fmt.encode(fmt.render(inst.context, q.question, q.prefix) + q.completion) == prompt + answer[:-1]
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return a.shape == b.shape and bool(torch.equal(a, b))

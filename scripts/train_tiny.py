@@ -70,13 +70,13 @@ class TrainConfig:
     tokens_per_step: int = 65536
     phases: list[Phase] = field(default_factory=lambda: [
         Phase("short", 1500, 256, 1024), Phase("medium", 700, 1024, 4096), Phase("long", 900, 1024, 8704)])
-    lr: float = 1.5e-3
+    lr: float = 5e-4  # 1.5e-3 and 3e-3 never left the retrieval plateau (H200 sweep, 2026-11-21)
     min_lr_ratio: float = 0.1
     warmup_steps: int = 150
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0
-    lm_loss_weight: float = 0.1
+    lm_loss_weight: float = 1.0
     task_weights: dict[str, float] = field(default_factory=lambda: {
         "niah_single": 0.2, "niah_multikey": 0.2, "kv_retrieval": 0.25, "variable_tracking": 0.175,
         "frequent_words": 0.175})
@@ -441,13 +441,35 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default=None, help="cuda | cpu (default: cuda if available)")
     ap.add_argument("--workers", type=int, default=None, help="DataLoader workers")
     ap.add_argument("--steps-scale", type=float, default=1.0, help="multiply every phase's steps")
-    ap.add_argument("--no-eval", action="store_true")
+    ap.add_argument("--no-eval", action="store_true", help="skip the evaluation, eval.json and the card")
+    ap.add_argument("--log-every", type=int, default=None, help="steps between log lines (default 50)")
+    ap.add_argument("--lr", type=float, default=None, help="peak learning rate")
+    ap.add_argument("--lm-loss-weight", type=float, default=None, help="weight of the next-token loss off answers")
+    ap.add_argument("--tokens-per-step", type=int, default=None)
+    ap.add_argument("--phases", default=None,
+                    help="curriculum as name:steps:min_len:max_len,... (replaces the default phases)")
+    ap.add_argument("--task-weights", default=None, help="task:weight,... (replaces the default mix)")
+    ap.add_argument("--eval-num-prompts", type=int, default=None)
     args = ap.parse_args(argv)
     t0 = time.time()
     cfg = smoke_config() if args.smoke else TrainConfig()
     cfg.seed = args.seed
     if args.workers is not None:
         cfg.workers = args.workers
+    if args.log_every is not None:
+        cfg.log_every = max(1, args.log_every)
+    if args.lr is not None:
+        cfg.lr = args.lr
+    if args.lm_loss_weight is not None:
+        cfg.lm_loss_weight = args.lm_loss_weight
+    if args.tokens_per_step is not None:
+        cfg.tokens_per_step = args.tokens_per_step
+    if args.eval_num_prompts is not None:
+        cfg.eval_num_prompts = args.eval_num_prompts
+    if args.phases:
+        cfg.phases = [Phase(n, int(a), int(b), int(c)) for n, a, b, c in (x.split(":") for x in args.phases.split(","))]
+    if args.task_weights:
+        cfg.task_weights = {k: float(v) for k, v in (x.split(":") for x in args.task_weights.split(","))}
     for p in cfg.phases:
         p.steps = max(1, round(p.steps * args.steps_scale))
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -1,0 +1,513 @@
+"""``python -m calib run +method=saap``: k-means buckets + query classifiers, evaluated (SPEC §5.1).
+
+Stages (each timed with ``ctx.timer``, logged as ``time_<stage>_s``):
+
+1. ``load`` — the model and the prompts. Calibration: ``method.prompts`` prompts from ``data`` with
+   ``data.seed``, (length, task) pairs taken in turn over ``method.calib_lengths`` (null: the data
+   lengths without the evaluation length, so evaluation runs at a length never calibrated on; all
+   of them when only one exists). Evaluation: ``method.eval.prompts`` prompts with ``eval.seed`` at
+   ``method.eval.length`` (null: the second-longest data length, or the only one).
+2. ``collect`` — the shared collector (:func:`calib.collect.collect`, cached and resumable) samples
+   ``kmeans.keys_per_prompt`` key positions per (prompt, non-dense layer, KV head) (null: enough for
+   Faiss's own cap, ``ceil(C · max_points_per_centroid / prompts)``). It stores RoPE'd keys; the
+   de-RoPE'd keys are rebuilt from them by the exact inverse rotation, the same operation the runtime
+   applies to its cache. Only **bucket candidates at the end of the prompt** are kept: positions
+   ``[sink, T - recent)`` (``recent = window - sink``): the sink and the keys that are still in the
+   dense window at the first decode step are excluded, as at decode time.
+3. ``kmeans`` — per (non-dense layer, KV head) L2 k-means (``clusters``, ``iterations``; Faiss, on GPU
+   when faiss-gpu sees one, else the torch fallback: ``kmeans.backend``) on the de-RoPE'd keys (SAAP's
+   buckets), and the same on the RoPE'd keys of the same positions (the ``kmeans_rope`` baseline,
+   evaluation only). Head ``h`` uses seed ``cfg.seed + h``. The imbalance factor
+   ``C·Σn²/(Σn)²`` of the training keys is reported.
+4. ``targets`` — the second pass (:func:`calib.collect.run_layer_callbacks`) over the calibration
+   prompts: per (prompt, non-dense layer), while the prompt's q/k are in memory, every key gets its
+   bucket (nearest de-RoPE'd centroid), ``classifier.queries_per_prompt`` queries per head are
+   chosen, long-range ones first (top-1 key, sink excluded, causally, more than ``long_range`` back;
+   ``classifier.query_candidates`` random positions tested), and their rows of ``A·H_k`` (sink
+   excluded, renormalized, not causal unless ``causal_targets``) are computed. Only the de-RoPE'd
+   queries ``[Hq, n, D]`` and targets ``[Hq, n, C]`` leave the callback (to CPU).
+5. ``classifier`` — per non-dense layer all query heads train at once (batched weights, Adam, each
+   batch from one prompt unless ``batch_from_one_prompt`` is false), with a progress bar; the loss
+   curve (mean over heads, per step) and a figure of every head's curve go to MLflow.
+6. ``eval`` — the held-out prompts through ``run_layer_callbacks``: per (prompt, non-dense layer)
+   ``eval.queries_per_prompt`` decode-like positions (``>= window``) and, for every ℓ of ``top_ls``
+   (plus the default ``top_l``), selectivity, attention recall and output relative error of SAAP,
+   ``kmeans_derope`` (SAAP's centroids probed by inner product with the de-RoPE'd query),
+   ``kmeans_rope`` and the window alone (:func:`calib.saap.evaluate_layer`). Aggregation, table and
+   plots: :mod:`calib.saap.report`. Headline metrics: ``recall_at_sel<t>.<method>`` for every target
+   of ``eval.recall_at_selectivity`` (MLflow forbids ``@`` in metric names), ``at_top_l.*``,
+   ``window.*``, k-means imbalance, classifier loss, stage times.
+
+Artifact (what :meth:`runtime_kernels.saap.SaapDecode.from_artifact` reads): hyperparameters ``sink``,
+``window``, ``top_l``, ``dense_layers``, ``bn_eps`` (plus every calibration setting), and per non-dense
+layer ``l`` the tensors ``layers.<l>.<field>`` for each :attr:`SaapLayerParams.TENSOR_FIELDS` field,
+one safetensors file per layer (``layer_<l>``). Dense layers have no tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from calib.config import require
+from calib.errors import UserError
+from calib.saap.metrics import LayerEvaluation
+from runtime_kernels.manifest import DataRecord
+from runtime_kernels.saap.reference import SaapLayerParams
+
+log = logging.getLogger(__name__)
+
+
+# ------------------------------------------------------------------------------------------- config
+def _get(node: Any, key: str, kind: type, *, optional: bool = False) -> Any:
+    """``node[key]`` as ``kind`` (a dotted key descends); unreadable -> one-line UserError."""
+    path, value = key.split("."), node
+    try:
+        for part in path:
+            value = value.get(part) if value is not None else None
+        if value is None and optional:
+            return None
+        if value is None or isinstance(value, bool) != (kind is bool):
+            raise ValueError
+        return kind(value)
+    except Exception:  # noqa: BLE001 - a missing interpolation, text or a wrong type: the same user error
+        raise UserError(f"method.{key} must be {'true/false' if kind is bool else f'a number ({kind.__name__})'}"
+                        f"{' or null' if optional else ''}; set method.{key}=<value>") from None
+
+
+def _int_list(node: Any, key: str, *, optional: bool = False) -> list[int] | None:
+    raw = node.get(key)
+    if raw is None and optional:
+        return None
+    try:
+        if isinstance(raw, (str, bool)) or raw is None:
+            raise ValueError
+        return [int(x) for x in raw]
+    except Exception:  # noqa: BLE001
+        raise UserError(f"method.{key} must be a list of integers, got {raw!r}") from None
+
+
+@dataclass(frozen=True)
+class Settings:
+    """``cfg.method`` parsed and range-checked (conf/method/saap.yaml documents every key)."""
+
+    clusters: int
+    iterations: int
+    window: int
+    sink: int
+    long_range: int
+    top_l: int
+    top_ls: list[int]
+    dense_layers: list[int]
+    causal_targets: bool
+    causal_top1: bool
+    prompts: int
+    calib_lengths: list[int] | None
+    kmeans_backend: str
+    kmeans_use_gpu: bool | str
+    max_points_per_centroid: int
+    keys_per_prompt: int | None
+    hidden: int
+    lr: float
+    steps: int
+    batch: int
+    queries_per_prompt: int
+    query_candidates: int | None
+    batch_from_one_prompt: bool
+    classifier_seed: int
+    eval_prompts: int
+    eval_queries: int
+    eval_length: int | None
+    baseline_probe: str
+    recall_targets: list[float]
+
+    @property
+    def recent(self) -> int:
+        return self.window - self.sink
+
+    @property
+    def evaluated_ls(self) -> list[int]:
+        """``top_ls`` plus the default ``top_l``, sorted."""
+        return sorted(set(self.top_ls) | {self.top_l})
+
+    @classmethod
+    def from_cfg(cls, m: Any) -> "Settings":
+        km, ev = m.get("kmeans") or {}, m.get("eval") or {}
+        use_gpu = km.get("use_gpu", "auto")
+        return cls(
+            clusters=_get(m, "clusters", int), iterations=_get(m, "iterations", int), window=_get(m, "window", int),
+            sink=_get(m, "sink", int), long_range=_get(m, "long_range", int), top_l=_get(m, "top_l", int),
+            top_ls=_int_list(m, "top_ls"), dense_layers=_int_list(m, "dense_layers") or [],
+            causal_targets=_get(m, "causal_targets", bool), causal_top1=_get(m, "causal_top1", bool),
+            prompts=_get(m, "prompts", int), calib_lengths=_int_list(m, "calib_lengths", optional=True),
+            kmeans_backend=str(km.get("backend", "auto")), kmeans_use_gpu=use_gpu,
+            max_points_per_centroid=_get(m, "kmeans.max_points_per_centroid", int),
+            keys_per_prompt=_get(m, "kmeans.keys_per_prompt", int, optional=True),
+            hidden=_get(m, "classifier.hidden", int), lr=_get(m, "classifier.lr", float),
+            steps=_get(m, "classifier.steps", int), batch=_get(m, "classifier.batch", int),
+            queries_per_prompt=_get(m, "classifier.queries_per_prompt", int),
+            query_candidates=_get(m, "classifier.query_candidates", int, optional=True),
+            batch_from_one_prompt=_get(m, "classifier.batch_from_one_prompt", bool),
+            classifier_seed=_get(m, "classifier.seed", int),
+            eval_prompts=_get(m, "eval.prompts", int), eval_queries=_get(m, "eval.queries_per_prompt", int),
+            eval_length=_get(m, "eval.length", int, optional=True),
+            baseline_probe=str(ev.get("baseline_probe", "head")),
+            recall_targets=[float(x) for x in (ev.get("recall_at_selectivity") or [])],
+        )
+
+
+def validate(cfg: DictConfig) -> None:
+    """Range checks of ``cfg.method`` (one-line :class:`UserError`)."""
+    s = Settings.from_cfg(cfg.method)
+    require(s.clusters >= 2, f"method.clusters must be >= 2 (got {s.clusters}); the paper uses 1024")
+    require(s.iterations >= 1, f"method.iterations must be >= 1 (got {s.iterations}); the paper uses 10")
+    require(s.sink >= 0, f"method.sink must be >= 0 (got {s.sink}); the paper uses 1")
+    require(s.window > s.sink, f"method.window must be > method.sink={s.sink} (got {s.window}): the dense region "
+                               f"is the sink plus window - sink recent keys (2048 = 1+2047 for llama31)")
+    require(s.top_l >= 1, f"method.top_l must be >= 1 (got {s.top_l}): buckets visited per KV head at decode")
+    require(s.long_range >= 0, f"method.long_range must be >= 0 (got {s.long_range}); 1024 for llama31")
+    require(bool(s.top_ls) and min(s.top_ls) >= 1,
+            f"method.top_ls must be a non-empty list of ℓ >= 1 (got {s.top_ls})")
+    for key in ("prompts", "hidden", "steps", "batch", "queries_per_prompt", "max_points_per_centroid",
+                "eval_prompts", "eval_queries"):
+        require(getattr(s, key) >= 1, f"method setting {key} must be >= 1 (got {getattr(s, key)})")
+    for key in ("keys_per_prompt", "query_candidates", "eval_length"):
+        value = getattr(s, key)
+        require(value is None or value >= 1, f"method setting {key} must be >= 1 or null (got {value})")
+    require(s.lr > 0, f"method.classifier.lr must be > 0 (got {s.lr})")
+    require(s.kmeans_backend in ("auto", "faiss", "torch"),
+            f"method.kmeans.backend must be auto, faiss or torch (got {s.kmeans_backend!r})")
+    require(s.kmeans_use_gpu in ("auto", True, False),
+            f"method.kmeans.use_gpu must be auto, true or false (got {s.kmeans_use_gpu!r})")
+    require(s.baseline_probe in ("head", "group"),
+            f"method.eval.baseline_probe must be head or group (got {s.baseline_probe!r})")
+    require(bool(s.recall_targets) and all(0 < t < 1 for t in s.recall_targets),
+            f"method.eval.recall_at_selectivity must be a non-empty list in (0, 1) (got {s.recall_targets})")
+    require(s.calib_lengths is None or (bool(s.calib_lengths) and min(s.calib_lengths) >= 1),
+            f"method.calib_lengths must be null or a non-empty list of lengths (got {s.calib_lengths})")
+    n_layers = OmegaConf.select(cfg, "model.arch.num_layers")
+    if n_layers is not None:
+        bad = [x for x in s.dense_layers if not 0 <= x < int(n_layers)]
+        require(not bad, f"method.dense_layers={s.dense_layers} out of range: the model has layers "
+                         f"0..{int(n_layers) - 1}")
+        require(len(set(s.dense_layers)) < int(n_layers),
+                "method.dense_layers covers every layer: nothing to calibrate")
+
+
+# ------------------------------------------------------------------------------------------ prompts
+def prompt_lengths(cfg: DictConfig, s: Settings) -> tuple[list[int], int]:
+    """``(calibration lengths, evaluation length)`` (see the module docstring for the defaults)."""
+    lengths = sorted({int(x) for x in cfg.data.lengths})
+    eval_length = s.eval_length if s.eval_length is not None else (lengths[-2] if len(lengths) > 1 else lengths[-1])
+    calib = s.calib_lengths or [n for n in lengths if n != eval_length] or lengths
+    return sorted(set(calib)), int(eval_length)
+
+
+def _in_turn(prompts: Sequence[Any], n: int, what: str) -> list[Any]:
+    """``n`` prompts taking the (length, task) groups in turn."""
+    groups: dict[tuple[int, str], list[Any]] = defaultdict(list)
+    for p in prompts:
+        groups[(int(p.length), str(p.task))].append(p)
+    queues = list(groups.values())
+    chosen = [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)][:n]
+    if len(chosen) < n:
+        raise UserError(f"only {len(chosen)} {what} prompts available but {n} requested; lower the count or "
+                        f"provide more data")
+    return chosen
+
+
+def build_prompt_sets(cfg: DictConfig, s: Settings, tokenizer: Any) -> tuple[list[Any], list[Any], list[int], int]:
+    """``(calibration prompts, held-out prompts, calibration lengths, evaluation length)``."""
+    from calib.data import build_prompts
+
+    calib_lengths, eval_length = prompt_lengths(cfg, s)
+    tasks = [str(t) for t in cfg.data.tasks]
+    per = math.ceil(s.prompts / (len(tasks) * len(calib_lengths)))
+    calib = build_prompts(cfg.data, tokenizer, seed=int(cfg.data.seed), lengths=calib_lengths, tasks=tasks,
+                          num_prompts=per, purpose="calibration")
+    held = build_prompts(cfg.data, tokenizer, seed=int(cfg.eval.seed), lengths=[eval_length], tasks=tasks,
+                         num_prompts=math.ceil(s.eval_prompts / len(tasks)), purpose="evaluation")
+    return (_in_turn(calib, s.prompts, "calibration"), _in_turn(held, s.eval_prompts, "evaluation"),
+            calib_lengths, eval_length)
+
+
+# ---------------------------------------------------------------------------------- collect + kmeans
+def keys_per_prompt(s: Settings, num_prompts: int) -> int:
+    """Key positions sampled per (prompt, layer, KV head) for k-means (see the module docstring)."""
+    if s.keys_per_prompt is not None:
+        return s.keys_per_prompt
+    return math.ceil(s.clusters * s.max_points_per_centroid / num_prompts)
+
+
+def collect_keys(cfg: DictConfig, loaded: Any, prompts: Sequence[Any], s: Settings, layers: list[int]) -> Any:
+    """The collected set (RoPE'd keys of ``layers``) of the calibration prompts (cached, resumable)."""
+    from calib.collect import CollectConfig, collect
+
+    base = CollectConfig.from_any(cfg.get("collect"))
+    ccfg = dataclasses.replace(base, keys_per_head=keys_per_prompt(s, len(prompts)), queries_per_head=1,
+                               store=["k_post"], layers=layers)
+    return collect(loaded, [p.input_ids for p in prompts], ccfg)
+
+
+def candidate_keys(collected: Any, layer: int, sink: int, recent: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per KV head the sampled bucket candidates ``[sink, T - recent)`` of every prompt.
+
+    Returns ``(de-RoPE'd [N_h, D] per head, RoPE'd [N_h, D] per head)`` float32 (``N_h`` may differ).
+    """
+    lengths = [int(n) for n in collected.meta["prompt_lengths"]]
+    derope: list[list[torch.Tensor]] = []
+    rope: list[list[torch.Tensor]] = []
+    for i, shard in enumerate(collected.iter_layer(layer, ("k_pos", "k_pre", "k_post"))):
+        keep = (shard["k_pos"] >= sink) & (shard["k_pos"] < lengths[i] - recent)  # [Hkv, n]
+        if not derope:
+            derope, rope = [[] for _ in range(keep.shape[0])], [[] for _ in range(keep.shape[0])]
+        for h in range(keep.shape[0]):
+            derope[h].append(shard["k_pre"][h][keep[h]].float())
+            rope[h].append(shard["k_post"][h][keep[h]].float())
+    return [torch.cat(x) for x in derope], [torch.cat(x) for x in rope]
+
+
+def fit_heads(points: list[torch.Tensor], s: Settings, seed: int, device: torch.device) -> torch.Tensor:
+    """One k-means per head (seed ``seed + h``): ``points[h] [N_h, D]`` -> centroids ``[H, C, D]`` (CPU)."""
+    from calib.saap.kmeans import fit_kmeans_heads
+
+    out = []
+    for h, x in enumerate(points):
+        if x.shape[0] < s.clusters:
+            raise UserError(f"k-means with method.clusters={s.clusters} needs at least that many keys outside the "
+                            f"sink and window per KV head, got {x.shape[0]}: raise method.prompts, use longer "
+                            f"prompts or lower method.clusters")
+        x = x.to(device) if device.type == "cuda" else x
+        cent = fit_kmeans_heads(x[None], s.clusters, s.iterations, seed=seed + h, use_gpu=s.kmeans_use_gpu,
+                                backend=s.kmeans_backend, max_points_per_centroid=s.max_points_per_centroid)
+        out.append(cent[0].cpu())  # [C, D]
+    return torch.stack(out)
+
+
+def imbalance(points: list[torch.Tensor], centroids: torch.Tensor) -> float:
+    """Mean over heads of the imbalance factor ``C·Σn²/(Σn)²`` (1 = perfectly balanced buckets)."""
+    from calib.saap.kmeans import assign
+
+    vals = []
+    for h, x in enumerate(points):
+        n = torch.bincount(assign(x, centroids[h]), minlength=centroids.shape[1]).double()
+        vals.append(float(centroids.shape[1] * (n * n).sum() / n.sum() ** 2))
+    return sum(vals) / len(vals)
+
+
+# ---------------------------------------------------------------------------------- second pass
+def layer_scales(model: Any) -> dict[int, float | None]:
+    """Softmax scale per layer (the attention module's ``scaling``; None = 1/sqrt(D))."""
+    from calib.collect.capture import attention_modules
+
+    return {i: (float(a.scaling) if getattr(a, "scaling", None) is not None else None)
+            for i, a in attention_modules(model).items()}
+
+
+def derope_capture(model: Any, cap: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """De-RoPE'd ``(q [Hq, T, D], k [Hkv, T, D])`` float32 of a capture, with the model's rotary module."""
+    from calib.rope import derope, rotary_cos_sin
+
+    cos, sin = rotary_cos_sin(model, cap.positions)
+    cos, sin = cos.to(cap.q_post.device), sin.to(cap.q_post.device)
+    return derope(cap.q_post, cos, sin, torch.float32), derope(cap.k_post, cos, sin, torch.float32)
+
+
+@dataclass
+class TrainingRows:
+    """One layer's classifier data: rows of all prompts (CPU)."""
+
+    x: list[torch.Tensor]  # [Hq, n_p, D] de-RoPE'd queries per prompt
+    targets: list[torch.Tensor]  # [Hq, n_p, C] rows of A·H_k
+    long_range: list[torch.Tensor]  # [Hq, n_p] bool
+    prompt: list[int]
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(x [Hq, N, D], targets [Hq, N, C], prompt_index [N])``."""
+        index = torch.cat([torch.full((x.shape[1],), p) for x, p in zip(self.x, self.prompt)])
+        return torch.cat(self.x, 1), torch.cat(self.targets, 1), index
+
+
+def training_rows(loaded: Any, prompts: Sequence[Any], centroids: dict[int, torch.Tensor], s: Settings,
+                  seed: int) -> dict[int, TrainingRows]:
+    """The second pass: per non-dense layer the sampled queries and their ``A·H_k`` rows."""
+    from calib.collect import run_layer_callbacks
+    from calib.collect.sampling import sample_generator
+    from calib.saap.kmeans import assign
+    from calib.saap.targets import kl_targets, select_training_queries
+
+    rows = {l: TrainingRows([], [], [], []) for l in centroids}
+    scales = layer_scales(loaded.model)
+    on_device = {l: c.to(loaded.device) for l, c in centroids.items()}
+
+    def on_layer(cap: Any) -> None:
+        if cap.layer not in rows:
+            return
+        qr, kr = cap.q_post.float(), cap.k_post.float()
+        qd, kd = derope_capture(loaded.model, cap)
+        pool = cap.num_tokens - max(s.sink, 1)
+        n = min(s.queries_per_prompt, pool if s.query_candidates is None else min(pool, s.query_candidates))
+        gen = sample_generator(seed, cap.prompt_index, cap.layer, "saap-queries")
+        pos, is_lr = select_training_queries(qr, kr, n, s.long_range, sink=s.sink, causal=s.causal_top1,
+                                             candidates=s.query_candidates, scale=scales[cap.layer], generator=gen)
+        kb = assign(kd, on_device[cap.layer])  # [Hkv, T]
+        tgt = kl_targets(qr, kr, kb, pos, s.clusters, causal=s.causal_targets, sink=s.sink, scale=scales[cap.layer])
+        r = rows[cap.layer]
+        r.x.append(qd.gather(1, pos.unsqueeze(-1).expand(-1, -1, qd.shape[-1])).cpu())
+        r.targets.append(tgt.cpu())
+        r.long_range.append(is_lr.cpu())
+        r.prompt.append(cap.prompt_index)
+
+    run_layer_callbacks(loaded, [p.input_ids for p in prompts], on_layer, layers=sorted(rows), desc="saap targets")
+    return rows
+
+
+def train_layer(rows: TrainingRows, s: Settings, layer: int, device: torch.device) -> tuple[Any, torch.Tensor]:
+    """All query heads of one layer at once -> ``(BatchedQueryClassifier, loss curve [steps, Hq])``."""
+    from calib.saap.classifier import fit_query_classifiers
+
+    x, t, index = rows.tensors()
+    return fit_query_classifiers(x, t, hidden=s.hidden, lr=s.lr, steps=s.steps, batch=s.batch,
+                                 seed=s.classifier_seed, prompt_index=index if s.batch_from_one_prompt else None,
+                                 device=device, desc=f"saap classifiers, layer {layer}")
+
+
+def evaluate(loaded: Any, prompts: Sequence[Any], params: dict[int, SaapLayerParams],
+             rope_centroids: dict[int, torch.Tensor], s: Settings, seed: int) -> dict[int, LayerEvaluation]:
+    """Per non-dense layer the evaluation of all held-out prompts (queries joined)."""
+    from calib.collect import run_layer_callbacks
+    from calib.collect.sampling import sample_generator
+    from calib.saap.metrics import eval_query_positions, evaluate_layer
+
+    scales = layer_scales(loaded.model)
+    dev_params = {l: p.to(loaded.device) for l, p in params.items()}
+    dev_rope = {l: c.to(loaded.device) for l, c in rope_centroids.items()}
+    found: dict[int, list[LayerEvaluation]] = defaultdict(list)
+
+    def on_layer(cap: Any) -> None:
+        if cap.layer not in dev_params:
+            return
+        qd, kd = derope_capture(loaded.model, cap)
+        n = min(s.eval_queries, cap.num_tokens - s.window)
+        qidx = eval_query_positions(cap.num_tokens, s.sink, s.recent, n,
+                                    sample_generator(seed, cap.prompt_index, cap.layer, "saap-eval"))
+        ev = evaluate_layer(cap.q_post.float(), qd, cap.k_post.float(), kd, cap.v.float(), qidx,
+                            params=dev_params[cap.layer], top_ls=s.evaluated_ls, rope_centroids=dev_rope[cap.layer],
+                            baseline_probe=s.baseline_probe, scale=scales[cap.layer])
+        found[cap.layer].append(LayerEvaluation(ev.top_ls, {m: {k: v.cpu() for k, v in d.items()}
+                                                            for m, d in ev.metrics.items()}))
+
+    short = [p for p in prompts if len(p.input_ids) <= s.window]
+    if short:
+        raise UserError(f"evaluation prompts of {len(short[0].input_ids)} tokens have no key outside the dense window "
+                        f"(method.window={s.window}): set method.eval.length longer")
+    run_layer_callbacks(loaded, [p.input_ids for p in prompts], on_layer, layers=sorted(params), desc="saap eval")
+    return {l: LayerEvaluation.concat(v) for l, v in sorted(found.items())}
+
+
+# ------------------------------------------------------------------------------------------- recipe
+def calibrate(cfg: DictConfig, ctx: Any) -> Any:
+    """The SAAP pipeline (see the module docstring); returns the :class:`calib.run.MethodOutput`."""
+    from calib.models import load_model
+    from calib.saap import report
+
+    s = Settings.from_cfg(cfg.method)
+    seed = int(cfg.get("seed", 0))
+    with ctx.timer.stage("load"):
+        loaded = load_model(cfg.model, device=str(ctx.device))
+        calib_prompts, held_out, calib_lengths, eval_length = build_prompt_sets(cfg, s, loaded.tokenizer)
+    n_layers = loaded.facts.num_layers
+    layers = [l for l in range(n_layers) if l not in set(s.dense_layers)]
+    if not layers or any(not 0 <= x < n_layers for x in s.dense_layers):
+        raise UserError(f"method.dense_layers={s.dense_layers} must be layers of 0..{n_layers - 1} and leave one out")
+    with ctx.timer.stage("collect"):
+        collected = collect_keys(cfg, loaded, calib_prompts, s, layers)
+    centroids, rope_centroids, balance = {}, {}, {}
+    with ctx.timer.stage("kmeans"):
+        for layer in layers:
+            derope_pts, rope_pts = candidate_keys(collected, layer, s.sink, s.recent)
+            centroids[layer] = fit_heads(derope_pts, s, seed, ctx.device)
+            rope_centroids[layer] = fit_heads(rope_pts, s, seed, ctx.device)
+            balance[layer] = imbalance(derope_pts, centroids[layer])
+            log.info("saap: layer %d k-means on %s keys per KV head, imbalance %.3f", layer,
+                     [int(x.shape[0]) for x in derope_pts], balance[layer])
+    with ctx.timer.stage("targets"):
+        rows = training_rows(loaded, calib_prompts, centroids, s, seed)
+    params, curves = {}, {}
+    with ctx.timer.stage("classifier"):
+        for layer in layers:
+            model, curves[layer] = train_layer(rows[layer], s, layer, ctx.device)
+            log.info("saap: layer %d classifiers, KL %.4f -> %.4f (mean over heads)", layer,
+                     float(curves[layer][0].mean()), float(curves[layer][-1].mean()))
+            params[layer] = model.layer_params(centroids[layer], sink=s.sink, recent=s.recent)
+    with ctx.timer.stage("eval"):
+        evals = evaluate(loaded, held_out, params, rope_centroids, s, seed)
+        head = report.head_curves(evals)
+        table = report.summary_table(head, s.evaluated_ls)
+        per_layer = report.interpolated_recall(head, s.recall_targets, per_layer=True)
+        metrics = report.headline_metrics(head, s.evaluated_ls, s.top_l, s.recall_targets)
+        report.log_report(table, curves, str(cfg.model.name),
+                          {"layers": layers, "recall_targets": s.recall_targets, "recall_per_layer": per_layer})
+    lr_by_layer = {l: float(torch.cat(r.long_range, 1).float().mean()) for l, r in rows.items()}
+    metrics.update({
+        "kmeans_imbalance": sum(balance.values()) / len(balance),
+        "train_long_range_fraction": sum(lr_by_layer.values()) / len(lr_by_layer),
+        "classifier_loss_first": float(torch.stack([c[: max(1, len(c) // 20)].mean() for c in curves.values()]).mean()),
+        "classifier_loss_last": float(torch.stack([c[-max(1, len(c) // 20):].mean() for c in curves.values()]).mean()),
+        **{f"time_{k}_s": v for k, v in ctx.timer.seconds.items()},
+    })
+    payload = {"eval_table": report.json_safe(table), "recall_per_layer": report.json_safe(per_layer),
+               "layers": layers,
+               "kmeans_imbalance": {str(l): v for l, v in balance.items()},
+               "training_rows": {str(l): int(sum(x.shape[1] for x in r.x)) for l, r in rows.items()},
+               "train_long_range_fraction": {str(l): v for l, v in lr_by_layer.items()},
+               "collected_set": collected.content_hash, "eval_length": eval_length, "eval_prompts": len(held_out)}
+    return _output(cfg, s, loaded, params, calib_prompts, held_out, calib_lengths, metrics, payload,
+                   keys_per_prompt(s, len(calib_prompts)))
+
+
+def hyperparameters(s: Settings, keys: int, calib_lengths: list[int], eval_length: int,
+                    bn_eps: float) -> dict[str, Any]:
+    """The manifest's hyperparameters: what the runtime reads plus every calibration setting."""
+    from calib.saap.kmeans import faiss_available
+
+    backend = s.kmeans_backend if s.kmeans_backend != "auto" else ("faiss" if faiss_available() else "torch")
+    return {"clusters": s.clusters, "iterations": s.iterations, "window": s.window, "sink": s.sink,
+            "recent": s.recent, "long_range": s.long_range, "top_l": s.top_l, "top_ls": s.evaluated_ls,
+            "dense_layers": sorted(set(s.dense_layers)), "bn_eps": bn_eps, "causal_targets": s.causal_targets,
+            "causal_top1": s.causal_top1,
+            "kmeans": {"backend": backend, "use_gpu": s.kmeans_use_gpu,
+                       "max_points_per_centroid": s.max_points_per_centroid, "keys_per_prompt": keys,
+                       "excluded": "sink and the final window (positions < sink or >= T - recent)"},
+            "classifier": {"hidden": s.hidden, "lr": s.lr, "steps": s.steps, "batch": s.batch,
+                           "queries_per_prompt": s.queries_per_prompt, "query_candidates": s.query_candidates,
+                           "batch_from_one_prompt": s.batch_from_one_prompt, "seed": s.classifier_seed,
+                           "optimizer": "adam", "batch_norm": True, "loss": "KL(A·H_k || softmax f_q(q))"},
+            "prompts": s.prompts, "calib_lengths": calib_lengths, "eval_length": eval_length,
+            "eval_prompts": s.eval_prompts, "baseline_probe": s.baseline_probe}
+
+
+def _output(cfg: DictConfig, s: Settings, loaded: Any, params: dict[int, SaapLayerParams], prompts: Sequence[Any],
+            held_out: Sequence[Any], calib_lengths: list[int], metrics: dict[str, Any], payload: dict[str, Any],
+            keys: int) -> Any:
+    from calib.data import dataset_hash
+    from calib.run import MethodOutput
+
+    tensors = {f"layer_{l}": p.to_tensors(prefix=f"layers.{l}.") for l, p in sorted(params.items())}
+    data = DataRecord(source=str(cfg.data.get("source", "synthetic")), seed=int(cfg.data.seed), count=len(prompts),
+                      lengths=sorted({int(p.length) for p in prompts}), content_hash=dataset_hash(prompts),
+                      tasks=sorted({str(p.task) for p in prompts}),
+                      details={"prompt_ids": [p.prompt_id for p in prompts],
+                               "tokens": [len(p.input_ids) for p in prompts], "heldout_seed": int(cfg.eval.seed),
+                               "heldout_prompt_ids": [p.prompt_id for p in held_out],
+                               "heldout_hash": dataset_hash(held_out)})
+    hyper = hyperparameters(s, keys, calib_lengths, payload["eval_length"], next(iter(params.values())).bn_eps)
+    return MethodOutput(tensors=tensors, hyperparameters=hyper,
+                        model=loaded.facts.to_dict(), data=data, metrics=metrics, payload=payload)

@@ -1,0 +1,217 @@
+"""`calib run +method=saap` end to end on a small random Llama: artifact, runtime, report, validation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from calib.errors import UserError
+
+ARCH = {"num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "hidden_size": 64,
+        "max_position_embeddings": 2048, "rope_theta": 10000.0, "rope_scaling": None}
+C, WINDOW, TOP_L = 8, 32, 8  # top_l = C: every bucket visited, so decode must equal dense attention
+METHODS = ("saap", "kmeans_derope", "kmeans_rope", "window")
+
+
+def overrides(model_dir: Path, *extra: str) -> list[str]:
+    arch = [f"model.arch.{k}={'null' if v is None else v}" for k, v in ARCH.items()]
+    return ["+method=saap", f"model.path={model_dir}", "model.name=rand-saap", *arch, "model.lengths=[256,384]",
+            "device=cpu", "data.tasks=[niah_single,kv_retrieval]", f"method.clusters={C}", f"method.window={WINDOW}",
+            "method.long_range=64", f"method.top_l={TOP_L}", "method.iterations=5", "method.prompts=3",
+            "method.top_ls=[1,2,4,8]", "method.classifier.hidden=32", "method.classifier.steps=30",
+            "method.classifier.batch=64", "method.classifier.queries_per_prompt=48",
+            "method.classifier.query_candidates=null", "method.eval.prompts=2", "method.eval.queries_per_prompt=24",
+            *extra]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from calib.data.tokenizer import build_tiny_backend, save_tiny_tokenizer
+    from calib.models import random_model
+
+    out = tmp_path_factory.mktemp("saap_llama")
+    random_model("llama", {**ARCH, "vocab_size": build_tiny_backend().get_vocab_size()}, seed=3).save_pretrained(out)
+    save_tiny_tokenizer(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("home")
+
+
+@pytest.fixture(scope="module")
+def result(model_dir: Path, home: Path) -> dict[str, Any]:
+    """One ``calib.run.run`` for the module, its MLflow stores under ``home``."""
+    import mlflow
+
+    import calib.run
+    from calib.config import compose
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CALIB_HOME", str(home))
+        mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+        mp.delenv("MLFLOW_REGISTRY_URI", raising=False)
+        (home / "artifacts").mkdir(parents=True, exist_ok=True)
+        try:
+            out = calib.run.run(compose(overrides(model_dir)))
+        finally:
+            while mlflow.active_run() is not None:
+                mlflow.end_run()
+    json.dumps(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def loaded(model_dir: Path):
+    from calib.config import compose
+    from calib.models import load_model
+
+    return load_model(compose(overrides(model_dir)).model, device="cpu")
+
+
+def test_result_metrics_and_artifact(result):
+    from runtime_kernels.artifact import load_artifact
+
+    assert result["model_uri"] == "models:/saap-rand-saap/1"
+    m = result["metrics"]
+    for t in ("0.02", "0.05", "0.1"):
+        for method in METHODS:
+            assert f"recall_at_sel{t}.{method}" in m, (t, method)
+            assert 0.0 <= m[f"recall_at_sel{t}.{method}"] <= 1.0 + 1e-6
+    for method in METHODS[:3]:
+        assert f"at_top_l.selectivity.{method}" in m and f"at_top_l.recall.{method}" in m
+    for stage in ("collect", "kmeans", "targets", "classifier", "eval"):
+        assert m[f"time_{stage}_s"] > 0
+    art = load_artifact(result["artifact_dir"], method="saap")
+    hp = art.manifest.hyperparameters
+    assert (hp["sink"], hp["window"], hp["top_l"], hp["dense_layers"], hp["clusters"]) == (1, WINDOW, TOP_L, [0], C)
+    assert not any(k.startswith("layers.0.") for k in art.tensors)  # layer 0 is dense
+    shapes = {k: tuple(v.shape) for k, v in art.tensors.items()}
+    assert shapes["layers.1.centroids"] == (2, C, 16) and shapes["layers.1.w1"] == (4, 16, 32)
+    assert shapes["layers.1.w2"] == (4, 32, C) and shapes["layers.1.bn_var"] == (4, 32)
+    assert art.manifest.data.count == 3 and art.manifest.data.lengths == [384]
+
+
+def test_eval_table_invariants(result):
+    """Window = selectivity 0; ℓ ≥ C visits every key (recall 1, no error); selectivity grows with ℓ."""
+    from runtime_kernels.artifact import load_artifact
+
+    rows = load_artifact(result["artifact_dir"]).manifest.payload["eval_table"]
+    window = next(r for r in rows if r["method"] == "window")
+    assert window["selectivity"] == 0.0 and 0 < window["recall"] < 1
+    for method in METHODS[:3]:
+        mine = sorted((r for r in rows if r["method"] == method), key=lambda r: r["l"])
+        assert [r["l"] for r in mine] == [1, 2, 4, 8]
+        sel = [r["selectivity"] for r in mine]
+        assert sel == sorted(sel) and sel[-1] == pytest.approx(1.0)
+        assert mine[-1]["recall"] == pytest.approx(1.0, abs=1e-5) and mine[-1]["rel_error"] < 1e-4
+        assert mine[-1]["selectivity_with_window"] == pytest.approx(1.0)
+        assert all(r["recall"] >= window["recall"] - 1e-6 for r in mine)
+
+
+def test_registry_alias_and_mlflow_logs(result, home):
+    import mlflow
+
+    from calib import tracking
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CALIB_HOME", str(home))
+        mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+        tracking.configure(tracking.resolve_target())
+        client = mlflow.MlflowClient()
+        assert str(client.get_model_version_by_alias("saap-rand-saap", "candidate").version) == "1"
+        run = client.get_run(result["run_id"])
+        assert "recall_at_sel0.05.saap" in run.data.metrics and "time_eval_s" in run.data.metrics
+        history = client.get_metric_history(result["run_id"], "classifier_loss.layer1")
+        assert len(history) == 30 and history[-1].value < history[0].value
+        files = {f.path for f in client.list_artifacts(result["run_id"], "plots")}
+        assert {"plots/saap_recall_vs_selectivity.png", "plots/saap_error_vs_selectivity.png",
+                "plots/saap_classifier_loss.png"} <= files
+
+
+def _decode_logits(model: Any, ids: torch.Tensor, forced: list[int]) -> torch.Tensor:
+    """Logits of the prefill's last position and of each decode step fed ``forced`` tokens: ``[1 + n, V]``."""
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=True)
+        past, logits = out.past_key_values, [out.logits[0, -1]]
+        for tok in forced:
+            out = model(input_ids=torch.tensor([[tok]]), past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            logits.append(out.logits[0, -1])
+    return torch.stack(logits)
+
+
+def test_apply_visiting_every_bucket_equals_dense(result, loaded):
+    from runtime_kernels import hf
+    from runtime_kernels.artifact import load_artifact
+    from runtime_kernels.saap.api import SaapDecode
+
+    model = loaded.model
+    ids = torch.randint(20, 200, (1, 150), generator=torch.Generator().manual_seed(0))
+    forced = [5, 17, 42, 99]
+    dense = _decode_logits(model, ids, forced)
+    state = hf.apply(model, result["artifact_dir"])
+    try:
+        assert isinstance(state.decode, SaapDecode) and state.decode.top_l == TOP_L
+        sparse = _decode_logits(model, ids, forced)
+        assert 1 in state.decode.index and state.decode.index[1].length == 150 + len(forced)
+    finally:
+        hf.remove(model)
+    torch.testing.assert_close(sparse, dense, atol=2e-4, rtol=1e-4)
+    # one bucket of C: the decode steps (not the prefill) change
+    art = load_artifact(result["artifact_dir"], method="saap")
+    one = SaapDecode.from_artifact(art, model)
+    one.top_l = 1
+    hf.attach(model, decode=one)
+    try:
+        few = _decode_logits(model, ids, forced)
+    finally:
+        hf.remove(model)
+    torch.testing.assert_close(few[0], dense[0], atol=2e-4, rtol=1e-4)
+    assert (few[1:] - dense[1:]).abs().max() > 1e-3
+
+
+def test_foreign_model_is_refused(result):
+    from calib.data.tokenizer import build_tiny_backend
+    from calib.models import random_model
+    from runtime_kernels import hf
+    from runtime_kernels.errors import ArtifactError
+
+    other = random_model("llama", {**ARCH, "num_layers": 3, "vocab_size": build_tiny_backend().get_vocab_size()})
+    with pytest.raises(ArtifactError, match="calibrated for model 'rand-saap'"):
+        hf.apply(other, result["artifact_dir"])
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["method.clusters=1"], "method.clusters must be >= 2"),
+    (["method.window=1"], "method.window must be > method.sink"),
+    (["method.sink=-1"], "method.sink must be >= 0"),
+    (["method.top_l=0"], "method.top_l must be >= 1"),
+    (["method.long_range=-5"], "method.long_range must be >= 0"),
+    (["method.iterations=0"], "method.iterations must be >= 1"),
+    (["method.clusters=abc"], "method.clusters must be a number"),
+    (["method.dense_layers=[0,1]"], "covers every layer"),
+    (["method.dense_layers=[5]"], "out of range"),
+    (["method.kmeans.backend=sklearn"], "method.kmeans.backend must be"),
+    (["method.eval.baseline_probe=all"], "baseline_probe must be head or group"),
+])
+def test_validate_errors(model_dir, extra, message):
+    from calib.config import compose
+    from calib.saap.recipe import validate
+
+    with pytest.raises(UserError, match=message) as info:
+        validate(compose(overrides(model_dir, *extra)))
+    assert "\n" not in str(info.value)
+
+
+def test_validate_accepts_defaults(model_dir):
+    from calib.config import compose
+    from calib.saap.recipe import validate
+
+    validate(compose(overrides(model_dir)))
+    validate(compose(["+method=saap"]))  # the tiny model's defaults

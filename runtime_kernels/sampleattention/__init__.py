@@ -1,6 +1,11 @@
 """SampleAttention prefill (SPEC §5.3): two-stage column/slash block selection + block-sparse attention."""
 
-from runtime_kernels.sampleattention.api import sampleattention_prefill_attention, sampleattention_prefill_mask
+from runtime_kernels.sampleattention.api import (
+    SampleAttentionPrefill,
+    bucket_table_tensor,
+    sampleattention_prefill_attention,
+    sampleattention_prefill_mask,
+)
 from runtime_kernels.sampleattention.buckets import BucketRow, BucketTable
 from runtime_kernels.sampleattention.reference import (
     Selection,
@@ -16,7 +21,9 @@ from runtime_kernels.sampleattention.reference import (
 __all__ = [
     "BucketRow",
     "BucketTable",
+    "SampleAttentionPrefill",
     "Selection",
+    "bucket_table_tensor",
     "cumulative_residual_attention",
     "sample_scores",
     "sampleattention_prefill_attention",

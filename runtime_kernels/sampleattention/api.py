@@ -1,4 +1,7 @@
-"""Public SampleAttention prefill entry point: bucket lookup -> two-stage selection -> block-sparse attention.
+"""Public SampleAttention prefill entry points: bucket lookup -> two-stage selection -> block-sparse attention.
+
+:class:`SampleAttentionPrefill` is the runtime object ``runtime_kernels.hf.apply`` builds from an
+artifact (``hf.RUNTIMES["sampleattention"]``); the functions below are its stateless core.
 
 The selection (:mod:`runtime_kernels.sampleattention.reference`) is plain PyTorch: its cost is the
 attention of ``chunk_n * blk`` sampled rows, i.e. matmuls that run on the GPU as they are. The
@@ -8,12 +11,23 @@ picks the Triton kernel on CUDA and the PyTorch reference otherwise.
 
 from __future__ import annotations
 
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
 import torch
+import torch.nn.functional as F
 
 from runtime_kernels.blocksparse.api import Backend, block_sparse_attention
 from runtime_kernels.blocksparse.mask import BlockMask
-from runtime_kernels.sampleattention.buckets import BucketTable
-from runtime_kernels.sampleattention.reference import sampleattention_select
+from runtime_kernels.errors import ArtifactError
+from runtime_kernels.sampleattention.buckets import BucketRow, BucketTable
+from runtime_kernels.sampleattention.reference import (
+    cumulative_residual_attention,
+    sampled_query_rows,
+    sampleattention_select,
+)
 
 
 def sampleattention_prefill_mask(
@@ -42,3 +56,188 @@ def sampleattention_prefill_attention(
     -> ``[B, Hq, Sq, Dv]`` (causal; queries are the last ``Sq`` positions)."""
     mask = sampleattention_prefill_mask(q, k, table, scale=scale)
     return block_sparse_attention(q, k, v, mask, scale=scale, backend=backend)
+
+
+# ------------------------------------------------------------------------------------------------
+# CPU path: the block-sparse semantics through the fused dense kernel with an element mask
+
+_MASKED_MAX_SCORES = 1 << 24  # score elements materialized per chunk of query rows
+
+
+def masked_dense_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask, *, scale: float | None = None
+) -> torch.Tensor:
+    """Exactly :func:`runtime_kernels.blocksparse.reference.block_sparse_attention`'s output (softmax
+    over the mask's kept causal elements; a row with none gets 0), computed by the fused SDPA kernel
+    with a boolean element mask, per chunk of whole query blocks against their causal key prefix.
+
+    Its cost does not shrink with sparsity (about 2.5x causal SDPA on CPU), but it is several times
+    faster on CPU than gathering key blocks, so the runtime uses it there (``backend="masked"``, the
+    ``"auto"`` choice on CPU). ``q: [B, Hq, Tq, D]``,
+    ``k: [B, Hkv, Tk, D]``, ``v: [B, Hkv, Tk, Dv]`` -> ``[B, Hq, Tq, Dv]`` in ``q.dtype``.
+    """
+    b, hq, tq, d = q.shape
+    hkv, tk, dv = k.shape[1], k.shape[2], v.shape[-1]
+    if (mask.batch, mask.heads, mask.seq_q, mask.seq_k) != (b, hq, tq, tk) or hq % hkv:
+        raise ValueError(f"mask (B, H, Sq, Sk)={(mask.batch, mask.heads, mask.seq_q, mask.seq_k)} does not fit "
+                         f"q {tuple(q.shape)} / k {tuple(k.shape)}")
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    keep = mask.to(q.device).to_dense()  # [B, Hq, NQ, NK]
+    bq, bk = mask.block_q, mask.block_k
+    step = bq * max(1, _MASKED_MAX_SCORES // max(1, b * hq * tk * bq))  # rows per chunk, whole query blocks
+    out = torch.full((b, hq, tq, dv), math.nan, dtype=q.dtype, device=q.device)  # every row is written below
+    kk, vv = k.to(cdt), v.to(cdt)
+    for r0 in range(0, tq, step):
+        r1 = min(tq, r0 + step)
+        k_end = tk - tq + r1  # keys visible to the chunk's last query
+        qpos = torch.arange(r0, r1, device=q.device) + (tk - tq)  # [r] absolute positions
+        kpos = torch.arange(k_end, device=q.device)
+        blocks = keep[:, :, r0 // bq : -(-r1 // bq), : -(-k_end // bk)]  # [B, Hq, nqb, nkb]
+        nqb, nkb = blocks.shape[2:]
+        allowed = blocks[:, :, :, None, :, None].expand(b, hq, nqb, bq, nkb, bk).reshape(b, hq, nqb * bq, nkb * bk)
+        allowed = allowed[:, :, : r1 - r0, :k_end] & (kpos[None, :] <= qpos[:, None])  # [B, Hq, r, Kc]
+        o = F.scaled_dot_product_attention(q[:, :, r0:r1].to(cdt), kk[:, :, :k_end], vv[:, :, :k_end],
+                                           attn_mask=allowed, scale=scale, enable_gqa=hq != hkv)
+        # a row with no kept causal key gets 0 (as the reference): its first kept key lies after it
+        first = torch.where(blocks, torch.arange(nkb, device=q.device), nkb).amin(-1) * bk  # [B, Hq, nqb]
+        empty = first.repeat_interleave(bq, -1)[..., : r1 - r0] > qpos  # [B, Hq, r]
+        out[:, :, r0:r1] = o.masked_fill(empty[..., None], 0.0).to(q.dtype)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# The runtime object ``runtime_kernels.hf`` plugs into a model
+
+
+@dataclass
+class _Stats:
+    """Running sums over the prefill calls (layers x prompts) since the last :meth:`pop_stats`."""
+
+    calls: int = 0
+    heads: int = 0  # (batch, head) entries summed below
+    density: float = 0.0
+    cra: float = 0.0
+    cra_min: float = math.inf
+    time_s: float = 0.0
+    bucket: int = -1
+
+    def add(self, density: torch.Tensor, cra: torch.Tensor | None, bucket: int, time_s: float) -> None:
+        """``density: [B, H]``; ``cra: [B, H]`` or None (not measured)."""
+        self.calls += 1
+        self.heads += density.numel()
+        self.density += float(density.double().sum())
+        if cra is not None:
+            self.cra += float(cra.double().sum())
+            self.cra_min = min(self.cra_min, float(cra.min()))
+        self.time_s += time_s
+        self.bucket = bucket
+
+
+class SampleAttentionPrefill:
+    """SampleAttention in prefill: per call, the bucket row of the prompt length -> mask -> attention.
+
+    Built from an artifact (:meth:`from_artifact`, the bucket table of the manifest payload) or
+    directly from a :class:`BucketTable` or one fixed :class:`BucketRow` (calibration scores grid
+    points this way). A dense row (either alpha 1) returns ``None`` so the model's own attention runs,
+    except with ``timing`` where dense SDPA runs here so that its time is measured like a sparse call.
+
+    Statistics (:meth:`pop_stats`, per prompt in ``calib eval``): mean block ``density`` and
+    ``sparsity = 1 - density`` over every (layer, batch, head) of the calls since the last pop, the
+    mean and minimum sampled CRA (``cra``, ``cra_min``: exact kept softmax mass on the Stage-1 sampled
+    query rows, 1 for dense rows; computed outside the timed region, only with ``report_cra``), the
+    bucket index of the last call, and with ``timing`` the summed attention time ``attn_time_s``
+    (selection + attention, CUDA-synchronized on GPU).
+    """
+
+    method = "sampleattention"
+    phase = "prefill"
+
+    def __init__(self, table: BucketTable | BucketRow, *, blk: int = 64, report_cra: bool = True,
+                 timing: bool = False, backend: Backend | Literal["masked"] = "auto") -> None:
+        if backend not in ("auto", "masked", "reference", "triton"):
+            raise ValueError(f"unknown backend {backend!r}; use auto, masked, reference or triton")
+        if isinstance(table, BucketRow):
+            table = BucketTable([], [table], blk=blk)
+        self.table = table
+        self.report_cra = report_cra
+        self.timing = timing
+        self.backend = backend
+        self._stats = _Stats()
+
+    @classmethod
+    def from_artifact(cls, artifact: Any, model: Any = None) -> "SampleAttentionPrefill":
+        """The runtime of a ``sampleattention`` artifact: ``payload["buckets"]`` (checked against the
+        ``table`` tensor ``[n_buckets, 3]`` = (alpha_c, alpha_s, chunk_n) when the artifact has one)."""
+        buckets = artifact.manifest.payload.get("buckets")
+        if not isinstance(buckets, dict):
+            raise ArtifactError(f"{artifact.path}: SampleAttention artifact has no bucket table "
+                                "(payload.buckets); re-run `python -m calib run +method=sampleattention`")
+        try:
+            table = BucketTable.from_dict(buckets)
+        except ValueError as err:
+            raise ArtifactError(f"{artifact.path}: {err}") from None
+        tensor = artifact.tensors.get("table")
+        if tensor is not None:
+            expected = bucket_table_tensor(table)
+            if tuple(tensor.shape) != tuple(expected.shape) or not torch.allclose(tensor.float(), expected, atol=1e-6):
+                raise ArtifactError(f"{artifact.path}: tensor 'table' {tuple(tensor.shape)} disagrees with "
+                                    "payload.buckets (edited manifest?); re-run the calibration")
+        return cls(table)
+
+    def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                ctx: Any = None) -> torch.Tensor | None:
+        """``q: [B, Hq, T, D]``, ``k, v: [B, Hkv, T, D]`` -> ``[B, Hq, T, D]``, or None (run dense)."""
+        length = k.shape[2]
+        bucket = self.table.bucket_index(length)
+        row = self.table.lookup(length)
+        b, hq = q.shape[:2]
+        start = self._clock(q)
+        if row.dense:
+            out = None
+            if self.timing:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            elapsed = self._clock(q) - start if self.timing else 0.0
+            ones = torch.ones(b, hq)
+            self._stats.add(ones, ones if self.report_cra else None, bucket, elapsed)
+            return out
+        mask = sampleattention_select(q, k, alpha_c=row.alpha_c, alpha_s=row.alpha_s, chunk_n=row.chunk_n,
+                                      blk=self.table.blk, scale=scale)
+        out = self._attend(q, k, v, mask, scale)
+        elapsed = self._clock(q) - start if self.timing else 0.0
+        cra = None
+        if self.report_cra:
+            rows = sampled_query_rows(q.shape[2], row.chunk_n, self.table.blk, q.device)
+            cra = cumulative_residual_attention(q, k, mask, rows, scale=scale)
+        self._stats.add(mask.density(), cra, bucket, elapsed)
+        return out
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask, scale: float) -> torch.Tensor:
+        """``backend``: ``"masked"`` (:func:`masked_dense_attention`), ``"reference"``/``"triton"``
+        (:func:`block_sparse_attention`); ``"auto"`` = masked on CPU, the block-sparse dispatch on CUDA."""
+        if self.backend == "masked" or (self.backend == "auto" and not q.is_cuda):
+            return masked_dense_attention(q, k, v, mask, scale=scale)
+        return block_sparse_attention(q, k, v, mask, scale=scale, backend=self.backend)
+
+    def _clock(self, q: torch.Tensor) -> float:
+        if self.timing and q.is_cuda:
+            torch.cuda.synchronize(q.device)
+        return time.perf_counter()
+
+    def pop_stats(self) -> dict[str, float]:
+        """Statistics since the last call (see the class docstring); ``{}`` when nothing ran."""
+        s, self._stats = self._stats, _Stats()
+        if s.calls == 0:
+            return {}
+        density = s.density / s.heads
+        out = {"density": density, "sparsity": 1.0 - density, "bucket": float(s.bucket)}
+        if self.report_cra:
+            out.update(cra=s.cra / s.heads, cra_min=s.cra_min)
+        if self.timing:
+            out["attn_time_s"] = s.time_s
+        return out
+
+
+def bucket_table_tensor(table: BucketTable) -> torch.Tensor:
+    """``[n_buckets, 3]`` float32 rows ``(alpha_c, alpha_s, chunk_n)``: the artifact's hashed copy of the table."""
+    return torch.tensor([[r.alpha_c, r.alpha_s, float(r.chunk_n)] for r in table.rows], dtype=torch.float32)

@@ -1,0 +1,219 @@
+"""Scoring SampleAttention grid points on one length bucket's profiling prompts (SPEC §5.3).
+
+A point ``(alpha_c, alpha_s, chunk_n)`` is scored by plugging :class:`SampleAttentionPrefill` with that
+one fixed row into the model (``runtime_kernels.hf.attach``) and answering the bucket's prompts. Two
+task scores (``method.score``), both in ``[0, 1]`` per prompt and averaged over the prompts:
+
+* ``answer_prob`` (default): the gold answer's per-token geometric-mean probability under teacher
+  forcing, ``exp(mean_t log p(y_t | prompt, y_<t))`` over the answer tokens and the end of the answer
+  (the summed probability of the stop tokens: EOS or newline, as greedy decoding stops). Only the
+  prompt's prefill runs SampleAttention; the answer tokens then attend densely to the sparse-prefilled
+  KV cache, exactly as in greedy generation where every decode step is dense. It is continuous: a
+  0.99 x dense threshold on it bounds the *degradation* of the answers, where exact match on a few
+  prompts only says "no prompt flipped" (with a dense score of 1.0 the 0.99 rule on exact match is
+  "all correct", a weak certificate on 5-20 prompts). It also gives ``tf_exact`` (every answer token
+  and the stop are the argmax: what greedy decoding would produce), logged with every point.
+* ``exact_match``: greedy generation (``calib.evaluate.greedy_generate``) scored with
+  ``calib.data.exact_match``: the task score of ``calib eval`` and of the paper.
+
+Early stop (``method.early_stop``): prompts are scored one at a time; once even perfect scores (1.0)
+on the remaining prompts could not lift the mean to the feasibility threshold, the point is failing
+whatever the rest give, and the evaluator stops and reports that upper bound as its score (so the
+decision is the one a full evaluation makes; sparsity and time are then means over the prompts scored).
+Prompts are ordered so that likely failures come first: ascending dense answer probability
+(``answer_prob``), dense-correct first (``exact_match``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from calib.sampleattention.tuning import GridPoint, PointResult
+from runtime_kernels import hf
+from runtime_kernels.sampleattention.api import SampleAttentionPrefill
+from runtime_kernels.sampleattention.buckets import BucketRow
+
+SCORES = ("answer_prob", "exact_match")
+
+
+@dataclass(frozen=True)
+class PromptScore:
+    """One prompt's score and the runtime's statistics for it (empty for dense)."""
+
+    score: float  # in [0, 1]
+    exact: bool  # tf_exact (answer_prob) or exact match (exact_match)
+    stats: dict[str, float]
+
+
+@dataclass
+class PointEval:
+    """Everything measured for one grid point (the tuner sees only :meth:`result`)."""
+
+    point: GridPoint
+    scores: list[PromptScore]
+    num_prompts: int  # prompts of the bucket
+    score: float  # mean score, or the early-stop upper bound when incomplete
+    complete: bool  # False: stopped early (``score`` is an upper bound below the threshold)
+
+    def _mean(self, key: str) -> float | None:
+        vals = [s.stats[key] for s in self.scores if key in s.stats]
+        return float(sum(vals) / len(vals)) if vals else None
+
+    @property
+    def sparsity(self) -> float:
+        value = self._mean("sparsity")
+        return 0.0 if value is None else value
+
+    def result(self) -> PointResult:
+        return PointResult(self.score, self.sparsity, self._mean("attn_time_s"))
+
+    def record(self) -> dict[str, Any]:
+        """A flat JSON row for the tuning log."""
+        return {"alpha_c": self.point.alpha_c, "alpha_s": self.point.alpha_s, "chunk_n": self.point.chunk_n,
+                "score": self.score, "complete": self.complete, "prompts_scored": len(self.scores),
+                "exact": float(sum(s.exact for s in self.scores) / max(1, len(self.scores))),
+                "sparsity": self.sparsity, "cra": self._mean("cra"), "cra_min": self._mean("cra_min"),
+                "time_s": self._mean("attn_time_s")}
+
+
+def answer_token_ids(tokenizer: Any, text: str, answer: str) -> list[int]:
+    """Token ids of ``answer`` as a continuation of ``text``.
+
+    ``ids(text + answer)`` minus the ids of ``text`` when the latter is a prefix of the former (the
+    continuation as the tokenizer merges it), else the ids of ``answer`` alone.
+    """
+    full = list(tokenizer(text + answer, add_special_tokens=False)["input_ids"])
+    head = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if len(full) > len(head) and full[: len(head)] == head:
+        return full[len(head):]
+    return list(tokenizer(answer, add_special_tokens=False)["input_ids"])
+
+
+@torch.inference_mode()
+def teacher_forced_score(model: Any, prompt_ids: Sequence[int], answer_ids: Sequence[int], stop_ids: set[int],
+                         prefill: SampleAttentionPrefill | None) -> tuple[float, bool]:
+    """``(answer probability, tf_exact)`` of one prompt; ``prefill`` (or dense when None) runs the prompt.
+
+    Returns the geometric mean over ``len(answer_ids) + 1`` terms: each answer token's probability and
+    the summed probability of ``stop_ids`` after the answer.
+    """
+    device = next(model.parameters()).device
+    if prefill is not None:
+        hf.attach(model, prefill=prefill)
+    try:
+        out = model(input_ids=torch.tensor([list(prompt_ids)], device=device), use_cache=True, logits_to_keep=1)
+    finally:
+        if prefill is not None:
+            hf.remove(model)
+    logits = [out.logits[0, -1:].float()]  # [1, V]: predicts answer_ids[0]
+    if answer_ids:
+        cont = model(input_ids=torch.tensor([list(answer_ids)], device=device), past_key_values=out.past_key_values,
+                     use_cache=False)
+        logits.append(cont.logits[0].float())  # [A, V]: predicts answer_ids[1:] and the stop
+    logp = torch.log_softmax(torch.cat(logits), dim=-1)  # [A + 1, V]
+    targets = torch.tensor(list(answer_ids), device=logp.device, dtype=torch.long)
+    token_lp = logp[torch.arange(len(answer_ids), device=logp.device), targets]  # [A]
+    stops = torch.tensor(sorted(stop_ids), device=logp.device, dtype=torch.long)
+    stop_lp = torch.logsumexp(logp[-1, stops], dim=0)
+    terms = torch.cat([token_lp, stop_lp[None]])
+    argmax = logp.argmax(-1)
+    exact = bool((argmax[:-1] == targets).all()) and int(argmax[-1]) in stop_ids
+    return float(terms.mean().exp()), exact
+
+
+@dataclass
+class BucketEvaluator:
+    """Scores grid points on one bucket's prompts; callable as the tuner's ``evaluate``.
+
+    ``prompts`` are :class:`calib.data.Prompt`; ``threshold`` (set after :meth:`dense`) enables the
+    early stop. Evaluations are cached per point; :meth:`full` re-runs a point stopped early.
+    """
+
+    loaded: Any  # calib.models.LoadedModel
+    prompts: list[Any]
+    blk: int
+    score: str = "answer_prob"
+    max_new_tokens: int = 16
+    timing: bool = False
+    report_cra: bool = True
+    early_stop: bool = True
+    on_point: Callable[[PointEval], None] | None = None
+    threshold: float | None = None
+    cache: dict[GridPoint, PointEval] = field(default_factory=dict)
+    dense_scores: list[PromptScore] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        from calib.evaluate import stop_token_ids
+
+        if self.score not in SCORES:
+            raise ValueError(f"score={self.score!r}; use one of {SCORES}")
+        tok = self.loaded.tokenizer
+        self._stops = stop_token_ids(tok)
+        self._answers = [answer_token_ids(tok, p.text, p.answer) for p in self.prompts]
+
+    def _score_prompt(self, index: int, rt: SampleAttentionPrefill | None) -> PromptScore:
+        p = self.prompts[index]
+        if self.score == "answer_prob":
+            value, exact = teacher_forced_score(self.loaded.model, p.input_ids, self._answers[index], self._stops, rt)
+        else:
+            value, exact = self._generate(p, rt)
+        stats = rt.pop_stats() if rt is not None else {}
+        return PromptScore(value, exact, stats)
+
+    def _generate(self, prompt: Any, rt: SampleAttentionPrefill | None) -> tuple[float, bool]:
+        from calib.data import exact_match
+        from calib.evaluate import greedy_generate
+
+        model = self.loaded.model
+        if rt is not None:
+            hf.attach(model, prefill=rt)
+        try:
+            gen = greedy_generate(model, prompt.input_ids, self.max_new_tokens, self._stops)
+        finally:
+            if rt is not None:
+                hf.remove(model)
+        ok = exact_match(self.loaded.tokenizer.decode(gen, skip_special_tokens=True), prompt.answer)
+        return float(ok), ok
+
+    def dense(self) -> float:
+        """Dense score of the bucket; reorders the prompts so likely failures are scored first."""
+        scores = [self._score_prompt(i, None) for i in range(len(self.prompts))]
+        order = sorted(range(len(scores)), key=lambda i: scores[i].score if self.score == "answer_prob"
+                       else -scores[i].score)
+        self.prompts = [self.prompts[i] for i in order]
+        self._answers = [self._answers[i] for i in order]
+        self.dense_scores = [scores[i] for i in order]
+        return float(sum(s.score for s in scores) / len(scores))
+
+    def evaluate(self, point: GridPoint, *, allow_stop: bool = True) -> PointEval:
+        """Score ``point`` on the bucket's prompts (cached; a cached early stop is redone if not allowed)."""
+        cached = self.cache.get(point)
+        if cached is not None and (cached.complete or allow_stop):
+            return cached
+        row = BucketRow(float(point.alpha_c), float(point.alpha_s), int(point.chunk_n))
+        rt = SampleAttentionPrefill(row, blk=self.blk, report_cra=self.report_cra, timing=self.timing)
+        n, scores, total = len(self.prompts), [], 0.0
+        for i in range(n):
+            scores.append(self._score_prompt(i, rt))
+            total += scores[-1].score
+            bound = (total + (n - i - 1)) / n
+            if allow_stop and self.early_stop and self.threshold is not None and i < n - 1 and bound < self.threshold:
+                result = PointEval(point, scores, n, bound, complete=False)
+                break
+        else:
+            result = PointEval(point, scores, n, total / n, complete=True)
+        self.cache[point] = result
+        if self.on_point is not None:
+            self.on_point(result)
+        return result
+
+    def __call__(self, alpha_c: float, alpha_s: float, chunk_n: int) -> PointResult:
+        return self.evaluate(GridPoint(alpha_c, alpha_s, chunk_n)).result()
+
+    def full(self, point: GridPoint) -> PointEval:
+        """``point`` scored on every prompt (reuses a complete cached evaluation)."""
+        return self.evaluate(point, allow_stop=False)

@@ -1,0 +1,330 @@
+"""`calib run +method=sampleattention` end to end on a small structured Llama (no download)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from calib.errors import UserError
+from calib.sampleattention.scoring import BucketEvaluator, PromptScore, answer_token_ids
+from calib.sampleattention.tuning import GridPoint
+from runtime_kernels.artifact import load_artifact
+from runtime_kernels.sampleattention.api import SampleAttentionPrefill, bucket_table_tensor
+from runtime_kernels.sampleattention.buckets import BucketTable
+
+ARCH = {"num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "hidden_size": 64,
+        "max_position_embeddings": 2048, "rope_theta": 10000.0, "rope_scaling": None}
+LENGTHS, EDGE = (256, 512), 384
+ALPHAS, CHUNK_NS = (0.3, 0.9), (1, 2)
+
+
+def structured_llama(seed: int = 5) -> torch.nn.Module:
+    """Random Llama with position-driven local heads of growing sharpness (random init is near uniform,
+    so the masks would keep everything): one shared embedding offset makes keys mostly positional and
+    query head ``h`` a multiple of its KV head's key projection."""
+    from calib.data.tokenizer import build_tiny_backend
+    from calib.models import random_model
+
+    model = random_model("llama", {**ARCH, "vocab_size": build_tiny_backend().get_vocab_size()}, seed=seed)
+    d = ARCH["head_dim"]
+    with torch.no_grad():
+        offset = torch.randn(ARCH["hidden_size"], generator=torch.Generator().manual_seed(seed))
+        model.model.embed_tokens.weight += 0.04 * offset
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            attn.v_proj.weight.mul_(30.0)
+            for h, gain in enumerate((20.0, 60.0, 120.0, 200.0)):
+                attn.q_proj.weight[h * d:(h + 1) * d] = gain * attn.k_proj.weight[(h // 2) * d:(h // 2 + 1) * d]
+    return model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from calib.data.tokenizer import save_tiny_tokenizer
+
+    out = tmp_path_factory.mktemp("sa_llama")
+    structured_llama().save_pretrained(out)
+    save_tiny_tokenizer(out)
+    return out
+
+
+def overrides(model_dir: Path, *extra: str) -> list[str]:
+    arch = [f"model.arch.{k}={'null' if v is None else v}" for k, v in ARCH.items()]
+    return ["+method=sampleattention", f"model.path={model_dir}", "model.name=rand-sa", *arch,
+            f"model.lengths=[{LENGTHS[0]},{LENGTHS[1]}]", "device=cpu", "method.blk=32",
+            f"method.bucket_edges=[{EDGE}]",
+            f"method.alphas_c=[{ALPHAS[0]},{ALPHAS[1]}]", f"method.alphas_s=[{ALPHAS[0]},{ALPHAS[1]}]",
+            f"method.chunk_ns=[{CHUNK_NS[0]},{CHUNK_NS[1]}]", "method.profiling.prompts_per_length=1",
+            "data.tasks=[niah_single,kv_retrieval]", "method.min_relative_score=1.0", *extra]
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One CALIB_HOME (MLflow SQLite + artifact store) for the module: creating the store costs seconds."""
+    return tmp_path_factory.mktemp("home")
+
+
+def _in_home(home: Path, fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` with the MLflow stores under ``home``; ends any run left open."""
+    import mlflow
+
+    import calib.run
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CALIB_HOME", str(home))
+        mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+        mp.delenv("MLFLOW_REGISTRY_URI", raising=False)
+        (home / "artifacts").mkdir(parents=True, exist_ok=True)
+        try:
+            return fn(*args)
+        finally:
+            while mlflow.active_run() is not None:
+                mlflow.end_run()
+
+
+@pytest.fixture(scope="module")
+def run(model_dir: Path, home: Path) -> dict[str, Any]:
+    """One calibration (MLflow under a private CALIB_HOME); also returns the logged tuning record."""
+    import mlflow
+
+    import calib.run
+    from calib.config import compose
+
+    def calibrate_and_read() -> dict[str, Any]:
+        result = calib.run.run(compose(overrides(model_dir)))
+        run_id = result["run_id"]
+        return {"result": result,
+                "tuning": mlflow.artifacts.load_dict(f"runs:/{run_id}/sampleattention/tuning.json"),
+                "table3": mlflow.artifacts.load_text(f"runs:/{run_id}/sampleattention/table3.md"),
+                "plots": [f.path for f in mlflow.MlflowClient().list_artifacts(run_id, "plots/sampleattention")]}
+
+    out = _in_home(home, calibrate_and_read)
+    json.dumps(out["result"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def loaded(model_dir: Path):
+    from calib.config import compose
+    from calib.models import load_model
+
+    return load_model(compose(overrides(model_dir)).model, device="cpu")
+
+
+def test_result_json_metrics_and_logged_files(run) -> None:
+    result, tuning = run["result"], run["tuning"]
+    assert result["model_uri"] == "models:/sampleattention-rand-sa/1"
+    m = result["metrics"]
+    assert m["grid_points"] == 2 * len(ALPHAS) ** 2 * len(CHUNK_NS)
+    assert 0 < m["evaluated_points"] <= m["grid_points"]
+    assert m["evaluated_points"] == sum(len(b["evaluated"]) for b in tuning["buckets"])
+    for b in (0, 1):
+        for key in ("dense_score", "score", "sparsity", "threshold", "evaluated_points"):
+            assert f"bucket{b}.{key}" in m
+        for n in CHUNK_NS:
+            assert 0.0 <= m[f"table3.b{b}.n{n}.sparsity"] <= 1.0
+    assert sorted(run["plots"]) == ["plots/sampleattention/bucket0.png", "plots/sampleattention/bucket1.png"]
+    assert run["table3"].count("\n| 0 ") == 1 and "chunk_n=2" in run["table3"]
+
+
+def test_chosen_point_is_feasible_and_the_sparsest_feasible(run) -> None:
+    for bucket in run["tuning"]["buckets"]:
+        assert bucket["num_prompts"] == 2 and bucket["threshold"] == pytest.approx(bucket["dense_score"])
+        evaluated = bucket["evaluated"]
+        assert len(evaluated) + len(bucket["skipped"]) == bucket["grid_points"]
+        for e in evaluated:  # feasibility is the score rule; an early stop is always infeasible
+            assert e["feasible"] == (e["score"] >= bucket["threshold"])
+            assert e["complete"] or (not e["feasible"] and e["prompts_scored"] < 2)
+        feasible = [e for e in evaluated if e["feasible"]]
+        chosen = bucket["chosen"]
+        if not feasible:
+            assert chosen is None
+            continue
+        assert chosen["score"] >= bucket["threshold"] and chosen["complete"]
+        assert chosen["sparsity"] >= max(e["sparsity"] for e in feasible) - 0.005
+
+
+def test_table3_has_every_chunk_n_at_the_chosen_alphas_on_all_prompts(run) -> None:
+    for bucket in run["tuning"]["buckets"]:
+        t3 = bucket["table3"]
+        assert [r["chunk_n"] for r in t3["rows"]] == list(CHUNK_NS)
+        assert all(r["complete"] and r["prompts_scored"] == 2 for r in t3["rows"])
+        assert all((r["alpha_c"], r["alpha_s"]) == (t3["alpha_c"], t3["alpha_s"]) for r in t3["rows"])
+        if bucket["chosen"] is not None:
+            assert (t3["alpha_c"], t3["alpha_s"]) == (bucket["chosen"]["alpha_c"], bucket["chosen"]["alpha_s"])
+            mine = next(r for r in t3["rows"] if r["chunk_n"] == bucket["chosen"]["chunk_n"])
+            assert mine["score"] == pytest.approx(bucket["chosen"]["score"])
+        else:
+            assert (t3["alpha_c"], t3["alpha_s"]) == (max(ALPHAS), max(ALPHAS))
+
+
+def test_artifact_payload_and_tensor_round_trip(run) -> None:
+    art = load_artifact(run["result"]["artifact_dir"], method="sampleattention")
+    table = BucketTable.from_dict(art.manifest.payload["buckets"])
+    assert table.edges == [EDGE] and table.blk == 32 and table.max_length == max(LENGTHS)
+    assert table.to_dict() == art.manifest.payload["buckets"]
+    assert torch.equal(art.tensor("table"), bucket_table_tensor(table))
+    for row, bucket in zip(table.rows, run["tuning"]["buckets"]):
+        chosen = bucket["chosen"]
+        want = (1.0, 1.0, 1) if chosen is None else (chosen["alpha_c"], chosen["alpha_s"], chosen["chunk_n"])
+        assert (row.alpha_c, row.alpha_s, row.chunk_n) == want
+    assert art.manifest.data.count == 4 and art.manifest.data.lengths == list(LENGTHS)
+    assert art.manifest.hyperparameters["score"] == "answer_prob"
+
+
+def test_dense_score_matches_an_independent_teacher_forced_pass(run, loaded, model_dir: Path) -> None:
+    """The dense answer probability, recomputed with ONE forward over prompt + answer."""
+    from calib.config import compose
+    from calib.evaluate import stop_token_ids
+    from calib.sampleattention.recipe import _profiling_prompts
+
+    cfg = compose(overrides(model_dir))
+    prompts = _profiling_prompts(cfg, loaded.tokenizer)
+    stops = sorted(stop_token_ids(loaded.tokenizer))
+    per_length: dict[int, list[float]] = {}
+    for p in prompts:
+        ans = answer_token_ids(loaded.tokenizer, p.text, p.answer)
+        ids = torch.tensor([list(p.input_ids) + ans])
+        with torch.no_grad():
+            logp = torch.log_softmax(loaded.model(input_ids=ids).logits[0, len(p.input_ids) - 1:].double(), -1)
+        terms = [float(logp[i, t]) for i, t in enumerate(ans)] + [float(torch.logsumexp(logp[-1, stops], 0))]
+        per_length.setdefault(p.length, []).append(math.exp(sum(terms) / len(terms)))
+    for bucket, length in zip(run["tuning"]["buckets"], LENGTHS):
+        want = sum(per_length[length]) / len(per_length[length])
+        assert bucket["dense_score"] == pytest.approx(want, rel=1e-4)
+
+
+def test_hf_apply_uses_the_tuned_rows(run, loaded) -> None:
+    from runtime_kernels import hf
+
+    art = load_artifact(run["result"]["artifact_dir"])
+    rt = hf.apply(loaded.model, art)
+    try:
+        assert isinstance(rt.prefill, SampleAttentionPrefill)
+        ids = torch.arange(10, 10 + 450)[None]
+        with torch.no_grad():
+            logits = loaded.model(input_ids=ids, logits_to_keep=1).logits
+        stats = rt.prefill.pop_stats()
+    finally:
+        hf.remove(loaded.model)
+    assert torch.isfinite(logits).all() and stats["bucket"] == 1.0
+    chosen = run["tuning"]["buckets"][1]["chosen"]
+    assert (stats["sparsity"] > 0) == (chosen is not None and chosen["sparsity"] > 0)
+
+
+def test_validate_rejects_bad_method_values(model_dir: Path) -> None:
+    from calib.config import compose
+    from calib.sampleattention.recipe import validate
+
+    validate(compose(overrides(model_dir)))
+    for bad, match in (("method.alphas_c=[0.5,1.2]", "alphas_c"), ("method.chunk_ns=[0,2]", "chunk_ns"),
+                       ("method.score=bleu", "method.score"), ("method.bucket_edges=[512,384]", "bucket_edges"),
+                       ("method.min_relative_score=1.5", "min_relative_score"),
+                       ("method.profiling.prompts_per_length=0", "prompts_per_length")):
+        with pytest.raises(UserError, match=match):
+            validate(compose(overrides(model_dir, bad)))
+
+
+# ------------------------------------------------------------------------------- early stop, no model
+def test_early_stop_reports_an_upper_bound_below_the_threshold_and_full_rescores(loaded, monkeypatch) -> None:
+    prompts = [type("P", (), {"text": "a", "answer": "b", "input_ids": [1, 2]})() for _ in range(4)]
+    ev = BucketEvaluator(loaded, prompts, blk=32)
+    values = iter([0.9, 0.3, 0.95, 0.97] * 2)
+    calls: list[int] = []
+
+    def fake(index: int, rt: Any) -> PromptScore:
+        calls.append(index)
+        return PromptScore(next(values), False, {"sparsity": 0.5})
+
+    monkeypatch.setattr(ev, "_score_prompt", fake)
+    ev.threshold = 0.9
+    point = GridPoint(0.5, 0.5, 1)
+    stopped = ev.evaluate(point)  # after 0.9, 0.3: (1.2 + 2) / 4 = 0.8 < 0.9 -> failing whatever follows
+    assert calls == [0, 1] and not stopped.complete and stopped.score == pytest.approx(0.8)
+    assert ev(0.5, 0.5, 1).score == pytest.approx(0.8) and calls == [0, 1]  # cached
+    full = ev.full(point)
+    assert calls == [0, 1, 0, 1, 2, 3] and full.complete
+    assert full.score == pytest.approx((0.9 + 0.3 + 0.95 + 0.97) / 4) and full.sparsity == 0.5
+
+
+def test_answer_token_ids_continue_the_prompt(loaded) -> None:
+    tok = loaded.tokenizer
+    ids = answer_token_ids(tok, "Question: what is the key?\nAnswer: ", "1234567")
+    assert tok.decode(ids) == "1234567" and len(ids) == 7  # one token per digit in the tiny tokenizer
+
+
+def test_calib_eval_reports_sparsity_and_cra_per_task_and_length(run, model_dir: Path, home: Path) -> None:
+    from calib.config import compose
+    from calib.evaluate import evaluate
+
+    cfg = compose(overrides(model_dir, f"artifact={run['result']['artifact_dir']}", "eval.num_prompts=1",
+                            "eval.max_new_tokens=2", "eval.bootstrap=50"))
+    out = _in_home(home, evaluate, cfg)
+    json.dumps(out)
+    for task in ("niah_single", "kv_retrieval"):
+        for n in LENGTHS:
+            assert set(out["tasks"][f"{task}@{n}"]) == {"dense", "sparse"}
+            m = {k.split(".", 1)[1]: v for k, v in out["metrics"].items() if k.startswith(f"{task}@{n}.")}
+            assert 0.0 <= m["sparsity"] <= 1.0 and 0.0 < m["cra_min"] <= m["cra"] <= 1.0
+            assert m["bucket"] == float(n > EDGE)
+
+
+# ------------------------------------------------------------------------------- held-out acceptance check
+def test_acceptance_check_groups_held_out_prompts_by_bucket(run, model_dir: Path) -> None:
+    from calib.config import compose
+    from calib.sampleattention.acceptance import check
+
+    cfg = compose(overrides(model_dir, f"artifact={run['result']['artifact_dir']}", "eval.num_prompts=1",
+                            "eval.max_new_tokens=2", "eval.bootstrap=100"))
+    out = check(cfg, min_prompts=1, max_drop=0.02)
+    json.dumps(out)
+    assert set(out["buckets"]) == {"0", "1"} and set(out["lengths"]) == {str(n) for n in LENGTHS}
+    assert sum(b["n"] for b in out["buckets"].values()) == 4  # 2 tasks x 2 lengths x 1 prompt
+    for b in out["buckets"].values():
+        assert b["diff"] == pytest.approx(b["sparse_acc"] - b["dense_acc"]) and b["diff_ci_low"] <= b["diff"]
+        assert 0.0 <= b["sparsity"] <= 1.0 and 0.0 < b["cra_min"] <= b["cra"] <= 1.0
+    assert out["pass"] == (not out["reasons"])
+    strict = check(cfg, min_prompts=100)
+    assert not strict["pass"] and any("< 100" in r for r in strict["reasons"])
+
+
+def test_verdict_rule() -> None:
+    from calib.sampleattention.acceptance import verdict
+
+    ok = {"n": 120.0, "diff_ci_low": -0.015, "sparsity": 0.0}
+    good = {"0": ok, "1": {**ok, "sparsity": 0.3}}
+    assert verdict(good, min_prompts=100, max_drop=0.02) == {"pass": True, "reasons": []}
+    lossy = {**good, "1": {**ok, "diff_ci_low": -0.03, "sparsity": 0.3}}
+    assert not verdict(lossy, min_prompts=100, max_drop=0.02)["pass"]
+    assert not verdict({"0": {**ok, "sparsity": 0.3}, "1": ok}, min_prompts=100, max_drop=0.02)["pass"]  # longest dense
+    assert not verdict({**good, "0": {**ok, "n": 99.0}}, min_prompts=100, max_drop=0.02)["pass"]
+
+
+# ------------------------------------------------------------------------------- report helpers, no model
+def test_heatmap_grid_labels_and_table3_markdown() -> None:
+    from calib.sampleattention.report import BucketReport, _grid, heatmap_figure, table3_markdown
+    from calib.sampleattention.scoring import PointEval
+    from calib.sampleattention.tuning import EvaluatedPoint, SkippedPoint, TuningResult
+
+    def ev(c: float, s: float, n: int, score: float, sparsity: float, complete: bool = True) -> PointEval:
+        return PointEval(GridPoint(c, s, n), [PromptScore(score, True, {"sparsity": sparsity})], 1, score, complete)
+
+    evals = {e.point: e for e in (ev(0.9, 0.8, 1, 0.99, 0.4), ev(0.8, 0.8, 1, 0.5, 0.6, complete=False),
+                                  ev(0.9, 0.8, 2, 0.98, 0.35))}
+    chosen = EvaluatedPoint(GridPoint(0.9, 0.8, 1), evals[GridPoint(0.9, 0.8, 1)].result(), True)
+    skipped = [SkippedPoint(GridPoint(0.9, 0.9, 1), "dominates_feasible", GridPoint(0.9, 0.8, 1))]
+    result = TuningResult(chosen, [chosen], skipped, 0.95)
+    report = BucketReport(1, 1536, None, [2048], 1, 1.0, 1.0, 0.95, result, evals, (0.9, 0.8),
+                          {1: evals[GridPoint(0.9, 0.8, 1)], 2: evals[GridPoint(0.9, 0.8, 2)]}, 8)
+    grid = _grid(report, 1, [0.8, 0.9], [0.8, 0.9])
+    assert grid["score"][1][0] == 0.99 and grid["sparsity"][0][0] == 0.6 and grid["labels"][0][0] == "<="
+    assert grid["labels"][1][1] == "D" and math.isnan(grid["score"][1][1]) and math.isnan(grid["score"][0][1])
+    fig = heatmap_figure(report, [0.8, 0.9], [0.8, 0.9])
+    assert len(fig.axes) == 4  # chunk_n 1 and 2, score and sparsity each
+    md = table3_markdown([report])
+    assert "| 1 [1536,inf) | (0.90, 0.80) | 1.0000 | 0.9900 / 0.400* | 0.9800 / 0.350 |" in md

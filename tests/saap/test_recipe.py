@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from calib.errors import UserError
+from tests.recipe_support import run_recipe
 
 ARCH = {"num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "hidden_size": 64,
         "max_position_embeddings": 2048, "rope_theta": 10000.0, "rope_scaling": None}
@@ -47,23 +48,7 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def result(model_dir: Path, home: Path) -> dict[str, Any]:
     """One ``calib.run.run`` for the module, its MLflow stores under ``home``."""
-    import mlflow
-
-    import calib.run
-    from calib.config import compose
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("CALIB_HOME", str(home))
-        mp.delenv("MLFLOW_TRACKING_URI", raising=False)
-        mp.delenv("MLFLOW_REGISTRY_URI", raising=False)
-        (home / "artifacts").mkdir(parents=True, exist_ok=True)
-        try:
-            out = calib.run.run(compose(overrides(model_dir)))
-        finally:
-            while mlflow.active_run() is not None:
-                mlflow.end_run()
-    json.dumps(out)
-    return out
+    return run_recipe(home, overrides(model_dir))
 
 
 @pytest.fixture(scope="module")

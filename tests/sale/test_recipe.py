@@ -12,6 +12,7 @@ import torch
 
 from calib.errors import UserError
 from runtime_kernels.artifact import load_artifact
+from tests.recipe_support import run_recipe
 from tests.sale.conftest import sale_overrides
 
 THETA_LOW, THETA_HIGH = 0.003, 0.03
@@ -20,23 +21,7 @@ CALIB_LENGTH = 512
 
 def _calibrate(home: Path, model_dir: Path, theta: float, *extra: str) -> dict[str, Any]:
     """``calib.run.run`` with the MLflow stores under ``home``."""
-    import mlflow
-
-    import calib.run
-    from calib.config import compose
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("CALIB_HOME", str(home))
-        mp.delenv("MLFLOW_TRACKING_URI", raising=False)
-        mp.delenv("MLFLOW_REGISTRY_URI", raising=False)
-        (home / "artifacts").mkdir(parents=True, exist_ok=True)
-        try:
-            result = calib.run.run(compose(sale_overrides(model_dir, theta, *extra)))
-        finally:
-            while mlflow.active_run() is not None:
-                mlflow.end_run()
-    json.dumps(result)  # the result must be one JSON object
-    return result
+    return run_recipe(home, sale_overrides(model_dir, theta, *extra))
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ from calib.sampleattention.tuning import GridPoint
 from runtime_kernels.artifact import load_artifact
 from runtime_kernels.sampleattention.api import SampleAttentionPrefill, bucket_table_tensor
 from runtime_kernels.sampleattention.buckets import BucketTable
+from tests.recipe_support import in_calib_home
 
 ARCH = {"num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "hidden_size": 64,
         "max_position_embeddings": 2048, "rope_theta": 10000.0, "rope_scaling": None}
@@ -69,22 +70,7 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("home")
 
 
-def _in_home(home: Path, fn: Any, *args: Any) -> Any:
-    """``fn(*args)`` with the MLflow stores under ``home``; ends any run left open."""
-    import mlflow
-
-    import calib.run
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("CALIB_HOME", str(home))
-        mp.delenv("MLFLOW_TRACKING_URI", raising=False)
-        mp.delenv("MLFLOW_REGISTRY_URI", raising=False)
-        (home / "artifacts").mkdir(parents=True, exist_ok=True)
-        try:
-            return fn(*args)
-        finally:
-            while mlflow.active_run() is not None:
-                mlflow.end_run()
+_in_home = in_calib_home
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ on CUDA, to ``triton.py`` when present. ``reference.py`` documents how uniform o
 """
 
 from runtime_kernels.santa.api import (
+    SantaDecode,
     decode_sample_counts,
     exact_attention,
     expected_prop_output,
@@ -18,6 +19,7 @@ from runtime_kernels.santa.api import (
 from runtime_kernels.santa.tiling import flash_tile_budget, largest_remainder, prop_tile_budgets
 
 __all__ = [
+    "SantaDecode",
     "decode_sample_counts",
     "exact_attention",
     "expected_prop_output",

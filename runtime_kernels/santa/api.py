@@ -1,5 +1,8 @@
 """Public SANTA / S²ANTA entry points: validation, randomness, backend dispatch.
 
+``SantaDecode`` (end of this module) is the per-layer-schedule runtime that
+``runtime_kernels.hf.apply(model, santa_artifact)`` plugs into a transformers model.
+
 Backends. ``reference.py`` (plain PyTorch, float64 sampling) runs everywhere. A GPU module
 ``runtime_kernels/santa/triton.py`` is picked automatically when ``q.is_cuda`` and it imports; it
 provides the same backend functions as the reference:
@@ -32,6 +35,7 @@ from __future__ import annotations
 import functools
 import importlib
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -332,3 +336,153 @@ def exact_attention(
     """Dense softmax·V in float64. q: [B, Hq, Tq, D] or [B, Hq, D] (decode); k, v: [B, Hkv, Tk, D]."""
     _check_qkv(q if q.dim() == 4 else q[:, :, None], k, v)
     return reference.exact_attention(q, k, v, causal=causal, scale=scale, cache_len=cache_len)
+
+
+# ------------------------------------------------------------------------------ transformers runtime
+
+PHASES = ("prefill", "decode")
+
+
+def _schedule_list(schedule: "torch.Tensor | list[int] | tuple[int, ...]") -> list[int]:
+    """A per-layer schedule as a list of non-negative Python ints (rejects fractions, NaN, 2-D)."""
+    s = torch.as_tensor(schedule).detach().cpu()
+    if s.dim() != 1 or s.numel() == 0:
+        raise ValueError(f"schedule must be a non-empty [L] vector of sample budgets, got shape {tuple(s.shape)}")
+    if s.is_floating_point() and bool((~torch.isfinite(s) | (s != s.round())).any()):
+        raise ValueError(f"schedule must hold integers, got {s.tolist()}")
+    out = [int(x) for x in s.to(torch.int64).tolist()]
+    if min(out) < 0:
+        raise ValueError(f"schedule must be >= 0 per layer (0 runs as S = 1), got {out}")
+    return out
+
+
+def _phases(value: Any) -> tuple[str, ...]:
+    phases = (value,) if isinstance(value, str) else tuple(str(p) for p in (value or ()))
+    bad = [p for p in phases if p not in PHASES]
+    if bad or "decode" not in phases:
+        raise ValueError(f"phases must be [decode] or [prefill, decode] (got {list(phases)})")
+    return tuple(p for p in PHASES if p in phases)
+
+
+class SantaDecode:
+    """S²ANTA with a per-layer sample budget, the runtime of ``hf.apply(model, santa_artifact)``.
+
+    Decode: layer ``l`` runs :func:`santa_decode_attention` with ``S = max(1, schedule[l])`` (``tiling``
+    prop / flash / none, ``tile`` keys per tile, ``estimator`` inside tiles = sys). With ``"prefill"``
+    in ``phases`` (the paper's GSM8K runs) ``phase`` is ``"both"`` and every prefill query row is
+    sampled too with :func:`santa_attention` (causal) at the same S. Randomness comes from one
+    ``torch.Generator`` per device, seeded by ``seed`` (``None``: fresh entropy); :meth:`reseed`
+    restarts it. A batch with a padding mask runs dense (like every decode method here).
+
+    ``pop_stats()``: ``mean_samples`` (mean S over sampled attention calls), ``sample_fraction``
+    (mean samples drawn per query row / keys it may read, capped at 1) and ``sampled_calls``.
+    """
+
+    method = "santa"
+
+    def __init__(self, schedule: "torch.Tensor | list[int] | tuple[int, ...]", *, estimator: str = "sys",
+                 tiling: str = "flash", tile: int = 256, phases: Any = ("decode",), seed: int | None = None,
+                 backend: str = "auto") -> None:
+        self.schedule = _schedule_list(schedule)
+        if estimator not in ESTIMATORS:
+            raise ValueError(f"unknown estimator {estimator!r}; use one of {ESTIMATORS}")
+        if tiling not in TILINGS:
+            raise ValueError(f"unknown tiling {tiling!r}; use one of {TILINGS}")
+        if tiling != "none" and estimator != "sys":
+            raise ValueError(f"tiling={tiling!r} samples systematically inside tiles; use estimator='sys'")
+        if int(tile) < 1:
+            raise ValueError(f"tile must be >= 1, got {tile}")
+        self.estimator, self.tiling, self.tile, self.backend = estimator, tiling, int(tile), backend
+        self.phases = _phases(phases)
+        self.phase = "both" if "prefill" in self.phases else "decode"
+        self._generators: dict[str, torch.Generator] = {}
+        self.reseed(seed)
+        self._stats = [0.0, 0.0, 0]  # sum of S, sum of sample fractions, calls
+
+    @classmethod
+    def from_artifact(cls, artifact: Any, model: Any, *, seed: int | None = 0) -> "SantaDecode":
+        """Build from a verified SANTA artifact: tensor ``schedule: [L]`` int64, and ``estimator``,
+        ``tiling``, ``tile``, ``phases`` from the payload (else the hyper-parameters)."""
+        from runtime_kernels.errors import ArtifactError
+
+        schedule = artifact.tensor("schedule")
+        layers = getattr(getattr(model, "config", None), "num_hidden_layers", schedule.shape[0])
+        if schedule.dim() != 1 or schedule.shape[0] != layers:
+            raise ArtifactError(f"{artifact.path}: schedule has shape {tuple(schedule.shape)} but the model has "
+                                f"{layers} layers; use an artifact calibrated for this model")
+        settings = {**(artifact.manifest.hyperparameters or {}), **(artifact.manifest.payload or {})}
+        try:
+            return cls(schedule, estimator=str(settings.get("estimator", "sys")),
+                       tiling=str(settings.get("tiling", "flash")), tile=int(settings.get("tile", 256)),
+                       phases=settings.get("phases", ("decode",)), seed=seed)
+        except (TypeError, ValueError) as exc:
+            raise ArtifactError(f"{artifact.path}: invalid SANTA settings ({exc})") from None
+
+    def reseed(self, seed: int | None) -> None:
+        """Restart the sampling streams: ``seed`` for every device (None: fresh entropy)."""
+        self.seed = seed
+        self._generators.clear()
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        """The generator that draws this runtime's offsets for tensors on ``device``."""
+        key = str(device)
+        if key not in self._generators:
+            gen = torch.Generator(device=device)
+            if self.seed is None:
+                gen.seed()
+            else:
+                gen.manual_seed(int(self.seed))
+            self._generators[key] = gen
+        return self._generators[key]
+
+    def budget(self, layer: int) -> int:
+        """S of ``layer`` as run: ``max(1, schedule[layer])``."""
+        if not 0 <= layer < len(self.schedule):
+            raise ValueError(f"the SANTA schedule has {len(self.schedule)} layers; got layer {layer}")
+        return max(1, self.schedule[layer])
+
+    @staticmethod
+    def _padded(ctx: Any, batch: int) -> bool:
+        return batch > 1 and getattr(ctx, "attention_mask", None) is not None
+
+    def _record(self, s: int, drawn: float, keys: float) -> None:
+        self._stats[0] += s
+        self._stats[1] += min(1.0, drawn / max(keys, 1.0))
+        self._stats[2] += 1
+
+    def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                ctx: Any = None) -> torch.Tensor | None:
+        """``q: [B, Hq, T, D]``, ``k, v: [B, Hkv, T, D]`` -> ``[B, Hq, T, D]`` sampled (causal); ``None``
+        (dense) when prefill is not among the phases."""
+        if "prefill" not in self.phases:
+            return None
+        s = self.budget(layer)
+        out = santa_attention(q, k, v, s, estimator=self.estimator, causal=True, scale=scale,
+                              generator=self.generator(q.device), backend=self.backend)
+        t = q.shape[2]
+        self._record(s, s, (t + 1) / 2)  # a causal row reads on average (T + 1) / 2 keys
+        return out
+
+    def observe_prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Any = None) -> None:
+        """Nothing to build: S²ANTA samples from the cache as it is at every step."""
+
+    def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               ctx: Any = None) -> torch.Tensor | None:
+        """``q: [B, Hq, 1, D]``, ``k, v: [B, Hkv, Tk, D]`` (the whole cache) -> ``[B, Hq, 1, D]``."""
+        if self._padded(ctx, q.shape[0]):
+            return None
+        s = self.budget(layer)
+        out = santa_decode_attention(q, k, v, s, tiling=self.tiling, tile=self.tile, estimator=self.estimator,
+                                     scale=scale, generator=self.generator(q.device), backend=self.backend)
+        tk = k.shape[2]
+        tiles = -(-tk // self.tile)
+        self._record(s, tiles * max(1, int(s / tiles + 0.5)) if self.tiling == "flash" else s, tk)
+        return out[:, :, None]
+
+    def pop_stats(self) -> dict[str, float]:
+        """Per-call means since the last call (``{}`` when nothing was sampled)."""
+        total_s, fractions, calls = self._stats
+        if calls == 0:
+            return {}
+        self._stats = [0.0, 0.0, 0]
+        return {"mean_samples": total_s / calls, "sample_fraction": fractions / calls, "sampled_calls": float(calls)}

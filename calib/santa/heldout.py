@@ -1,0 +1,124 @@
+"""Held-out scoring of SANTA schedules: learned vs uniform at the same N (SPEC §5.4 "held-out reward").
+
+Both schedules (and, optionally, dense attention) answer the SAME held-out questions
+(:func:`calib.santa.reward.reward_prompts` with ``heldout=True``), question ``i`` sampled with the same
+seed under every schedule (:func:`calib.santa.reward.question_seeds`), so the comparison is paired.
+With more than a few dozen questions the work is sharded over up to ``rl.workers`` local processes
+(:mod:`calib.santa.local_worker` ``--score``; shard ``j`` takes questions ``j::shards``): each loads
+the model once and scores its questions under every schedule. Seeds per question make the scores
+independent of the sharding.
+
+Metrics: ``reward_learned`` / ``reward_uniform`` with bootstrap 95% CIs (``*_ci_low``, ``*_ci_high``),
+``reward_learned_minus_uniform`` with its paired-bootstrap CI, ``heldout_ci_separated`` (1 when the
+learned CI lies wholly above the uniform CI), ``learned_equals_uniform`` and ``reward_dense``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import asdict
+from typing import Any, Sequence
+
+import numpy as np
+
+from calib.errors import UserError
+
+log = logging.getLogger("calib.santa")
+
+MIN_PER_SHARD = 32  # fewer questions than this per process are scored in this process
+
+
+def _prompt_dict(p: Any) -> dict[str, Any]:
+    d = asdict(p)
+    d["text"] = ""  # the ids are what the model reads; the text only makes the job larger
+    return d
+
+
+def run_score_job(cfg_dict: dict[str, Any], job: dict[str, Any], threads: int) -> dict[str, list[bool]]:
+    """Child side (``local_worker --score``): load the model, score ``job`` under each schedule."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from calib.data import Prompt
+    from calib.models import load_model, resolve_device
+    from calib.santa.reward import RewardSettings, score_schedule
+
+    torch.set_num_threads(max(1, threads))
+    cfg = OmegaConf.create(cfg_dict)
+    loaded = load_model(cfg.model, device=str(resolve_device(str(cfg.get("device", "auto")))))
+    prompts = [Prompt(**p) for p in job["prompts"]]
+    rs = RewardSettings.from_cfg(cfg)
+    return {name: score_schedule(loaded, prompts, sched, rs, job["seeds"], job["max_new"]).tolist()
+            for name, sched in job["schedules"].items()}
+
+
+def score_schedules(cfg: Any, loaded: Any, prompts: Sequence[Any], max_new: Sequence[int], seeds: Sequence[int],
+                    schedules: dict[str, list[int] | None], shards: int) -> dict[str, np.ndarray]:
+    """Correctness ``[len(prompts)]`` per named schedule (None = dense), over ``shards`` processes."""
+    from calib.config import to_container
+    from calib.santa.local_worker import last_json, start_child
+    from calib.santa.reward import RewardSettings, score_schedule
+
+    shards = max(1, min(shards, len(prompts) // MIN_PER_SHARD))
+    if shards == 1:
+        rs = RewardSettings.from_cfg(cfg)
+        return {name: score_schedule(loaded, prompts, sched, rs, seeds, max_new) for name, sched in schedules.items()}
+    config_line = json.dumps(to_container(cfg))
+    threads = max(1, (os.cpu_count() or 1) // shards)
+    procs = []
+    for j in range(shards):
+        idx = range(j, len(prompts), shards)
+        job = {"schedules": schedules, "prompts": [_prompt_dict(prompts[i]) for i in idx],
+               "max_new": [int(max_new[i]) for i in idx], "seeds": [int(seeds[i]) for i in idx]}
+        procs.append(start_child(j, 0, threads, [config_line, json.dumps(job)], score=True))
+    log.info("scoring %d held-out questions x %d schedules in %d processes", len(prompts), len(schedules), shards)
+    out = {name: np.zeros(len(prompts), dtype=bool) for name in schedules}
+    errors = []
+    for j, proc in enumerate(procs):
+        proc.stdin.close()
+        proc.wait()
+        report = last_json(proc.stdout.read(), proc.returncode)
+        proc.stdout.close()
+        if "scores" not in report:
+            errors.append(f"shard {j}: {report.get('error', 'no report')}")
+            continue
+        for name, got in report["scores"].items():
+            out[name][j::shards] = np.asarray(got, dtype=bool)
+    if errors:
+        raise UserError(f"held-out scoring failed ({'; '.join(errors)})")
+    return out
+
+
+def _ci_metrics(name: str, ci: Any) -> dict[str, float]:
+    return {name: ci.mean, f"{name}_ci_low": ci.low, f"{name}_ci_high": ci.high}
+
+
+def heldout_comparison(cfg: Any, loaded: Any, learned: np.ndarray, uniform: np.ndarray, count: int,
+                       shards: int) -> dict[str, float]:
+    """Held-out reward of the learned vs the uniform schedule on ``count`` questions (module docstring)."""
+    from calib.santa.reward import RewardSettings, new_token_budgets, question_seeds, reward_prompts
+    from calib.stats import bootstrap_mean_ci, paired_bootstrap_diff
+
+    prompts = reward_prompts(cfg, loaded.tokenizer, heldout=True, count=count)
+    max_new = new_token_budgets(prompts, loaded.tokenizer, RewardSettings.from_cfg(cfg))
+    seed, resamples = int(cfg.get("seed", 0)), int(cfg.eval.bootstrap)
+    same = bool(np.array_equal(learned, uniform))
+    schedules: dict[str, list[int] | None] = {"learned": [int(x) for x in learned]}
+    if not same:
+        schedules["uniform"] = [int(x) for x in uniform]
+    if cfg.method.reward.get("heldout_dense", True):
+        schedules["dense"] = None
+    got = score_schedules(cfg, loaded, prompts, max_new, question_seeds(seed, len(prompts)), schedules, shards)
+    got_uniform = got["learned"].copy() if same else got["uniform"]
+    ci_l = bootstrap_mean_ci(got["learned"], resamples=resamples, seed=seed)
+    ci_u = bootstrap_mean_ci(got_uniform, resamples=resamples, seed=seed)
+    diff = paired_bootstrap_diff(got_uniform, got["learned"], resamples=resamples, seed=seed)  # learned - uniform
+    out = {**_ci_metrics("reward_learned", ci_l), **_ci_metrics("reward_uniform", ci_u),
+           **_ci_metrics("reward_learned_minus_uniform", diff),
+           "heldout_ci_separated": float(ci_l.low > ci_u.high), "learned_equals_uniform": float(same),
+           "heldout_questions": float(len(prompts))}
+    if "dense" in got:
+        out["reward_dense"] = float(got["dense"].mean())
+    return out

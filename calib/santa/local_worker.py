@@ -1,0 +1,122 @@
+"""Local child processes of ``python -m calib run +method=santa`` (:mod:`calib.santa.recipe`).
+
+The parent starts ``python -m calib.santa.local_worker --index I --seed S --threads T [--score]`` with
+:func:`start_child` (a fresh interpreter: no dependence on the caller's ``__main__``, unlike
+multiprocessing spawn) and writes the resolved config as ONE JSON line on the child's stdin.
+
+* REINFORCE worker (default): the child loads the model, builds the reward pool and runs
+  :func:`calib.santa.worker.run_worker` with episode seeds ``SeedSequence([S, I])`` until
+  ``done.json`` appears or its stdin reaches end-of-file — the parent closed it (stop) or died (a
+  local worker never outlives its ``run``). A stop is honoured after the current episode; an
+  incomplete batch is never published.
+* ``--score``: a second stdin line holds a held-out scoring job (:mod:`calib.santa.heldout`); the child
+  scores its questions under every schedule of the job.
+
+The child's stdout carries exactly one JSON line at exit: ``{"summary": {...}}``, ``{"scores": {...}}``
+or ``{"error": "<one line>"}``; logs and tracebacks go to stderr (shared with the parent).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import traceback
+from typing import Any, Sequence
+
+
+def start_child(index: int, seed: int, threads: int, lines: Sequence[str], *, score: bool = False) -> subprocess.Popen:
+    """Start one child with ``lines`` (JSON texts) written to its stdin, which stays open (text mode)."""
+    from calib.paths import project_root
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(project_root()), *filter(None, [env.get("PYTHONPATH")])])
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    cmd = [sys.executable, "-m", "calib.santa.local_worker", "--index", str(index), "--seed", str(seed),
+           "--threads", str(threads), *(["--score"] if score else [])]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    for line in lines:
+        proc.stdin.write(line.rstrip("\n") + "\n")
+    proc.stdin.flush()
+    return proc
+
+
+def last_json(text: str | None, code: int | None) -> dict[str, Any]:
+    """The child's report: the last JSON object line of its stdout."""
+    for line in reversed((text or "").splitlines()):
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(obj, dict):
+            return obj
+    return {"error": f"exited with code {code} without a report"} if code else {}
+
+
+def _stop_on_stdin_eof(stop: threading.Event) -> None:
+    def wait() -> None:
+        try:
+            sys.stdin.read()
+        finally:
+            stop.set()
+
+    threading.Thread(target=wait, name="santa-stop-on-eof", daemon=True).start()
+
+
+def run_local_worker(cfg_dict: dict, index: int, seed: int, threads: int, stop: threading.Event) -> dict:
+    """Load, build the evaluator and loop until done or ``stop``; the worker summary as a dict."""
+    import numpy as np
+    import torch
+    from omegaconf import OmegaConf
+
+    from calib.santa.commands import RLSettings, prepare_worker, setup_logging
+    from calib.santa.worker import run_worker
+
+    torch.set_num_threads(max(1, threads))
+    setup_logging()
+    cfg = OmegaConf.create(cfg_dict)
+    s = RLSettings.from_cfg(cfg)
+    _, evaluate = prepare_worker(cfg)
+    summary = run_worker(s.require_dir("run"), evaluate, episodes=s.episodes, stop_event=stop,
+                         worker_id=f"local{index}-{os.getpid()}", seed=np.random.SeedSequence([int(seed), index]),
+                         poll_s=min(s.poll_s, 0.5))
+    return summary.__dict__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m calib.santa.local_worker", description=__doc__.splitlines()[0])
+    parser.add_argument("--index", type=int, required=True)
+    parser.add_argument("--seed", type=int, required=True)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--score", action="store_true", help="score a held-out job (second stdin line)")
+    ns = parser.parse_args(argv)
+    from calib.errors import UserError
+
+    line = sys.stdin.readline()
+    try:
+        if ns.score:
+            from calib.santa.heldout import run_score_job
+
+            scores = run_score_job(json.loads(line), json.loads(sys.stdin.readline()), ns.threads)
+            print(json.dumps({"scores": scores}), flush=True)
+            return 0
+        stop = threading.Event()
+        _stop_on_stdin_eof(stop)
+        summary = run_local_worker(json.loads(line), ns.index, ns.seed, ns.threads, stop)
+    except UserError as exc:
+        print(json.dumps({"error": str(exc)}), flush=True)
+        return 2
+    except Exception as exc:  # noqa: BLE001 - reported to the parent in one line, traceback on stderr
+        traceback.print_exc()
+        first = (str(exc).splitlines() or [""])[0]
+        print(json.dumps({"error": f"{type(exc).__name__}: {first}"}), flush=True)
+        return 1
+    print(json.dumps({"summary": summary}, default=str), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""``python -m calib run +method=santa``: the per-layer S²ANTA sample schedule by REINFORCE (SPEC §5.4).
+
+Stages (each timed):
+
+1. ``reinforce`` — the shared folder ``rl.dir`` (null: a fresh ``rl/`` folder in the Hydra job's
+   output directory, or ``artifacts/rl/<run_id>`` outside Hydra; an existing folder is resumed) gets
+   an aggregator in this process and ``rl.workers`` local worker PROCESSES
+   (:mod:`calib.santa.local_worker`; each loads the model itself on ``device`` with ``rl.threads``
+   torch threads, default cores / workers, and seeds its episodes with
+   ``SeedSequence([rl.seed or seed, i])``). The aggregator
+   commits updates until ``rl.iterations`` (writing ``done.json``), logging every iteration to this
+   MLflow run (``rl/reward_mean``, ``rl/baseline``, ``rl/grad_norm``, ``rl/policy_entropy``,
+   ``rl/p_layer_<i>``, step = iteration); then the workers are stopped and joined. A worker that dies
+   fails the run with its one-line error.
+2. ``heldout`` — the artifact schedule ``round(N p)`` (largest remainder, >= 1 per layer, sum N) and
+   the uniform schedule at the same N are scored on the SAME ``rl.heldout_questions`` held-out
+   questions (``eval.seed`` / the held-out split) with the same per-question sampling seeds, sharded
+   over up to ``rl.workers`` processes (:mod:`calib.santa.heldout`): ``reward_learned``,
+   ``reward_uniform`` (bootstrap 95% CIs), ``reward_learned_minus_uniform`` (paired bootstrap CI),
+   ``heldout_ci_separated`` (1 when the learned CI lies wholly above the uniform one) and, with
+   ``method.reward.heldout_dense``, ``reward_dense``.
+3. ``plots`` — reward curve, per-layer p heatmap over iterations, schedule bar chart
+   (:mod:`calib.santa.plots`).
+
+The artifact: ``schedule.safetensors`` with ``schedule`` int64 [L], ``theta`` float32 [L], ``probs``
+float32 [L]; estimator / tiling / tile / phases in the hyper-parameters and the payload, read by
+``runtime_kernels.santa.api.SantaDecode.from_artifact``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import DictConfig
+
+from calib.config import to_container
+from calib.errors import UserError
+from calib.santa.commands import IterationLogger, RLSettings, final_schedule, run_aggregator_checked, settings
+from runtime_kernels.manifest import DataRecord
+
+log = logging.getLogger("calib.santa")
+
+JOIN_TIMEOUT_S = 120.0  # a stopped worker finishes its current episode first
+
+
+def validate(cfg: DictConfig) -> None:
+    """Range checks of ``cfg.method`` and ``cfg.rl`` (one-line :class:`UserError`)."""
+    settings(cfg)
+
+
+def default_rl_dir(run_id: str) -> Path:
+    """``<hydra output dir>/rl`` under Hydra, else ``artifacts/rl/<run_id>``."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return Path(HydraConfig.get().runtime.output_dir).resolve() / "rl"
+    except (ImportError, ValueError):
+        from calib.paths import artifacts_dir
+
+        return artifacts_dir() / "rl" / run_id
+
+
+# ----------------------------------------------------------------------------------- training
+
+
+class WorkerPool:
+    """``rl.workers`` local worker processes (:mod:`calib.santa.local_worker`) and a watch on them.
+
+    Each child reads the resolved config from its stdin and stops when stdin closes; ``failed`` is
+    set as soon as a child exits with an error (or all exit), so the aggregator stops too.
+    """
+
+    def __init__(self, cfg: DictConfig, s: RLSettings, rl_dir: Path) -> None:
+        cfg_dict = to_container(cfg)
+        cfg_dict["rl"]["dir"] = str(rl_dir)
+        self.config_line = json.dumps(cfg_dict)
+        self.seed = s.seed if s.seed is not None else int(cfg.get("seed", 0))
+        self.threads = s.threads or max(1, (os.cpu_count() or 1) // s.workers)
+        self.count = s.workers
+        self.procs: list[subprocess.Popen] = []
+        self.failed = threading.Event()  # the aggregator's stop_event
+        self._watching = threading.Event()
+
+    def start(self) -> None:
+        from calib.santa.local_worker import start_child
+
+        self.procs = [start_child(i, self.seed, self.threads, [self.config_line]) for i in range(self.count)]
+        self._watching.set()
+        threading.Thread(target=self._watch, name="santa-worker-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        while self._watching.is_set():
+            codes = [p.poll() for p in self.procs]
+            if any(c not in (None, 0) for c in codes) or all(c is not None for c in codes):
+                self.failed.set()
+                return
+            time.sleep(0.5)
+
+    def shutdown(self) -> list[dict[str, Any]]:
+        """Close every child's stdin (stop after the current episode), wait, kill stragglers; their reports."""
+        from calib.santa.local_worker import last_json
+
+        self._watching.clear()
+        for p in self.procs:
+            with contextlib.suppress(OSError):
+                p.stdin.close()
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        reports = []
+        for i, p in enumerate(self.procs):
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("local worker %d did not stop in %.0fs; killing it", i, JOIN_TIMEOUT_S)
+                p.kill()
+                p.wait()
+            reports.append(last_json(p.stdout.read(), p.returncode))  # one line: the pipe never fills
+            p.stdout.close()
+        return reports
+
+
+def train(cfg: DictConfig, s: RLSettings, rl_dir: Path) -> Any:
+    """Run the aggregator here and the workers in processes until ``rl.iterations``; the summary."""
+    from calib.santa.inbox import Layout, policy_iterations
+
+    rl_dir.mkdir(parents=True, exist_ok=True)
+    done = policy_iterations(Layout(rl_dir))
+    pool = None if done and done[-1] >= s.iterations else WorkerPool(cfg, s, rl_dir)
+    reports: list[dict[str, Any]] = []
+    if pool is not None:
+        pool.start()
+    try:
+        summary = run_aggregator_checked(s, rl_dir, IterationLogger(), stop_event=pool.failed if pool else None)
+    finally:
+        if pool is not None:
+            reports = pool.shutdown()
+    if summary.iteration < s.iterations:
+        errors = [f"worker {i}: {r['error']}" for i, r in enumerate(reports) if r.get("error")]
+        raise UserError(f"SANTA training stopped at iteration {summary.iteration} of {s.iterations} "
+                        f"({'; '.join(errors) or 'every worker exited early'}); rerun with rl.dir={rl_dir} to resume")
+    return summary
+
+
+# ------------------------------------------------------------------------------------- recipe
+
+
+def _data_record(cfg: DictConfig, prompts: list[Any]) -> DataRecord:
+    from calib.data import dataset_hash
+    from calib.santa.reward import reward_length
+
+    source = str(cfg.data.get("source", "synthetic"))
+    seed = cfg.data.get("seed")
+    lengths = [reward_length(cfg)] if source == "synthetic" else sorted({p.length for p in prompts})
+    return DataRecord(source=source, seed=None if seed is None else int(seed), count=len(prompts), lengths=lengths,
+                      content_hash=dataset_hash(prompts), tasks=sorted({p.task for p in prompts}),
+                      details={"purpose": "reward pool", "heldout_seed": int(cfg.eval.seed),
+                               "prompt_ids": [p.prompt_id for p in prompts]})
+
+
+def _hyperparameters(cfg: DictConfig, s: RLSettings) -> dict[str, Any]:
+    m, reward = cfg.method, cfg.method.reward
+    return {"N": s.budget, "budget_per_layer": int(cfg.rl.budget_per_layer), "num_layers": s.num_layers,
+            "iterations": s.iterations, "lr": s.lr, "episodes": s.episodes,
+            "questions_per_episode": s.questions_per_episode, "workers": s.workers,
+            "heldout_questions": s.heldout_questions, "estimator": str(m.estimator), "tiling": str(m.tiling),
+            "tile": int(m.tile), "phases": [str(p) for p in reward.phases],
+            "reward_pool": int(reward.pool), "reward_max_new_tokens": reward.get("max_new_tokens")}
+
+
+def calibrate(cfg: DictConfig, ctx: Any) -> Any:
+    """Train the schedule, score it against uniform on held-out questions, return the artifact."""
+    from calib.models import load_model
+    from calib.run import MethodOutput
+    from calib.santa.heldout import heldout_comparison
+    from calib.santa.plots import log_run_figures
+    from calib.santa.policy import schedule_from_policy, softmax
+    from calib.santa.reward import reward_prompts
+
+    s = settings(cfg)
+    rl_dir = s.dir or default_rl_dir(ctx.run_id)
+    log.info("SANTA REINFORCE in %s: L=%d, N=%d, %d workers, %d iterations", rl_dir, s.num_layers, s.budget,
+             s.workers, s.iterations)
+    with ctx.timer.stage("reinforce"):
+        summary = train(cfg, s, rl_dir)
+    iteration, theta, learned = final_schedule(rl_dir, s.budget)
+    uniform = schedule_from_policy(np.zeros(s.num_layers), s.budget)
+    with ctx.timer.stage("load"):
+        loaded = load_model(cfg.model, device=str(ctx.device))
+        pool = reward_prompts(cfg, loaded.tokenizer, heldout=False, count=int(cfg.method.reward.pool))
+    with ctx.timer.stage("heldout"):
+        metrics = heldout_comparison(cfg, loaded, learned, uniform, s.heldout_questions, shards=s.workers)
+    with ctx.timer.stage("plots"):
+        history = log_run_figures(rl_dir, s.num_layers, learned.tolist(), uniform.tolist())
+    probs = softmax(theta)
+    metrics.update({"iterations": float(iteration), "num_results": float(history.num_results.sum()),
+                    "budget": float(s.budget), "policy_entropy": float(-(probs * np.log(np.maximum(probs, 1e-300))).sum()),
+                    "schedule": {f"layer_{i}": float(x) for i, x in enumerate(learned)},
+                    "p": {f"layer_{i}": float(x) for i, x in enumerate(probs)}})
+    m = cfg.method
+    payload = {"estimator": str(m.estimator), "tiling": str(m.tiling), "tile": int(m.tile),
+               "phases": [str(p) for p in m.reward.phases], "schedule": learned.tolist(),
+               "uniform_schedule": uniform.tolist(), "rl_dir": str(rl_dir), "iterations": int(iteration),
+               "aggregator_committed": list(summary.committed)}
+    tensors = {"schedule": {"schedule": torch.as_tensor(learned, dtype=torch.int64),
+                            "theta": torch.as_tensor(theta, dtype=torch.float32),
+                            "probs": torch.as_tensor(probs, dtype=torch.float32)}}
+    return MethodOutput(tensors=tensors, hyperparameters=_hyperparameters(cfg, s), model=loaded.facts.to_dict(),
+                        data=_data_record(cfg, pool), metrics=metrics, payload=payload)

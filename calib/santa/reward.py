@@ -1,0 +1,233 @@
+"""The SANTA REINFORCE reward: accuracy on a batch of questions with S²ANTA at a per-layer schedule.
+
+santa.txt App. K: a reward is the fraction of ``rl.questions_per_episode`` questions answered
+correctly when every attention layer ``l`` runs S²ANTA with ``S = max(1, s_l)`` samples — in prefill
+and decode as in the paper's GSM8K runs (``method.reward.phases``). Questions come from a pool:
+
+* synthetic tasks (``data=synthetic``, the embedded default): ``method.reward.pool`` prompts of
+  ``method.reward.length`` tokens over ``method.reward.tasks`` (null: ``data.tasks``), drawn with
+  the calibration seed ``data.seed``; the held-out pool uses ``eval.seed`` (never overlapping);
+* ``data=hf`` (GSM8K for llama31) or ``data=jsonl``: the calibration split / held-out split of the
+  source (``purpose="calibration"`` / ``"evaluation"``), ``method.reward.pool`` rows.
+
+Each question is answered greedily (``calib.evaluate.greedy_generate``); the number of new tokens is
+``method.reward.max_new_tokens`` or, when null, the answer's token count + 2 (an exact-match answer
+cannot be longer; the +2 lets the model emit a closing quote and its stop token) capped by
+``eval.max_new_tokens``. ``python -m calib.santa.reward <overrides> [+sweep=[1,2,4,8]]`` prints the
+held-out reward of uniform schedules per ``budget_per_layer`` — how to pick a starved N.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from calib.errors import UserError
+
+Evaluate = Callable[[list[int], np.random.Generator], float]
+SEED_BOUND = 2**62  # torch.Generator.manual_seed takes a 64-bit seed
+
+
+@dataclass(frozen=True)
+class RewardSettings:
+    """What a reward episode runs (from ``cfg.method`` and ``cfg.rl``)."""
+
+    estimator: str
+    tiling: str
+    tile: int
+    phases: tuple[str, ...]
+    questions: int  # per episode
+    max_new_tokens: int | None  # None: answer tokens + 2, capped by cap_new_tokens
+    cap_new_tokens: int
+
+    @classmethod
+    def from_cfg(cls, cfg: Any) -> "RewardSettings":
+        m, reward = cfg.method, cfg.method.reward
+        fixed = reward.get("max_new_tokens")
+        return cls(estimator=str(m.estimator), tiling=str(m.tiling), tile=int(m.tile),
+                   phases=tuple(str(p) for p in reward.phases), questions=int(cfg.rl.questions_per_episode),
+                   max_new_tokens=None if fixed is None else int(fixed), cap_new_tokens=int(cfg.eval.max_new_tokens))
+
+
+def reward_length(cfg: Any) -> int:
+    """Prompt length of synthetic reward questions (``method.reward.length``, null: shortest data length)."""
+    length = cfg.method.reward.get("length")
+    return int(length) if length is not None else min(int(x) for x in cfg.data.lengths)
+
+
+def reward_prompts(cfg: Any, tokenizer: Any, *, heldout: bool, count: int) -> list[Any]:
+    """The reward pool (``heldout=False``: calibration seed/split) or the held-out questions.
+
+    Synthetic data: ``ceil(count / tasks)`` prompts per task, taken round-robin over tasks, ``count``
+    in all. File/hub data: the first ``count`` rows of the split. Raises UserError if fewer exist.
+    """
+    from calib.data import build_prompts
+
+    data = cfg.data
+    purpose = "evaluation" if heldout else "calibration"
+    if str(data.get("source", "synthetic")) == "synthetic":
+        tasks = [str(t) for t in (cfg.method.reward.get("tasks") or data.tasks)]
+        per_task = -(-count // len(tasks))
+        seed = int(cfg.eval.seed if heldout else data.seed)
+        prompts = build_prompts(data, tokenizer, seed=seed, lengths=[reward_length(cfg)], tasks=tasks,
+                                num_prompts=per_task, purpose=purpose)
+        by_task = [[p for p in prompts if p.task == t] for t in tasks]
+        prompts = [q[i] for i in range(per_task) for q in by_task if i < len(q)]
+    else:
+        prompts = build_prompts(data, tokenizer, num_prompts=count, purpose=purpose)
+    if len(prompts) < count:
+        which = "rl.heldout_questions" if heldout else "method.reward.pool"
+        raise UserError(f"only {len(prompts)} {purpose} questions available but {which}={count}; "
+                        f"lower {which} or provide more data")
+    return prompts[:count]
+
+
+def new_token_budgets(prompts: Sequence[Any], tokenizer: Any, settings: RewardSettings) -> list[int]:
+    """Greedy decoding budget per prompt (see the module docstring)."""
+    if settings.max_new_tokens is not None:
+        return [settings.max_new_tokens] * len(prompts)
+    out = []
+    for p in prompts:
+        n = len(tokenizer(" " + p.answer, add_special_tokens=False)["input_ids"]) + 2
+        out.append(max(1, min(n, settings.cap_new_tokens)))
+    return out
+
+
+def make_runtime(budgets: Sequence[int], settings: RewardSettings, seed: int | None = None) -> Any:
+    """The S²ANTA runtime of one episode: per-layer ``S = budgets`` (0 runs as 1)."""
+    from runtime_kernels.santa.api import SantaDecode
+
+    return SantaDecode(list(budgets), estimator=settings.estimator, tiling=settings.tiling, tile=settings.tile,
+                       phases=settings.phases, seed=seed)
+
+
+def question_seeds(seed: int, count: int) -> list[int]:
+    """One sampling seed per question, a function of ``(seed, position)`` only (so shards agree)."""
+    state = np.random.SeedSequence([int(seed), 0x5A17A]).generate_state(count, dtype=np.uint64)
+    return [int(x) % SEED_BOUND for x in state]
+
+
+@torch.inference_mode()
+def answer_correct(loaded: Any, prompts: Sequence[Any], max_new: Sequence[int], runtime: Any | None,
+                   seeds: Sequence[int] | None = None, desc: str = "santa") -> np.ndarray:
+    """Greedy answers with ``runtime`` attached (None: dense); ``[len(prompts)]`` bool, exact match.
+
+    ``seeds``: the runtime is reseeded with ``seeds[i]`` before question ``i`` (its sampling then does
+    not depend on which other questions ran before it).
+    """
+    from tqdm.auto import tqdm
+
+    from calib.data import exact_match
+    from calib.evaluate import greedy_generate, stop_token_ids
+    from runtime_kernels import hf
+
+    stops = stop_token_ids(loaded.tokenizer)
+    if runtime is not None:
+        hf.attach(loaded.model, prefill=runtime if runtime.phase == "both" else None, decode=runtime)
+    try:
+        correct = []
+        for i, (p, n) in enumerate(tqdm(list(zip(prompts, max_new)), desc=f"score {desc}", unit="question",
+                                        leave=False, disable=len(prompts) < 64 or None)):
+            if runtime is not None and seeds is not None:
+                runtime.reseed(int(seeds[i]))
+            text = loaded.tokenizer.decode(greedy_generate(loaded.model, p.input_ids, n, stops),
+                                           skip_special_tokens=True)
+            correct.append(exact_match(text, p.answer))
+    finally:
+        if runtime is not None:
+            hf.remove(loaded.model)
+    return np.asarray(correct, dtype=bool)
+
+
+def score_schedule(loaded: Any, prompts: Sequence[Any], budgets: Sequence[int] | None, settings: RewardSettings,
+                   seeds: Sequence[int], max_new: Sequence[int] | None = None) -> np.ndarray:
+    """Per-question correctness of ``prompts`` at schedule ``budgets`` (None: dense attention), question
+    ``i`` sampled with ``seeds[i]``."""
+    max_new = list(max_new) if max_new is not None else new_token_budgets(prompts, loaded.tokenizer, settings)
+    runtime = None if budgets is None else make_runtime(budgets, settings)
+    desc = "dense" if budgets is None else "S=" + ",".join(str(int(b)) for b in budgets)
+    return answer_correct(loaded, prompts, max_new, runtime, seeds=seeds, desc=desc)
+
+
+def make_evaluator(cfg: Any, loaded: Any, prompts: Sequence[Any]) -> Evaluate:
+    """``evaluate(budgets, rng) -> reward``: ``rl.questions_per_episode`` questions of ``prompts`` drawn
+    with ``rng`` (without replacement), answered with S²ANTA at ``budgets``; the fraction correct.
+
+    The runtime's sampling seeds (one per question) are drawn from ``rng`` too, so an episode is a
+    function of the rng state.
+    """
+    settings = RewardSettings.from_cfg(cfg)
+    pool = list(prompts)
+    if len(pool) < settings.questions:
+        raise UserError(f"the reward pool has {len(pool)} questions but rl.questions_per_episode="
+                        f"{settings.questions}; raise method.reward.pool")
+    max_new = new_token_budgets(pool, loaded.tokenizer, settings)
+    layers = int(loaded.model.config.num_hidden_layers)
+
+    def evaluate(budgets: list[int], rng: np.random.Generator) -> float:
+        if len(budgets) != layers:
+            raise ValueError(f"a schedule for {len(budgets)} layers; the model has {layers}")
+        idx = rng.choice(len(pool), size=settings.questions, replace=False)
+        seeds = rng.integers(SEED_BOUND, size=settings.questions).tolist()
+        correct = score_schedule(loaded, [pool[i] for i in idx], budgets, settings, seeds, [max_new[i] for i in idx])
+        return float(correct.mean())
+
+    return evaluate
+
+
+def uniform_sweep(cfg: Any, loaded: Any, budgets_per_layer: Sequence[int]) -> dict[str, dict[str, float]]:
+    """Held-out reward (bootstrap 95% CI) of the uniform schedule at each ``budget_per_layer``, on
+    ``rl.heldout_questions`` questions sharded over up to ``rl.workers`` processes."""
+    from calib.santa.heldout import score_schedules
+    from calib.santa.policy import schedule_from_policy
+    from calib.stats import bootstrap_mean_ci
+
+    settings = RewardSettings.from_cfg(cfg)
+    prompts = reward_prompts(cfg, loaded.tokenizer, heldout=True, count=int(cfg.rl.heldout_questions))
+    layers = int(loaded.model.config.num_hidden_layers)
+    schedules = {str(int(b)): schedule_from_policy(np.zeros(layers), int(b) * layers).tolist() for b in budgets_per_layer}
+    if cfg.method.reward.get("heldout_dense", True):
+        schedules["dense"] = None
+    got = score_schedules(cfg, loaded, prompts, new_token_budgets(prompts, loaded.tokenizer, settings),
+                          question_seeds(int(cfg.seed), len(prompts)), schedules, int(cfg.rl.workers))
+    out: dict[str, dict[str, float]] = {}
+    for name, correct in got.items():
+        ci = bootstrap_mean_ci(correct, resamples=int(cfg.eval.bootstrap), seed=int(cfg.seed))
+        out[name] = {"reward": ci.mean, "ci_low": ci.low, "ci_high": ci.high, "n": float(ci.n)}
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m calib.santa.reward [overrides] [sweep=1,2,4,8]``: uniform reward per budget per layer
+    (keys: budget_per_layer, and ``dense``)."""
+    from calib.config import compose
+    from calib.models import load_model, resolve_device
+    from calib.santa.commands import settings
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    sweep = [1, 2, 4, 8, 16]
+    rest = []
+    for a in args:
+        if a.startswith("sweep="):
+            sweep = [int(x) for x in a.split("=", 1)[1].strip("[]").split(",") if x.strip()]
+        else:
+            rest.append(a)
+    try:
+        cfg = compose(["+method=santa", *rest])
+        settings(cfg)
+        loaded = load_model(cfg.model, device=str(resolve_device(str(cfg.get("device", "auto")))))
+        result = uniform_sweep(cfg, loaded, sweep)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps({"uniform_reward": result}, sort_keys=True), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

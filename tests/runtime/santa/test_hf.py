@@ -1,0 +1,205 @@
+"""SantaDecode: the runtime behind ``hf.apply(model, santa_artifact)`` and the REINFORCE reward episodes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from runtime_kernels.errors import ArtifactError
+from runtime_kernels.manifest import (DataRecord, Manifest, ModelRecord, ProducerRecord, facts_from_hf_config,
+                                      write_artifact)
+from runtime_kernels.santa.api import SantaDecode
+
+
+def _qkv(b: int = 1, hq: int = 4, hkv: int = 2, tq: int = 1, tk: int = 50, d: int = 8, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, hq, tq, d, generator=g) * 2, torch.randn(b, hkv, tk, d, generator=g),
+            torch.randn(b, hkv, tk, d, generator=g))
+
+
+def _exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+    """float64 softmax attention with GQA (query head h reads KV head h // group), written out here."""
+    group = q.shape[1] // k.shape[1]
+    k64, v64 = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    s = q.double() @ k64.transpose(-1, -2) * scale  # [B, Hq, Tq, Tk]
+    if causal:
+        tq, tk = q.shape[2], k.shape[2]
+        allowed = torch.arange(tk)[None, :] <= torch.arange(tk - tq, tk)[:, None]
+        s = s.masked_fill(~allowed, float("-inf"))
+    return torch.softmax(s, -1) @ v64
+
+
+def _is_one_value_row(out: torch.Tensor, v: torch.Tensor, group: int, limit: torch.Tensor | None = None) -> bool:
+    """Every ``out[b, h, t]`` equals some row ``v[b, h // group, n]`` (with ``n <= limit[t]`` if given)."""
+    for b in range(out.shape[0]):
+        for h in range(out.shape[1]):
+            rows = v[b, h // group]  # [Tk, D]
+            for t in range(out.shape[2]):
+                hit = torch.isclose(rows, out[b, h, t][None], rtol=1e-5, atol=1e-6).all(-1).nonzero().flatten()
+                if hit.numel() == 0 or (limit is not None and int(hit.min()) > int(limit[t])):
+                    return False
+    return True
+
+
+def test_decode_uses_each_layers_budget_and_zero_runs_as_one():
+    q, k, v = _qkv()
+    rt = SantaDecode([0, 50 * 64], tiling="flash", tile=256, seed=3)
+    assert rt.method == "santa" and rt.phase == "decode" and rt.prefill(0, q, k, v, 0.3) is None
+    assert rt.budget(0) == 1 and rt.budget(1) == 3200
+    one = rt.decode(0, q, k, v, 0.3)  # S = 1 in a single tile: one sampled value row per head
+    assert one.shape == (1, 4, 1, 8) and _is_one_value_row(one, v, group=2)
+    many = rt.decode(1, q, k, v, 0.3)
+    torch.testing.assert_close(many.double(), _exact(q, k, v, 0.3, causal=False), rtol=0, atol=0.02)
+    stats = rt.pop_stats()
+    assert stats["mean_samples"] == pytest.approx((1 + 3200) / 2) and stats["sampled_calls"] == 2
+    assert stats["sample_fraction"] == pytest.approx((1 / 50 + 1.0) / 2)
+    assert rt.pop_stats() == {}
+
+
+def test_seed_makes_decode_reproducible_and_reseed_restarts():
+    q, k, v = _qkv(tk=300)
+    a = SantaDecode([4], tiling="prop", tile=64, seed=11)
+    b = SantaDecode([4], tiling="prop", tile=64, seed=11)
+    first = a.decode(0, q, k, v, 0.3)
+    assert torch.equal(first, b.decode(0, q, k, v, 0.3))
+    second = a.decode(0, q, k, v, 0.3)
+    assert not torch.equal(first, second)  # the stream moves on
+    a.reseed(11)
+    assert torch.equal(a.decode(0, q, k, v, 0.3), first)
+
+
+def test_prefill_samples_causally_when_phases_include_prefill():
+    q, k, v = _qkv(tq=20, tk=20)
+    rt = SantaDecode([1], phases=["prefill", "decode"], seed=0)
+    assert rt.phase == "both"
+    out = rt.prefill(0, q, k, v, 0.3)  # S = 1: each query row returns one value row at or before it
+    assert out.shape == q.shape and _is_one_value_row(out, v, group=2, limit=torch.arange(20))
+    big = SantaDecode([20 * 400], phases=["decode", "prefill"], seed=0).prefill(0, q, k, v, 0.3)
+    torch.testing.assert_close(big.double(), _exact(q, k, v, 0.3, causal=True), rtol=0, atol=0.03)
+
+
+def test_padded_batch_decodes_dense():
+    q, k, v = _qkv(b=2)
+    rt = SantaDecode([2])
+    assert rt.decode(0, q, k, v, 0.3, SimpleNamespace(attention_mask=torch.ones(2, 1, 1, 50))) is None
+    assert rt.decode(0, q, k, v, 0.3, SimpleNamespace(attention_mask=None)).shape == (2, 4, 1, 8)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"schedule": [1, -1]}, ">= 0"), ({"schedule": [[1, 2]]}, r"\[L\]"), ({"schedule": [1.5]}, "integers"),
+    ({"schedule": [1], "tiling": "flash", "estimator": "iid"}, "sys"), ({"schedule": [1], "tile": 0}, "tile"),
+    ({"schedule": [1], "phases": ["prefill"]}, "phases"), ({"schedule": [1], "tiling": "rows"}, "tiling"),
+], ids=["negative", "2d", "fraction", "tiled-iid", "tile0", "prefill-only", "tiling"])
+def test_constructor_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SantaDecode(**kwargs)
+
+
+def test_untiled_decode_takes_other_estimators():
+    q, k, v = _qkv()
+    out = SantaDecode([2], tiling="none", estimator="iid", seed=0).decode(0, q, k, v, 0.3)
+    assert out.shape == (1, 4, 1, 8) and torch.isfinite(out).all()
+
+
+# -------------------------------------------------------------------------------- through hf
+@pytest.fixture(scope="module")
+def model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, vocab_size=300, max_position_embeddings=1024,
+                      tie_word_embeddings=False)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    m = LlamaForCausalLM(cfg).eval().requires_grad_(False)
+    with torch.no_grad():  # sharper attention and larger values than random init: sampling noise shows
+        for layer in m.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8.0)
+            layer.self_attn.v_proj.weight.mul_(10.0)
+    return m
+
+
+IDS = (torch.arange(3, 203)[None] * 7) % 300  # 200 prompt tokens
+
+
+def _prefill_then_decode(model) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.no_grad():
+        out = model(input_ids=IDS, use_cache=True)
+        step = model(input_ids=torch.tensor([[5]]), past_key_values=out.past_key_values, use_cache=True)
+    return out.logits, step.logits
+
+
+def _attached(model, rt: SantaDecode) -> tuple[torch.Tensor, torch.Tensor]:
+    from runtime_kernels import hf
+
+    hf.attach(model, prefill=rt if rt.phase == "both" else None, decode=rt)
+    try:
+        return _prefill_then_decode(model)
+    finally:
+        hf.remove(model)
+
+
+def test_huge_budget_is_close_to_dense_and_one_sample_is_not(model):
+    dense_prefill, dense_decode = _prefill_then_decode(model)
+    scale = float(dense_decode.abs().max())
+    big = 201 * 8  # >= 8 x the cache length of the decode step
+    for phases in (["decode"], ["prefill", "decode"]):
+        pre, dec = _attached(model, SantaDecode([big, big], tiling="flash", phases=phases, seed=0))
+        assert float((dec - dense_decode).abs().max()) < 0.03 * scale, phases
+        if phases == ["decode"]:
+            assert torch.equal(pre, dense_prefill)  # decode only: the prefill is the model's own
+        else:
+            assert float((pre - dense_prefill).abs().max()) < 0.03 * float(dense_prefill.abs().max())
+    _, one = _attached(model, SantaDecode([1, 1], tiling="flash", seed=0))
+    assert float((one - dense_decode).abs().max()) > 0.2 * scale
+
+
+def _artifact(path: Path, model, schedule: list[int], payload: dict) -> Path:
+    facts = facts_from_hf_config(model.config, name="rt-llama")
+    manifest = Manifest(
+        method="santa", abi_version=1, model=ModelRecord(**facts),
+        hyperparameters={"N": sum(schedule), "estimator": "sys", "tiling": "flash", "tile": 256, "phases": ["decode"]},
+        data=DataRecord(source="synthetic", seed=1, count=1, lengths=[256], content_hash="0" * 64),
+        producer=ProducerRecord(package="calib", version="0", git_sha=None, created_at="2026-01-01T00:00:00Z"),
+        payload=payload,
+    )
+    tensors = {"schedule": torch.tensor(schedule, dtype=torch.int64),
+               "theta": torch.zeros(len(schedule)), "probs": torch.full((len(schedule),), 1 / len(schedule))}
+    return write_artifact(path, manifest, {"schedule": tensors})
+
+
+def test_apply_reads_the_schedule_and_settings_from_the_artifact(model, tmp_path):
+    from runtime_kernels import hf
+
+    dense_prefill, dense_decode = _prefill_then_decode(model)
+    payload = {"estimator": "sys", "tiling": "prop", "tile": 64, "phases": ["prefill", "decode"]}
+    try:
+        state = hf.apply(model, _artifact(tmp_path / "both", model, [3, 5], payload))
+        rt = state.decode
+        assert isinstance(rt, SantaDecode) and state.prefill is rt and rt.phase == "both"
+        assert rt.schedule == [3, 5] and (rt.tiling, rt.tile, rt.phases) == ("prop", 64, ("prefill", "decode"))
+        pre, dec = _prefill_then_decode(model)
+        assert not torch.equal(pre, dense_prefill) and not torch.equal(dec, dense_decode)
+        assert rt.pop_stats()["sampled_calls"] == 4  # 2 layers x (prefill + one decode step)
+    finally:
+        hf.remove(model)
+    try:  # hyper-parameters only (no payload): decode only, the model's own prefill
+        state = hf.apply(model, _artifact(tmp_path / "decode", model, [2, 2], {}))
+        assert state.prefill is None and state.decode.phase == "decode" and state.decode.tiling == "flash"
+        pre, _ = _prefill_then_decode(model)
+        assert torch.equal(pre, dense_prefill)
+    finally:
+        hf.remove(model)
+
+
+def test_apply_refuses_a_schedule_for_another_depth(model, tmp_path):
+    from runtime_kernels.artifact import load_artifact
+
+    path = _artifact(tmp_path / "bad", model, [2, 2], {})
+    art = load_artifact(path)
+    art.tensors["schedule"] = torch.tensor([1, 2, 3])
+    with pytest.raises(ArtifactError, match="layers"):
+        SantaDecode.from_artifact(art, model)

@@ -10,7 +10,7 @@ come from the runtime's ``pop_stats()`` after every prompt and are averaged per 
 
 from __future__ import annotations
 
-import json
+import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -83,31 +83,43 @@ def answer_prompts(loaded: Any, prompts: Sequence[Any], max_new_tokens: int, run
     return results
 
 
+def _group_metrics(key: str, idx: list[int], d_all: np.ndarray, s_all: np.ndarray,
+                   sparse: list[PromptResult], resamples: int, seed: int) -> dict[str, float]:
+    """Accuracy difference CI and mean method stats of one group of prompts (``key.`` prefixed)."""
+    ci = paired_bootstrap_diff(d_all[idx], s_all[idx], resamples=resamples, seed=seed)
+    out = {f"{key}.diff": ci.mean, f"{key}.diff_ci_low": ci.low, f"{key}.diff_ci_high": ci.high}
+    for name in sorted({k for i in idx for k in sparse[i].stats}):
+        out[f"{key}.{name}"] = float(np.mean([sparse[i].stats[name] for i in idx if name in sparse[i].stats]))
+    return out
+
+
 def summarize(dense: list[PromptResult], sparse: list[PromptResult] | None, resamples: int,
               seed: int) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
-    """Per ``task@length`` accuracies (and stats), and flat headline metrics with bootstrap CIs."""
-    groups: dict[str, list[int]] = defaultdict(list)
+    """Per ``task@length`` accuracies, and flat metrics: overall and per-length (``len<L>.``, all tasks
+    pooled — the unit of SampleAttention's buckets) and per ``task@length`` paired-bootstrap CIs of
+    (sparse - dense) with the method's mean stats (sparsity, selectivity, CRA, ...)."""
+    by_task: dict[str, list[int]] = defaultdict(list)
+    by_length: dict[str, list[int]] = defaultdict(list)
     for i, r in enumerate(dense):
-        groups[f"{r.task}@{r.length}"].append(i)
-    tasks: dict[str, dict[str, float]] = {}
-    metrics: dict[str, float] = {}
+        by_task[f"{r.task}@{r.length}"].append(i)
+        by_length[f"len{r.length}"].append(i)
     d_all = np.array([r.correct for r in dense], dtype=float)
-    metrics["dense_acc"] = float(d_all.mean())
     s_all = np.array([r.correct for r in sparse], dtype=float) if sparse is not None else None
-    for key, idx in sorted(groups.items()):
-        entry = {"dense": float(d_all[idx].mean())}
+    tasks: dict[str, dict[str, float]] = {}
+    metrics: dict[str, float] = {"dense_acc": float(d_all.mean()), "num_prompts": float(len(dense))}
+    for key, idx in sorted(by_task.items()):
+        tasks[key] = {"dense": float(d_all[idx].mean())}
         if s_all is not None:
-            entry["sparse"] = float(s_all[idx].mean())
-            ci = paired_bootstrap_diff(d_all[idx], s_all[idx], resamples=resamples, seed=seed)
-            metrics[f"{key}.diff_ci_low"], metrics[f"{key}.diff_ci_high"] = ci.low, ci.high
-            for name in sorted({k for i in idx for k in sparse[i].stats}):
-                vals = [sparse[i].stats[name] for i in idx if name in sparse[i].stats]
-                metrics[f"{key}.{name}"] = float(np.mean(vals))
-        tasks[key] = entry
+            tasks[key]["sparse"] = float(s_all[idx].mean())
+            metrics.update(_group_metrics(key, idx, d_all, s_all, sparse, resamples, seed))
+    for key, idx in sorted(by_length.items()):
+        metrics[f"{key}.dense_acc"] = float(d_all[idx].mean())
+        if s_all is not None:
+            metrics[f"{key}.sparse_acc"] = float(s_all[idx].mean())
+            metrics.update(_group_metrics(key, idx, d_all, s_all, sparse, resamples, seed))
     if s_all is not None:
         ci = paired_bootstrap_diff(d_all, s_all, resamples=resamples, seed=seed)
         metrics.update(sparse_acc=float(s_all.mean()), diff=ci.mean, diff_ci_low=ci.low, diff_ci_high=ci.high)
-    metrics["num_prompts"] = float(len(dense))
     return tasks, metrics
 
 
@@ -116,8 +128,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     import mlflow
 
     from calib.data import build_prompts
-    from calib.models import load_model
-    from calib.models import resolve_device
+    from calib.models import load_model, resolve_device
     from runtime_kernels import hf
 
     validate_common(cfg)
@@ -158,8 +169,11 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         metrics.update(timings)
         mlflow.log_metrics({k.replace("@", "_at_"): v for k, v in metrics.items()})
         mlflow.log_dict({"tasks": tasks, "metrics": metrics, "config": to_container(cfg),
-                         "predictions": [r.__dict__ for r in (sparse or dense)]}, "eval.json")
+                         "dense_predictions": [r.__dict__ for r in dense],
+                         "sparse_predictions": [r.__dict__ for r in sparse] if sparse else None}, "eval.json")
     result: dict[str, Any] = {"artifact": str(cfg.artifact) if cfg.get("artifact") else None, "tasks": tasks,
                               "metrics": metrics, "run_id": run.info.run_id}
-    print(json.dumps({"eval_summary": {k: v for k, v in metrics.items() if "@" not in k}}), flush=True)
+    for key, entry in tasks.items():
+        print(f"{key:>28}: dense {entry['dense']:.3f}" + (f"  sparse {entry['sparse']:.3f}" if "sparse" in entry else ""),
+              file=sys.stderr)
     return result

@@ -77,9 +77,9 @@ def publish(artifact_dir: str | Path, run_id: str, *, alias: str = CANDIDATE) ->
 
 def _is_logged_copy(artifact_dir: Path, source: str) -> bool:
     """True when ``artifact_dir`` already IS the run's ``artifact/`` folder (a local file store)."""
-    from runtime_kernels.artifact import _local_path
+    from runtime_kernels.artifact import local_path
 
-    local = _local_path(source) if source.startswith("file:") or "://" not in source else None
+    local = local_path(source)
     return local is not None and local.exists() and local.resolve() == artifact_dir.resolve()
 
 

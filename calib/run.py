@@ -91,11 +91,10 @@ def _run_artifact_dir(run_id: str) -> Path | None:
     """The local directory of the run's artifact store, when the store is a local file store."""
     import mlflow
 
-    from runtime_kernels.artifact import _local_path
+    from runtime_kernels.artifact import local_path
 
     uri = mlflow.get_run(run_id).info.artifact_uri
-    local = _local_path(uri) if uri.startswith("file:") or "://" not in uri else None
-    return local
+    return local_path(uri)
 
 
 def write_and_publish(method: str, cfg: DictConfig, out: MethodOutput, run_id: str, scratch: Path) -> tuple[Path, registry.Published]:

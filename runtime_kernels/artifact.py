@@ -18,7 +18,8 @@ from runtime_kernels.manifest import Artifact, ArtifactError, read_artifact
 ABI_VERSIONS: dict[str, int] = {"saap": 1, "sale": 1, "sampleattention": 1, "santa": 1}
 
 
-def _local_path(uri: str) -> Path | None:
+def local_path(uri: str) -> Path | None:
+    """The local filesystem path of a plain path or ``file://`` URI; ``None`` for remote schemes."""
     parsed = urlparse(uri)
     if parsed.scheme == "file":
         return Path(unquote(parsed.path))
@@ -36,7 +37,7 @@ def resolve_artifact_dir(uri: str | os.PathLike, tracking_uri: str | None = None
     """
     text = os.fspath(uri)
     if not text.startswith("models:/"):
-        local = _local_path(text)
+        local = local_path(text)
         if local is None:
             raise ArtifactError(f"cannot load {text!r}: give a directory, file:// URI or models:/name@alias")
         if not local.is_dir():
@@ -61,7 +62,7 @@ def resolve_artifact_dir(uri: str | os.PathLike, tracking_uri: str | None = None
             mv = client.get_model_version(name, version)
     except MlflowException as exc:
         raise ArtifactError(f"{text} is not in the registry ({exc.message.splitlines()[0]})") from None
-    local = _local_path(mv.source)
+    local = local_path(mv.source)
     if local is not None and local.is_dir():
         return local.resolve()
     from mlflow.artifacts import download_artifacts

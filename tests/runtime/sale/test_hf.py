@@ -12,6 +12,7 @@ from runtime_kernels.manifest import (DataRecord, Manifest, ModelRecord, Produce
                                       write_artifact)
 from runtime_kernels.sale.api import SalePrefill, sale_prefill_attention, sale_select
 from runtime_kernels.sale.reference import SaleSelectionConfig
+from tests.runtime.small_models import small_llama
 
 CFG = SaleSelectionConfig(block_q=16, block_k=16, sink=16, local=32, bits=4)
 
@@ -62,14 +63,7 @@ def test_constructor_and_call_validation():
 # -------------------------------------------------------------------------------- through hf.apply
 @pytest.fixture(scope="module")
 def model():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, vocab_size=300, max_position_embeddings=1024,
-                      tie_word_embeddings=False)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    m = LlamaForCausalLM(cfg).eval().requires_grad_(False)
+    m = small_llama(seed=0)
     with torch.no_grad():  # local heads of different sharpness (random init attends almost uniformly):
         m.model.embed_tokens.weight += 0.04 * torch.randn(64)  # one shared offset -> keys ~ position only
         for layer in m.model.layers:

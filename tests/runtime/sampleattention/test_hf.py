@@ -19,6 +19,7 @@ from runtime_kernels.sampleattention.api import (SampleAttentionPrefill, bucket_
 from runtime_kernels.sampleattention.buckets import BucketRow, BucketTable
 from runtime_kernels.sampleattention.reference import (cumulative_residual_attention, sampled_query_rows,
                                                        sampleattention_select)
+from tests.runtime.small_models import small_llama
 
 BLK = 16
 DENSE = BucketRow(1.0, 1.0, 1)
@@ -100,14 +101,7 @@ def test_timing_measures_dense_rows_too() -> None:
 @pytest.fixture(scope="module")
 def model():
     """2 layers, 4 query / 2 KV heads of dim 16 with a sink and local heads (random init is near uniform)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, vocab_size=300, max_position_embeddings=1024,
-                      tie_word_embeddings=False)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    m = LlamaForCausalLM(cfg).eval().requires_grad_(False)
+    m = small_llama(seed=0)
     with torch.no_grad():
         m.model.embed_tokens.weight += 0.04 * torch.randn(64)
         for layer in m.model.layers:

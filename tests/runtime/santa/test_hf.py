@@ -12,6 +12,7 @@ from runtime_kernels.errors import ArtifactError
 from runtime_kernels.manifest import (DataRecord, Manifest, ModelRecord, ProducerRecord, facts_from_hf_config,
                                       write_artifact)
 from runtime_kernels.santa.api import SantaDecode
+from tests.runtime.small_models import small_llama
 
 
 def _qkv(b: int = 1, hq: int = 4, hkv: int = 2, tq: int = 1, tk: int = 50, d: int = 8, seed: int = 0):
@@ -107,14 +108,7 @@ def test_untiled_decode_takes_other_estimators():
 # -------------------------------------------------------------------------------- through hf
 @pytest.fixture(scope="module")
 def model():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, vocab_size=300, max_position_embeddings=1024,
-                      tie_word_embeddings=False)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    m = LlamaForCausalLM(cfg).eval().requires_grad_(False)
+    m = small_llama(seed=0)
     with torch.no_grad():  # sharper attention and larger values than random init: sampling noise shows
         for layer in m.model.layers:
             layer.self_attn.q_proj.weight.mul_(8.0)

@@ -1,0 +1,70 @@
+"""Timing helpers shared by the GPU benchmarks (``bench_decode.py``, ``bench_prefill.py``).
+
+Method (SANTA paper App. R; the device notes): CUDA events around the timed call only, warm-up calls
+first (compilation, autotuning and handle creation stay out), a cold L2 before every timed call (a
+write over a buffer larger than the H200's 50 MB L2, outside the events), the median over repeats.
+Inputs are random, never zeros. ``floor_ms`` gives the bandwidth floor printed beside every time.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+HBM_TBPS = 4.2  # H200 HBM3e peak, TB/s (the issues' floor); the measured copy rate is printed beside it
+L2_FLUSH_BYTES = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Median and spread of one timed call, in milliseconds."""
+
+    median_ms: float
+    p10_ms: float
+    p90_ms: float
+    repeats: int
+
+
+def cuda_time(fn: Callable[[], object], *, warmup: int = 5, repeats: int = 30, cold_l2: bool = True) -> Timing:
+    """Median device time of ``fn()`` with CUDA events, after ``warmup`` untimed calls.
+
+    With ``cold_l2`` a 256 MiB buffer is overwritten before each timed call (outside the events), so no
+    call reads its inputs from the previous call's L2.
+    """
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda") if cold_l2 else None
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times: list[float] = []
+    for _ in range(repeats):
+        if flush is not None:
+            flush.fill_(1)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return Timing(statistics.median(times), times[len(times) // 10], times[(9 * len(times)) // 10], repeats)
+
+
+def floor_ms(nbytes: float, tbps: float = HBM_TBPS) -> float:
+    """Time to move ``nbytes`` through HBM at ``tbps`` TB/s, in milliseconds."""
+    return nbytes / (tbps * 1e12) * 1e3
+
+
+def measured_copy_tbps(nbytes: int = 2 * 1024**3) -> float:
+    """Device-to-device copy rate (bytes read + written) in TB/s: the achievable bandwidth ceiling."""
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    t = cuda_time(lambda: dst.copy_(src), warmup=3, repeats=10, cold_l2=False)
+    return nbytes / (t.median_ms * 1e-3) / 1e12
+
+
+def tbps(nbytes: float, ms: float) -> float:
+    """Achieved TB/s for ``nbytes`` moved in ``ms`` milliseconds."""
+    return nbytes / (ms * 1e-3) / 1e12

@@ -62,6 +62,21 @@ class Phase:
     steps: int
     min_len: int  # target prompt length drawn uniformly in [min_len, max_len] per step
     max_len: int
+    task_weights: dict[str, float] | None = None  # this phase's task mix; None = TrainConfig.task_weights
+
+    @classmethod
+    def parse(cls, spec: str) -> "Phase":
+        """``name:steps:min_len:max_len[:task=w/task=w...]`` (the CLI's ``--phases`` items)."""
+        parts = spec.split(":")
+        if len(parts) not in (4, 5):
+            raise ValueError(f"phase {spec!r}: expected name:steps:min_len:max_len[:task=w/...]")
+        weights = None
+        if len(parts) == 5:
+            weights = {k: float(v) for k, v in (x.split("=") for x in parts[4].split("/"))}
+            unknown = set(weights) - set(TASKS)
+            if unknown:
+                raise ValueError(f"phase {spec!r}: unknown tasks {sorted(unknown)}; known: {list(TASKS)}")
+        return cls(parts[0], int(parts[1]), int(parts[2]), int(parts[3]), weights)
 
 
 @dataclass
@@ -158,9 +173,16 @@ class StepBatches(torch.utils.data.Dataset):
             q0 = inst.queries[0]
             prompt = self.fmt.encode(self.fmt.render(inst.context, q0.question, q0.prefix))
             self.extra_tokens[task] = len(self.sequence(inst)[0]) - len(prompt)
-        self.tasks = list(cfg.task_weights)
-        w = torch.tensor([cfg.task_weights[t] for t in self.tasks], dtype=torch.float64)
-        self.cum = (w / w.sum()).cumsum(0).tolist()
+
+    @staticmethod
+    def _cumulative(weights: dict[str, float]) -> tuple[list[str], list[float]]:
+        tasks = list(weights)
+        w = torch.tensor([weights[t] for t in tasks], dtype=torch.float64)
+        return tasks, (w / w.sum()).cumsum(0).tolist()
+
+    def mix(self, phase: Phase) -> tuple[list[str], list[float]]:
+        """Tasks and their cumulative probabilities in ``phase``."""
+        return self._cumulative(phase.task_weights or self.cfg.task_weights)
 
     def __len__(self) -> int:
         return self.cfg.total_steps
@@ -201,10 +223,11 @@ class StepBatches(torch.utils.data.Dataset):
         rng = StableRng(seed_from("calib-train", self.cfg.seed, step))
         target = phase.min_len + rng.uniform() * (phase.max_len - phase.min_len)
         batch = max(1, self.cfg.tokens_per_step // int(target))
+        tasks, cum = self.mix(phase)
         seqs = []
         for j in range(batch):
             u = rng.uniform()
-            task = self.tasks[next(i for i, c in enumerate(self.cum) if u < c or i == len(self.cum) - 1)]
+            task = tasks[next(i for i, c in enumerate(cum) if u < c or i == len(cum) - 1)]
             aim = target * (1 - self.cfg.length_jitter * rng.uniform())
             seqs.append(self.example(task, seed_from("calib-train", self.cfg.seed, step, j), aim))
         width = max(len(s) for s, _ in seqs)
@@ -447,7 +470,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lm-loss-weight", type=float, default=None, help="weight of the next-token loss off answers")
     ap.add_argument("--tokens-per-step", type=int, default=None)
     ap.add_argument("--phases", default=None,
-                    help="curriculum as name:steps:min_len:max_len,... (replaces the default phases)")
+                    help="curriculum as name:steps:min_len:max_len[:task=w/task=w],... (replaces the default "
+                         "phases; the optional fifth field is that phase's task mix)")
+    ap.add_argument("--rope-theta", type=float, default=None,
+                    help="RoPE base (default: conf/model/tiny.yaml's arch.rope_theta)")
+    ap.add_argument("--arch", default=None,
+                    help="key=int,... overrides of conf/model/tiny.yaml's arch (num_heads, num_kv_heads, "
+                         "hidden_size, num_layers) for experiments; ship a model only with a matching YAML")
+    ap.add_argument("--intermediate-size", type=int, default=None)
+    ap.add_argument("--untied-embeddings", action="store_true",
+                    help="separate input embedding and LM head (tied by default)")
     ap.add_argument("--task-weights", default=None, help="task:weight,... (replaces the default mix)")
     ap.add_argument("--eval-num-prompts", type=int, default=None)
     args = ap.parse_args(argv)
@@ -467,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.eval_num_prompts is not None:
         cfg.eval_num_prompts = args.eval_num_prompts
     if args.phases:
-        cfg.phases = [Phase(n, int(a), int(b), int(c)) for n, a, b, c in (x.split(":") for x in args.phases.split(","))]
+        cfg.phases = [Phase.parse(x) for x in args.phases.split(",")]
     if args.task_weights:
         cfg.task_weights = {k: float(v) for k, v in (x.split(":") for x in args.task_weights.split(","))}
     for p in cfg.phases:
@@ -486,6 +518,17 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer(tok_dir)
     sentence_bank(), name_pool()  # built once, inherited by forked workers
     arch = read_arch(ROOT / "conf" / "model" / "tiny.yaml")
+    if args.rope_theta is not None:
+        arch["rope_theta"] = args.rope_theta
+    for item in filter(None, (args.arch or "").split(",")):
+        key, value = item.split("=")
+        if key not in ("num_heads", "num_kv_heads", "hidden_size", "num_layers"):
+            raise SystemExit(f"error: --arch {key!r}: only num_heads, num_kv_heads, hidden_size, num_layers")
+        arch[key] = int(value)
+    if args.untied_embeddings:
+        cfg.tie_word_embeddings = False
+    if args.intermediate_size is not None:
+        cfg.intermediate_size = args.intermediate_size
 
     # Held-out evaluation prompts are built on the CPU while the GPU trains.
     pool = mp.get_context("fork").Pool(max(1, min(cfg.eval_pool, os.cpu_count() or 1)))

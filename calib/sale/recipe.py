@@ -41,7 +41,7 @@ from calib.errors import UserError
 from calib.sale.tables import (LadderEval, at_tau, evaluate_ladder, halve_from_table, match_shared_tau,
                                shared_tau_grid, tau_ladder)
 from runtime_kernels.manifest import DataRecord
-from runtime_kernels.sale.api import SalePrefill, sale_select
+from runtime_kernels.sale.api import SalePrefill, estimator_precision, sale_select
 from runtime_kernels.sale.reference import SaleSelectionConfig
 
 BITS = {4: "int4", 8: "int8"}
@@ -363,7 +363,11 @@ def calibrate(cfg: DictConfig, ctx: Any) -> Any:
                                  num_prompts=int(m.sparsity_prompts), purpose="evaluation")
         by_length = sparsity_by_length(loaded, held_out, cal.tau, sel)
     metrics.update({f"sparsity_at_{n}": float(np.mean(v)) for n, v in by_length.items()})
-    payload: dict[str, Any] = {"selection": sel.to_dict(), "precision": sel.precision, "ladder": ladder,
+    # What ran during calibration here (the reference honours 4 bits; the CUDA kernels estimate in int8).
+    ran = estimator_precision(sel, next(loaded.model.parameters()).device)
+    payload: dict[str, Any] = {"selection": sel.to_dict(), "precision": sel.precision,
+                               "calibration_estimator": ran, "cuda_runtime_estimator": "float" if sel.bits is None
+                               else "int8", "ladder": ladder,
                                "sparsity_by_length": {str(n): float(np.mean(v)) for n, v in by_length.items()}}
     if compare:
         with ctx.timer.stage("ablation"):

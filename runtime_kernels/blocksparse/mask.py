@@ -5,7 +5,8 @@ every (batch, head, query block) the mask lists the kept key-block indices, sort
 compressed-sparse-row form over all rows at once:
 
 * row ``r = (b * H + h) * NQ + qb`` owns ``indices[offsets[r] : offsets[r + 1]]``;
-* ``offsets: [B * H * NQ + 1]`` int64, ``indices: [nnz]`` int32.
+* ``offsets: [B * H * NQ + 1]`` int64, ``indices: [>= nnz]`` int32 (``nnz = offsets[-1]``; a GPU selector
+  that must not synchronize allocates the worst case, and only ``indices[:nnz]`` is meaningful).
 
 One flat CSR (rather than a padded ``[B, H, NQ, max]`` table) keeps storage proportional to the kept
 blocks and lets a kernel program per (b, h, qb) read its two row pointers and walk its list.
@@ -30,7 +31,7 @@ class BlockMask:
     """CSR block mask; see the module docstring for the layout."""
 
     offsets: torch.Tensor  # [B*H*NQ + 1] int64 row pointers
-    indices: torch.Tensor  # [nnz] int32 kept key-block indices, ascending within a row
+    indices: torch.Tensor  # [>= nnz] int32 kept key-block indices, ascending within a row
     batch: int
     heads: int
     seq_q: int
@@ -83,7 +84,7 @@ class BlockMask:
             torch.arange(self.batch * self.heads * nq, device=self.offsets.device), self.offsets[1:] - self.offsets[:-1]
         )
         keep = torch.zeros(self.batch * self.heads * nq, nk, dtype=torch.bool, device=self.offsets.device)
-        keep[rows, self.indices.long()] = True
+        keep[rows, self.indices[: rows.numel()].long()] = True
         return keep.view(self.batch, self.heads, nq, nk)
 
     def token_mask(self) -> torch.Tensor:
@@ -116,3 +117,10 @@ def causal_block_mask(seq_q: int, seq_k: int, block_q: int, block_k: int,
     last_q = (seq_k - seq_q) + torch.clamp(torch.arange(1, nq + 1, device=device) * block_q, max=seq_q) - 1
     first_k = torch.arange(nk, device=device) * block_k
     return first_k[None, :] <= last_q[:, None]
+
+
+def causal_block_count(seq_q: int, seq_k: int, block_q: int, block_k: int) -> int:
+    """Causal blocks of one (batch, head), ``causal_block_mask(...).sum()`` in host arithmetic (no device
+    work): the worst-case ``nnz`` per head a selector allocates ``indices`` for without a host sync."""
+    nq = _ceil_div(seq_q, block_q)
+    return sum((seq_k - seq_q + min((i + 1) * block_q, seq_q) - 1) // block_k + 1 for i in range(nq))

@@ -45,6 +45,16 @@ def _impl(q: torch.Tensor, backend: Backend) -> ModuleType:
     return _triton_module() if q.is_cuda and _triton_module() is not None else reference
 
 
+def estimator_precision(config: SaleSelectionConfig, device: torch.device | str,
+                        backend: Backend = "auto") -> str:
+    """The Selection-Pass estimate that actually runs for ``config`` on ``device``: the reference honours
+    ``config.precision`` (``"int4"``, ``"int8"``, ``"float"``); the Triton path (CUDA) has no 4-bit
+    tensor-core route and runs ``"int8"`` for a 4- or 8-bit config."""
+    probe = torch.empty(0, device=device)
+    impl = _impl(probe, backend)
+    return impl.gpu_estimator(config) if impl is not reference else config.precision
+
+
 def sale_block_scores(q: torch.Tensor, k: torch.Tensor, *, config: SaleSelectionConfig = SaleSelectionConfig(),
                       scale: float | None = None, backend: Backend = "auto") -> torch.Tensor:
     """``q: [B, Hq, Tq, D]``, ``k: [B, Hkv, Tk, D]`` -> ``[B, Hq, NQ, NK]`` block scores ``ln max P~``
@@ -55,7 +65,14 @@ def sale_block_scores(q: torch.Tensor, k: torch.Tensor, *, config: SaleSelection
 def sale_select(q: torch.Tensor, k: torch.Tensor, tau: torch.Tensor | float, *,
                 config: SaleSelectionConfig = SaleSelectionConfig(), scale: float | None = None,
                 backend: Backend = "auto") -> BlockMask:
-    """Selection-Pass: ``tau: [Hq]`` (or one float) -> BlockMask over (B, Hq, query block)."""
+    """Selection-Pass: ``tau: [Hq]`` (or one float) -> BlockMask over (B, Hq, query block).
+
+    The Triton path (CUDA) selects and builds the mask on the device without a host sync (int8 estimate
+    for a 4- or 8-bit config; ``mask.indices`` sized for every causal block, ``offsets`` exact)."""
+    impl = _impl(q, backend)
+    if impl is not reference:
+        return impl.sale_select(q, k, tau, block_q=config.block_q, block_k=config.block_k, sink=config.sink,
+                                local=config.local, bits=config.bits, smooth_k=config.smooth_k, scale=scale)
     scores = sale_block_scores(q, k, config=config, scale=scale, backend=backend)
     return reference.select_blocks(scores, tau, seq_q=q.shape[2], seq_k=k.shape[2],
                                    block_q=config.block_q, block_k=config.block_k)

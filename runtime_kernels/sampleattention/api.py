@@ -3,17 +3,21 @@
 :class:`SampleAttentionPrefill` is the runtime object ``runtime_kernels.hf.apply`` builds from an
 artifact (``hf.RUNTIMES["sampleattention"]``); the functions below are its stateless core.
 
-The selection (:mod:`runtime_kernels.sampleattention.reference`) is plain PyTorch: its cost is the
-attention of ``chunk_n * blk`` sampled rows, i.e. matmuls that run on the GPU as they are. The
-attention itself goes through :func:`runtime_kernels.blocksparse.api.block_sparse_attention`, which
-picks the Triton kernel on CUDA and the PyTorch reference otherwise.
+The selection runs :mod:`runtime_kernels.sampleattention.triton` on CUDA (when it imports; no host sync,
+the Stage-1 reductions in Triton) and the PyTorch reference (:mod:`runtime_kernels.sampleattention.reference`)
+otherwise; ``backend="reference"`` / ``"triton"`` force one. The attention itself goes through
+:func:`runtime_kernels.blocksparse.api.block_sparse_attention`, which dispatches the same way.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import importlib
 import math
 import time
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Literal
 
 import torch
@@ -22,12 +26,43 @@ import torch.nn.functional as F
 from runtime_kernels.blocksparse.api import Backend, block_sparse_attention
 from runtime_kernels.blocksparse.mask import BlockMask
 from runtime_kernels.errors import ArtifactError
+from runtime_kernels.sampleattention import reference
 from runtime_kernels.sampleattention.buckets import BucketRow, BucketTable
-from runtime_kernels.sampleattention.reference import (
-    cumulative_residual_attention,
-    sampled_query_rows,
-    sampleattention_select,
-)
+from runtime_kernels.sampleattention.reference import cumulative_residual_attention, sampled_query_rows
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_module() -> ModuleType | None:
+    try:
+        return importlib.import_module("runtime_kernels.sampleattention.triton")
+    except ImportError:
+        return None
+
+
+def _selection_impl(q: torch.Tensor, backend: str) -> ModuleType:
+    """The selection module for ``backend``: the Triton one for ``"triton"``, or ``"auto"``/``"masked"`` on
+    CUDA when it imports; the reference otherwise."""
+    if backend == "reference":
+        return reference
+    if backend == "triton":
+        if _triton_module() is None:
+            raise RuntimeError("backend='triton' requested but runtime_kernels.sampleattention.triton (or triton) "
+                               "is not importable; install triton or use backend='reference'")
+        return _triton_module()
+    return _triton_module() if q.is_cuda and _triton_module() is not None else reference
+
+
+def _select(q: torch.Tensor, k: torch.Tensor, row: BucketRow, blk: int, scale: float | None,
+            backend: str = "auto") -> BlockMask:
+    return _selection_impl(q, backend).sampleattention_select(q, k, alpha_c=row.alpha_c, alpha_s=row.alpha_s,
+                                                              chunk_n=row.chunk_n, blk=blk, scale=scale)
+
+
+def _exact_indices(mask: BlockMask) -> BlockMask:
+    """``mask`` with ``indices[:offsets[-1]]`` (one sync, outside the timed path): the Triton selection sizes
+    ``indices`` for every causal block to avoid a sync, which ``BlockMask.to_dense`` does not expect."""
+    nnz = int(mask.offsets[-1])
+    return mask if mask.indices.numel() == nnz else dataclasses.replace(mask, indices=mask.indices[:nnz])
 
 
 def sampleattention_prefill_mask(
@@ -36,11 +71,9 @@ def sampleattention_prefill_mask(
     """Mask for one layer's prefill: the row of the bucket holding ``Sk`` (the prompt length).
 
     ``q: [B, Hq, Sq, D]``, ``k: [B, Hkv, Sk, D]`` -> :class:`BlockMask` over ``[B, Hq]``, blocks
-    ``table.blk``.
+    ``table.blk`` (Triton selection on CUDA, the reference elsewhere).
     """
-    row = table.lookup(k.shape[2])
-    return sampleattention_select(q, k, alpha_c=row.alpha_c, alpha_s=row.alpha_s, chunk_n=row.chunk_n,
-                                  blk=table.blk, scale=scale)
+    return _select(q, k, table.lookup(k.shape[2]), table.blk, scale)
 
 
 def sampleattention_prefill_attention(
@@ -54,7 +87,7 @@ def sampleattention_prefill_attention(
 ) -> torch.Tensor:
     """SampleAttention prefill: ``q: [B, Hq, Sq, D]``, ``k: [B, Hkv, Sk, D]``, ``v: [B, Hkv, Sk, Dv]``
     -> ``[B, Hq, Sq, Dv]`` (causal; queries are the last ``Sq`` positions)."""
-    mask = sampleattention_prefill_mask(q, k, table, scale=scale)
+    mask = _select(q, k, table.lookup(k.shape[2]), table.blk, scale, backend)
     return block_sparse_attention(q, k, v, mask, scale=scale, backend=backend)
 
 
@@ -201,14 +234,13 @@ class SampleAttentionPrefill:
             ones = torch.ones(b, hq)
             self._stats.add(ones, ones if self.report_cra else None, bucket, elapsed)
             return out
-        mask = sampleattention_select(q, k, alpha_c=row.alpha_c, alpha_s=row.alpha_s, chunk_n=row.chunk_n,
-                                      blk=self.table.blk, scale=scale)
+        mask = _select(q, k, row, self.table.blk, scale, self.backend)
         out = self._attend(q, k, v, mask, scale)
         elapsed = self._clock(q) - start if self.timing else 0.0
         cra = None
         if self.report_cra:
             rows = sampled_query_rows(q.shape[2], row.chunk_n, self.table.blk, q.device)
-            cra = cumulative_residual_attention(q, k, mask, rows, scale=scale)
+            cra = cumulative_residual_attention(q, k, _exact_indices(mask), rows, scale=scale)
         self._stats.add(mask.density(), cra, bucket, elapsed)
         return out
 

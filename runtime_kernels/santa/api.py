@@ -87,6 +87,23 @@ def normalize_num_samples(num_samples: int | torch.Tensor, batch: int, device: t
     return s.clamp_min(1).contiguous()
 
 
+_INT_VECTORS: dict[str, torch.Tensor] = {}
+
+
+def _int_vector(value: int, batch: int, device: torch.device) -> torch.Tensor:
+    """A read-only [B] int64 tensor of ``value``: a stride-0 view into a cached ``arange`` on ``device``.
+
+    Decode calls pass S and the cache length this way, so a step launches no fill kernel and never
+    waits on the device (``torch.full`` + a validity check would do both). Backends only read it.
+    """
+    key = str(device)
+    values = _INT_VECTORS.get(key)
+    if values is None or values.numel() <= value:
+        values = torch.arange(max(2 * value + 1, 1 << 16), dtype=torch.int64, device=device)
+        _INT_VECTORS[key] = values
+    return values[value:value + 1].expand(batch)
+
+
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("q, k, v must be [B, H, T, D] tensors")
@@ -201,11 +218,15 @@ def _prepare_decode(
     b, hq, d = q.shape
     tk = k_cache.shape[2]
     if cache_len is None:
-        cache_len = torch.full((b,), tk, dtype=torch.int64, device=q.device)
-    cache_len = torch.as_tensor(cache_len, device=q.device).to(torch.int64).reshape(-1)
-    if cache_len.shape != (b,) or bool((cache_len < 1).any()) or bool((cache_len > tk).any()):
-        raise ValueError(f"cache_len must be [B]={b} values in [1, {tk}], got {cache_len.tolist()}")
-    s = normalize_num_samples(num_samples, b, q.device)
+        cache_len = _int_vector(tk, b, q.device)  # no kernel launch, no host sync (decode hot path)
+    else:
+        cache_len = torch.as_tensor(cache_len, device=q.device).to(torch.int64).reshape(-1)
+        if cache_len.shape != (b,) or bool((cache_len < 1).any()) or bool((cache_len > tk).any()):
+            raise ValueError(f"cache_len must be [B]={b} values in [1, {tk}], got {cache_len.tolist()}")
+    if type(num_samples) is int and num_samples >= 0:
+        s = _int_vector(max(1, num_samples), b, q.device)
+    else:
+        s = normalize_num_samples(num_samples, b, q.device)
     if tiling == "none":
         if tile_uniforms is not None:
             raise ValueError(

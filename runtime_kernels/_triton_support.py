@@ -1,0 +1,37 @@
+"""What every Triton module of ``runtime_kernels`` shares: interpreter detection and one interpreter fix.
+
+Without a GPU, the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``; ``tests/conftest.py``
+sets it on CPU-only machines), so CI exercises the same kernel code a GPU compiles.
+
+Triton 3.6's interpreter turns a scalar into a Python int with ``int(ndarray of shape (1,))``, which
+numpy >= 2.4 refuses, so ``for t in range(a, n)`` with a loaded or computed ``n`` fails on the CPU
+(triton-lang/triton#9171, fixed upstream by a ``squeeze()``). :func:`patch_interpreter` applies that
+one-line fix once per process, and only under the interpreter. Import-time cost: none on a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run under the interpreter (CPU tensors)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def patch_interpreter() -> None:
+    """Apply the triton-lang/triton#9171 fix to the interpreter (idempotent; no-op when compiling)."""
+    if not interpreting():
+        return
+    from triton.runtime import interpreter
+
+    if getattr(interpreter, "_calib_index_patch", False):
+        return
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):  # noqa: ANN001, ANN202 - triton's internal signature
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patched
+    interpreter._calib_index_patch = True

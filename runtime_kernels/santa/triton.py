@@ -1,0 +1,651 @@
+"""S²ANTA decode kernels in Triton: prop and flash tilings (papers/santa.txt §3, App. P, Q).
+
+Backend contract of ``reference.santa_decode_forward`` (``api.santa_decode_attention`` picks it on CUDA);
+``tiling="none"``, float64 or mixed dtypes, head_dim > 256 or > 16384 tiles go to the reference. bf16 /
+fp16 on the GPU, float32 anywhere (the CPU interpreter runs float32 only); any batch, GQA group size,
+head_dim and tile length (padded to powers of two inside), odd cache lengths, arbitrary strides.
+
+Sampling rule = the reference's: tile t of head h with budget ``S_t`` and offset ``u = uniforms[b, h, t]``
+gives key n ``c(C_n) - c(C_{n-1})`` samples, ``c(C) = clamp(ceil(S_t·C/Z - u), 0, S_t)``, ``C`` the
+inclusive cumulative in-tile weight, ``Z`` the tile total. The float32 weights ``exp(s - m_t) <= 1``
+become int64 fixed point (``floor(w·2^32)``) before the prefix sum, so ``C_{n-1} = C_n - w_n`` exactly:
+counts are never negative and sum to ``S_t`` exactly; ``S_t·C/Z - u`` is float64. Counts match the
+float64 reference except where ``S_t·C_n/Z - u`` lies within float32 score rounding of an integer.
+
+Kernels (one program = one tile of one KV head; its G = Hq/Hkv query heads share each K/V load):
+
+* prop, 2 launches. ``_prop_score_kernel``: the G heads' scores of the tile in one ``tl.dot``, stored
+  float32 ``[B·Hq, T·tile]``, plus ``m_t`` and ``ℓ_t = Σ exp(s - m_t)``. The last program of each
+  (b, kv head) (atomic counter) computes the largest-remainder budgets of its heads (float64 masses;
+  fractional parts on a 2^-20 grid ranked by a radix select, 5 rounds × 16 thresholds for T <= 128;
+  ties to the lower tile) and zeroes the float32 accumulator. ``_prop_gather_kernel``: tiles without
+  budget exit at once; the others turn the stored scores (not K) into cumulative counts, find each
+  sample's key (``#{n : c(C_n) <= j}``) and load just those V rows, add them to the accumulator with
+  float32 atomics; the last program of the (b, kv head) writes ``acc / S``.
+* flash, 1 launch. ``_flash_kernel``: scores, ``(m_t, ℓ_t)``, ``S_tile = max(1, round_half_up(S/T_b))``
+  (in the kernel, from ``num_samples`` and ``cache_len``), counts, then ``counts @ V`` as ``tl.dot`` in
+  the V dtype over a row-masked V tile (unsampled rows are never fetched; counts go in exact base-256
+  digits, one dot unless a key has >= 256 samples). Partials ``(m_t, ℓ_t, ℓ_t·μ̂_t)`` are merged by
+  log-sum-exp: the last tile of each group of <= 16 tiles merges the group, the last group the row.
+
+The launch counters are one int32 buffer per device, zeroed once and reset by each launch's last program.
+
+Performance model (Llama-3.1-8B decode: Hq=32, Hkv=8, D=128, bf16, B=1, N keys; H200 ~4.2 TB/s):
+
+* Dense floor: K+V = ``2·N·Hkv·D·2`` B = 128 MiB at N=32k ≈ 32 µs.
+* prop: all of K (67 MB ≈ 16 µs) + float32 scores written (``N·Hq·4`` = 4 MB, L2-resident) and re-read
+  only for tiles with budget + at most ``G·S`` V rows per KV head (S=128: 512 × 256 B × 8 = 1 MB).
+  Recomputing q·k in the gather pass would re-read 64 KB of K per tile, and at S=128 nearly every one
+  of the 128 tiles has a sample: all of K again, 16× the score bytes. FLOPs ``2·N·Hq·D`` (0.27 GFLOP):
+  memory bound. Floor ≈ 17 µs (1.9× under dense) + serial latency: budget tail (~1 µs), gather pass
+  (budgets+scores → counts → V rows → atomics → output, ~3-4 µs, ~1 wave at 72 regs / 4 warps).
+  Target ≥ 1.4× under the dense floor, i.e. ≤ 23 µs.
+* flash: K once + sampled V rows (S=2048 at 32k: S_tile=16, ≤ 64 of 256 rows per tile, ≤ 25% of V)
+  ⇒ floor ≈ 20 µs (1.6× under dense); 2 KB of partials per tile (L2); merges ~1 µs. Target ≤ 25.6 µs.
+* ptxas (sm_90, bf16, G=4, D=128): score 168 regs at 4 warps (3 programs, 192 KB of K in flight per
+  SM), gather 72 regs at 4 warps, flash 117 regs at 8 warps + 66 KB smem (2 programs per SM).
+* Launches: prop 2, flash 1 (+ the api's offset draw); no host syncs, no per-call memsets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from runtime_kernels._triton_support import interpreting
+from runtime_kernels.santa import reference
+from runtime_kernels.santa.reference import DecodeSamples
+from runtime_kernels.santa.tiling import flash_tile_budget, num_tiles
+
+_INTERPRET = interpreting()
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MAX_HEAD_DIM = 256
+MAX_TILES = 16384  # one program ranks all tiles of a head in registers when computing prop budgets
+_FRAC_BITS = 20  # prop fractional parts are ranked at 2^-20 resolution (ties: lower tile)
+
+# Launch knobs (tunable on the GPU): warps per program of each kernel.
+SCORE_WARPS = 4
+GATHER_WARPS = 4
+GATHER_SAMPLES = 16  # prop gather: samples per head resolved to keys per step
+FLASH_WARPS = 8
+
+
+def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Uninitialized buffer (tests replace this to poison every buffer the wrapper allocates with NaN)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+# ----------------------------------------------------------------------------------- device helpers
+
+
+@triton.jit
+def _load_group_q(q_ptr, b, kvh, G, D, sqb, sqh, sqd, GP: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Query rows of the G heads of KV head ``kvh``: [GP, BLOCK_D] (zero padding rows / columns)."""
+    g = tl.arange(0, GP)
+    d = tl.arange(0, BLOCK_D)
+    ptr = q_ptr + b.to(tl.int64) * sqb + (kvh * G + g)[:, None].to(tl.int64) * sqh + d[None, :] * sqd
+    return tl.load(ptr, mask=(g < G)[:, None] & (d < D)[None, :], other=0.0)
+
+
+@triton.jit
+def _tile_keys(t, tile, length, BN: tl.constexpr):
+    """Key indices [BN] of tile ``t`` and which of them are real keys of the cache (``< length``)."""
+    j = tl.arange(0, BN)
+    key = t * tile + j
+    return key, (j < tile) & (key < length)
+
+
+@triton.jit
+def _tile_scores(q, k_base, key, kmask, D, skn, skd, scale, BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+    """Scores [GP, BN] float32 of one tile for all heads of the group; ``-inf`` on keys outside it."""
+    d = tl.arange(0, BLOCK_D)
+    k = tl.load(k_base + key[:, None].to(tl.int64) * skn + d[None, :] * skd,
+                mask=kmask[:, None] & (d < D)[None, :], other=0.0)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = s * scale
+    return tl.where(kmask[None, :], s, float("-inf"))
+
+
+@triton.jit
+def _systematic_counts(w, budget, u):
+    """Per-key sample counts of the in-tile weights w [GP, BN] (float32 in [0, 1]).
+
+    budget: [GP] int32 (S_t per head), u: [GP] float64 offsets. Returns ``(counts, c_hi)``, both
+    [GP, BN] int32: ``c_hi[n]`` = samples drawn at keys ``<= n`` (``S_t`` at the last key) and
+    ``counts[n] = c_hi[n] - c_hi[n-1]``; each row of counts sums to its budget exactly.
+    """
+    wq = (w * 4294967296.0).to(tl.int64)  # fixed point 2^32: the prefix sum below is exact
+    cum = tl.cumsum(wq, axis=1)
+    z = tl.maximum(tl.max(cum, axis=1), 1)
+    ratio = budget.to(tl.float64) / z.to(tl.float64)
+    top = budget.to(tl.float64)[:, None]
+    c_hi = tl.ceil(cum.to(tl.float64) * ratio[:, None] - u[:, None])
+    c_lo = tl.ceil((cum - wq).to(tl.float64) * ratio[:, None] - u[:, None])
+    c_hi = tl.minimum(tl.maximum(c_hi, 0.0), top).to(tl.int32)
+    c_lo = tl.minimum(tl.maximum(c_lo, 0.0), top).to(tl.int32)
+    return c_hi - c_lo, c_hi
+
+
+@triton.jit
+def _gather_samples(c_hi, budget, v_base, tile_start, D, svn, svd,
+                    BLOCK_D: tl.constexpr, MAXS: tl.constexpr):
+    """``Σ_j V[key_j]`` [GP, BLOCK_D] float32 over each head's samples ``j < budget``, MAXS at a time.
+
+    Sample j sits at key ``#{n : c_hi[n] <= j}``; only the sampled rows are loaded (no V tile staging).
+    """
+    j = tl.arange(0, MAXS)
+    d = tl.arange(0, BLOCK_D)
+    out = tl.zeros((c_hi.shape[0], BLOCK_D), tl.float32)
+    top = tl.max(budget, axis=0)
+    j0 = tl.full((), 0, tl.int32)
+    while j0 < top:
+        jj = j0 + j
+        key = tl.sum((c_hi[:, None, :] <= jj[None, :, None]).to(tl.int32), axis=2)  # [GP, MAXS]
+        ok = jj[None, :] < budget[:, None]
+        rows = (tile_start + key).to(tl.int64)
+        v = tl.load(v_base + rows[:, :, None] * svn + d[None, None, :] * svd,
+                    mask=ok[:, :, None] & (d < D)[None, None, :], other=0.0)
+        out += tl.sum(v.to(tl.float32), axis=1)
+        j0 += MAXS
+    return out
+
+
+@triton.jit
+def _gather_values(counts, v_base, key, kmask, D, svn, svd, BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+    """``Σ_n counts[:, n] V_n`` [GP, BLOCK_D] float32, loading only rows some head sampled."""
+    d = tl.arange(0, BLOCK_D)
+    rows = (tl.max(counts, axis=0) > 0) & kmask
+    v = tl.load(v_base + key[:, None].to(tl.int64) * svn + d[None, :] * svd,
+                mask=rows[:, None] & (d < D)[None, :], other=0.0)
+    out = tl.zeros((counts.shape[0], BLOCK_D), tl.float32)
+    rem = counts
+    mult = tl.full((), 1.0, tl.float32)
+    while tl.max(tl.max(rem, axis=1), axis=0) > 0:  # base-256 digits: exact in bf16; once if all < 256
+        digit = (rem & 255).to(v.dtype)
+        if IEEE:
+            part = tl.dot(digit, v, input_precision="ieee")
+        else:
+            part = tl.dot(digit, v)
+        out += mult * part
+        rem = rem >> 8
+        mult = mult * 256.0
+    return out
+
+
+@triton.jit
+def _store_rows(out_ptr, b, kvh, G, D, sob, soh, sod, val, GP: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Write val [GP, BLOCK_D] (float32) as the output rows of the group's heads, in the output dtype."""
+    g = tl.arange(0, GP)
+    d = tl.arange(0, BLOCK_D)
+    ptr = out_ptr + b.to(tl.int64) * sob + (kvh * G + g).to(tl.int64)[:, None] * soh + d[None, :] * sod
+    tl.store(ptr, val.to(out_ptr.dtype.element_ty), mask=(g < G)[:, None] & (d < D)[None, :])
+
+
+@triton.jit
+def _prop_budgets(m_ptr, l_ptr, bud_ptr, row, gmask, T_all, T_b, S,
+                  BLOCK_T: tl.constexpr, FRAC_BITS: tl.constexpr, RADIX_BITS: tl.constexpr):
+    """Largest-remainder budgets of S·m̄_t for the group's heads; stores [GP, T_all] int32 rows.
+
+    The ``rest = S - Σ floor(q_t)`` largest fractional parts (quantized to 2^-FRAC_BITS; ties to the
+    lower tile) get one more sample. Their threshold is found by a radix select: each round counts, for
+    2^RADIX_BITS candidate thresholds at once, how many fractions reach each, and keeps the largest
+    candidate reached by at least ``rest`` of them (FRAC_BITS / RADIX_BITS rounds).
+    """
+    t = tl.arange(0, BLOCK_T)
+    valid = gmask[:, None] & (t < T_b)[None, :]
+    offs = row[:, None] * T_all + t[None, :]
+    m = tl.load(m_ptr + offs, mask=valid, other=float("-inf"), cache_modifier=".cg")
+    ell = tl.load(l_ptr + offs, mask=valid, other=0.0, cache_modifier=".cg")
+    m_star = tl.max(m, axis=1)
+    m_star = tl.where(gmask, m_star, 0.0)
+    w = tl.where(valid, tl.exp(m - m_star[:, None]).to(tl.float64) * ell.to(tl.float64), 0.0)
+    z = tl.sum(w, axis=1)
+    z = tl.where(z > 0, z, 1.0)
+    quota = w * (S.to(tl.float64) / z)[:, None]
+    floors = tl.floor(quota)
+    whole = floors.to(tl.int32)
+    rest = S - tl.sum(whole, axis=1)  # samples left for the largest fractional parts
+    frac = tl.where(valid, ((quota - floors) * (1 << FRAC_BITS)).to(tl.int32), -1)
+    cand = tl.arange(0, 1 << RADIX_BITS)
+    thresh = tl.zeros_like(rest)
+    for r in tl.static_range(FRAC_BITS // RADIX_BITS):  # largest thresh with #{frac >= thresh} >= rest
+        trial = thresh[:, None] + (cand[None, :] << (FRAC_BITS - RADIX_BITS * (r + 1)))  # [GP, C]
+        reach = tl.sum((frac[:, :, None] >= trial[:, None, :]).to(tl.int32), axis=1)  # [GP, C]
+        step = tl.sum((reach >= rest[:, None]).to(tl.int32), axis=1) - 1
+        thresh += step << (FRAC_BITS - RADIX_BITS * (r + 1))
+    above = frac > thresh[:, None]
+    need = rest - tl.sum(above.to(tl.int32), axis=1)
+    tied = frac == thresh[:, None]
+    plus = above | (tied & (tl.cumsum(tied.to(tl.int32), axis=1) <= need[:, None]))
+    budget = tl.where(valid, whole + plus.to(tl.int32), 0)
+    tl.store(bud_ptr + offs, budget, mask=gmask[:, None] & (t < T_all)[None, :])
+
+
+# ----------------------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _prop_score_kernel(
+    q_ptr, k_ptr, len_ptr, ns_ptr, s_ptr, m_ptr, l_ptr, bud_ptr, acc_ptr, cnt_ptr,
+    scale, G, Hkv, Hq, D, tile, T_all, Tk_pad,
+    sqb, sqh, sqd, skb, skh, skn, skd, sls, sns,
+    GP: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+    FRAC_BITS: tl.constexpr, RADIX_BITS: tl.constexpr, IEEE: tl.constexpr,
+):
+    t = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // Hkv
+    kvh = bh % Hkv
+    length = tl.load(len_ptr + b * sls).to(tl.int32)
+    T_b = (length + tile - 1) // tile
+    g = tl.arange(0, GP)
+    gmask = g < G
+    row = (b * Hq + kvh * G + g).to(tl.int64)
+    if t < T_b:
+        q = _load_group_q(q_ptr, b, kvh, G, D, sqb, sqh, sqd, GP, BLOCK_D)
+        key, kmask = _tile_keys(t, tile, length, BN)
+        k_base = k_ptr + b.to(tl.int64) * skb + kvh.to(tl.int64) * skh
+        s = _tile_scores(q, k_base, key, kmask, D, skn, skd, scale, BLOCK_D, IEEE)
+        tl.store(s_ptr + row[:, None] * Tk_pad + key[None, :], s, mask=gmask[:, None] & kmask[None, :])
+        m = tl.max(s, axis=1)
+        ell = tl.sum(tl.exp(s - m[:, None]), axis=1)
+        tl.store(m_ptr + row * T_all + t, m, mask=gmask)
+        tl.store(l_ptr + row * T_all + t, ell, mask=gmask)
+    tl.debug_barrier()
+    done = tl.atomic_add(cnt_ptr + bh, 1)
+    if done == T_all - 1:  # last tile of this (b, kv head): budgets, then clear the accumulator
+        S = tl.load(ns_ptr + b * sns).to(tl.int32)
+        _prop_budgets(m_ptr, l_ptr, bud_ptr, row, gmask, T_all, T_b, S, BLOCK_T, FRAC_BITS, RADIX_BITS)
+        d = tl.arange(0, BLOCK_D)
+        tl.store(acc_ptr + row[:, None] * BLOCK_D + d[None, :], tl.zeros((GP, BLOCK_D), tl.float32),
+                 mask=gmask[:, None])
+        tl.atomic_xchg(cnt_ptr + bh, 0)
+
+
+@triton.jit
+def _prop_gather_kernel(
+    v_ptr, u_ptr, len_ptr, ns_ptr, s_ptr, bud_ptr, acc_ptr, cnt_ptr, out_ptr, counts_ptr,
+    G, Hkv, Hq, D, tile, T_all, Tk_pad,
+    svb, svh, svn, svd, sub, suh, sut, sob, soh, sod, sls, sns,
+    GP: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr, MAXS: tl.constexpr,
+    WRITE_COUNTS: tl.constexpr,
+):
+    t = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // Hkv
+    kvh = bh % Hkv
+    g = tl.arange(0, GP)
+    gmask = g < G
+    d = tl.arange(0, BLOCK_D)
+    row = (b * Hq + kvh * G + g).to(tl.int64)
+    head = (kvh * G + g).to(tl.int64)
+    length = tl.load(len_ptr + b * sls).to(tl.int32)
+    key, kmask = _tile_keys(t, tile, length, BN)
+    # Scores (4 KB, L2) and offsets are loaded together with the budgets: one round trip, not two.
+    budget = tl.load(bud_ptr + row * T_all + t, mask=gmask, other=0)
+    s = tl.load(s_ptr + row[:, None] * Tk_pad + key[None, :], mask=gmask[:, None] & kmask[None, :],
+                other=float("-inf"))
+    u = tl.load(u_ptr + b.to(tl.int64) * sub + head * suh + t * sut, mask=gmask, other=0.0)
+    if tl.max(budget, axis=0) > 0:
+        m = tl.max(s, axis=1)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.exp(s - m[:, None])
+        counts, c_hi = _systematic_counts(w, budget, u)
+        v_base = v_ptr + b.to(tl.int64) * svb + kvh.to(tl.int64) * svh
+        o = _gather_samples(c_hi, budget, v_base, t * tile, D, svn, svd, BLOCK_D, MAXS)
+        tl.atomic_add(acc_ptr + row[:, None] * BLOCK_D + d[None, :], o, mask=gmask[:, None])
+        if WRITE_COUNTS:
+            tl.store(counts_ptr + row[:, None] * Tk_pad + key[None, :], counts,
+                     mask=gmask[:, None] & kmask[None, :])
+    tl.debug_barrier()
+    done = tl.atomic_add(cnt_ptr + bh, 1)
+    if done == T_all - 1:  # every tile of this (b, kv head) has added its samples
+        acc = tl.load(acc_ptr + row[:, None] * BLOCK_D + d[None, :], mask=gmask[:, None], other=0.0,
+                      cache_modifier=".cg")
+        inv_s = 1.0 / tl.load(ns_ptr + b * sns).to(tl.float32)
+        _store_rows(out_ptr, b, kvh, G, D, sob, soh, sod, acc * inv_s, GP, BLOCK_D)
+        tl.atomic_xchg(cnt_ptr + bh, 0)
+
+
+@triton.jit
+def _merge_partials(pm_ptr, pl_ptr, pa_ptr, first, lo, hi,
+                    GP: tl.constexpr, BLOCK_D: tl.constexpr, CH: tl.constexpr):
+    """Log-sum-exp merge of partial rows ``first + [lo, hi)``, CH rows per step.
+
+    A partial is ``(m, L, A)`` per head: ``L = Σ e^{s-m}``, ``A = Σ e^{s-m}·value``; rows live at
+    ``pm/pl[(first + r)·GP + g]`` and ``pa[((first + r)·GP + g)·BLOCK_D + d]``. Returns the merged
+    ``(m [GP], L [GP], A [GP, BLOCK_D])``; no rows gives ``(-inf, 0, 0)``.
+    """
+    g = tl.arange(0, GP)
+    d = tl.arange(0, BLOCK_D)
+    c = tl.arange(0, CH)
+    m_run = tl.full((GP,), float("-inf"), tl.float32)
+    l_run = tl.zeros((GP,), tl.float32)
+    acc = tl.zeros((GP, BLOCK_D), tl.float32)
+    r = lo
+    while r < hi:
+        rows = first + r + c
+        rmask = (r + c) < hi
+        pm = tl.load(pm_ptr + rows[:, None] * GP + g[None, :], mask=rmask[:, None], other=float("-inf"),
+                     cache_modifier=".cg")
+        pl = tl.load(pl_ptr + rows[:, None] * GP + g[None, :], mask=rmask[:, None], other=0.0,
+                     cache_modifier=".cg")
+        pa = tl.load(pa_ptr + (rows[:, None, None] * GP + g[None, :, None]) * BLOCK_D + d[None, None, :],
+                     mask=rmask[:, None, None], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m_run, tl.max(pm, axis=0))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        wgt = tl.exp(pm - m_ref[None, :])  # [CH, GP]
+        alpha = tl.exp(m_run - m_ref)
+        l_run = l_run * alpha + tl.sum(wgt * pl, axis=0)
+        acc = acc * alpha[:, None] + tl.sum(wgt[:, :, None] * pa, axis=0)
+        m_run = m_new
+        r += CH
+    return m_run, l_run, acc
+
+
+@triton.jit
+def _store_partial(pm_ptr, pl_ptr, pa_ptr, row, m, ell, acc, GP: tl.constexpr, BLOCK_D: tl.constexpr):
+    g = tl.arange(0, GP)
+    d = tl.arange(0, BLOCK_D)
+    tl.store(pm_ptr + row * GP + g, m)
+    tl.store(pl_ptr + row * GP + g, ell)
+    tl.store(pa_ptr + (row * GP + g[:, None]) * BLOCK_D + d[None, :], acc)
+
+
+@triton.jit
+def _flash_kernel(
+    q_ptr, k_ptr, v_ptr, u_ptr, len_ptr, ns_ptr, work_ptr, cnt_ptr, out_ptr, counts_ptr,
+    scale, G, Hkv, Hq, D, tile, T_all, Tk_pad, n_groups,
+    sqb, sqh, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sub, suh, sut, sob, soh, sod, sls, sns,
+    GP: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr, TPG: tl.constexpr, CH: tl.constexpr,
+    IEEE: tl.constexpr, WRITE_COUNTS: tl.constexpr,
+):
+    t = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // Hkv
+    kvh = bh % Hkv
+    n_bh = tl.num_programs(1)
+    g = tl.arange(0, GP)
+    gmask = g < G
+    d = tl.arange(0, BLOCK_D)
+    length = tl.load(len_ptr + b * sls).to(tl.int32)
+    T_b = (length + tile - 1) // tile
+    # work buffer: tile partials (m, L [BH·T_all·GP], A [BH·T_all·GP·BLOCK_D]), then group partials.
+    n_tp = n_bh.to(tl.int64) * T_all * GP
+    n_gp = n_bh.to(tl.int64) * n_groups * GP
+    tm_ptr = work_ptr
+    tl_ptr = work_ptr + n_tp
+    ta_ptr = work_ptr + 2 * n_tp
+    gm_ptr = ta_ptr + n_tp * BLOCK_D
+    gl_ptr = gm_ptr + n_gp
+    ga_ptr = gm_ptr + 2 * n_gp
+    if t < T_b:
+        S = tl.load(ns_ptr + b * sns).to(tl.int32)
+        s_tile = tl.maximum((2 * S + T_b) // (2 * T_b), 1)  # round_half_up(S / T_b), at least 1
+        q = _load_group_q(q_ptr, b, kvh, G, D, sqb, sqh, sqd, GP, BLOCK_D)
+        key, kmask = _tile_keys(t, tile, length, BN)
+        k_base = k_ptr + b.to(tl.int64) * skb + kvh.to(tl.int64) * skh
+        s = _tile_scores(q, k_base, key, kmask, D, skn, skd, scale, BLOCK_D, IEEE)
+        m_t = tl.max(s, axis=1)
+        w = tl.exp(s - m_t[:, None])
+        l_t = tl.sum(w, axis=1)
+        head = (kvh * G + g).to(tl.int64)
+        u = tl.load(u_ptr + b.to(tl.int64) * sub + head * suh + t * sut, mask=gmask, other=0.0)
+        counts, _ = _systematic_counts(w, tl.where(gmask, s_tile, 0), u)
+        v_base = v_ptr + b.to(tl.int64) * svb + kvh.to(tl.int64) * svh
+        o = _gather_values(counts, v_base, key, kmask, D, svn, svd, BLOCK_D, IEEE)
+        o = o * (l_t / s_tile.to(tl.float32))[:, None]  # A = ℓ_t · (mean of the tile's samples)
+        _store_partial(tm_ptr, tl_ptr, ta_ptr, bh.to(tl.int64) * T_all + t, m_t, l_t, o, GP, BLOCK_D)
+        if WRITE_COUNTS:
+            row = (b * Hq + kvh * G + g).to(tl.int64)
+            tl.store(counts_ptr + row[:, None] * Tk_pad + key[None, :], counts,
+                     mask=gmask[:, None] & kmask[None, :])
+    tl.debug_barrier()
+    grp = t // TPG
+    g_lo = grp * TPG
+    in_group = tl.minimum(T_all - g_lo, TPG)
+    done = tl.atomic_add(cnt_ptr + bh * n_groups + grp, 1)
+    if done == in_group - 1:  # last tile of its group: merge the group's tiles
+        m_g, l_g, a_g = _merge_partials(tm_ptr, tl_ptr, ta_ptr, bh.to(tl.int64) * T_all, g_lo,
+                                        tl.minimum(g_lo + TPG, T_b), GP, BLOCK_D, TPG)
+        _store_partial(gm_ptr, gl_ptr, ga_ptr, bh.to(tl.int64) * n_groups + grp, m_g, l_g, a_g, GP, BLOCK_D)
+        tl.atomic_xchg(cnt_ptr + bh * n_groups + grp, 0)
+        tl.debug_barrier()
+        done_groups = tl.atomic_add(cnt_ptr + n_bh * n_groups + bh, 1)
+        if done_groups == n_groups - 1:  # last group of this (b, kv head): the output
+            _, l_o, a_o = _merge_partials(gm_ptr, gl_ptr, ga_ptr, bh.to(tl.int64) * n_groups, 0, n_groups,
+                                          GP, BLOCK_D, CH)
+            res = a_o / tl.where(l_o > 0, l_o, 1.0)[:, None]
+            _store_rows(out_ptr, b, kvh, G, D, sob, soh, sod, res, GP, BLOCK_D)
+            tl.atomic_xchg(cnt_ptr + n_bh * n_groups + bh, 0)
+
+
+# ------------------------------------------------------------------------------------- host side
+
+
+_COUNTERS: dict[str, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 launch counters, one buffer per device, left at zero by the kernels themselves.
+
+    No per-call memset, and a CUDA-graph capture reuses the buffer of the eager warm-up. Two launches
+    running concurrently on different streams of one device would share it: don't.
+    """
+    key = str(device)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    elif device.type != "cuda":
+        buf.zero_()  # the interpreter can stop mid-grid on an exception; a GPU launch cannot
+    return buf
+
+
+def _pow2(x: int, lo: int) -> int:
+    return max(lo, triton.next_power_of_2(x))
+
+
+def _radix_bits(elements: int) -> int:
+    """Bits per radix-select round: 16 candidates while the [GP, T, C] compare stays <= 8k elements."""
+    return 4 if elements <= 512 else 2 if elements <= 2048 else 1
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    """Shapes of one call and the kernels' padded block sizes."""
+
+    B: int
+    Hq: int
+    Hkv: int
+    D: int
+    tile: int
+    T_all: int  # tiles covering the cache allocation, ceil(Tk / tile)
+    GP: int  # query heads per group, padded to a power of two (>= 2)
+    BN: int  # keys per tile, padded (>= 16)
+    BLOCK_D: int  # head_dim, padded (>= 16)
+
+    @classmethod
+    def of(cls, q: torch.Tensor, k: torch.Tensor, tile: int) -> "_Geometry":
+        b, hq, d = q.shape
+        hkv, tk = k.shape[1], k.shape[2]
+        return cls(b, hq, hkv, d, tile, -(-tk // tile), _pow2(hq // hkv, 2), _pow2(tile, 16), _pow2(d, 16))
+
+    @property
+    def G(self) -> int:
+        return self.Hq // self.Hkv
+
+    @property
+    def Tk_pad(self) -> int:
+        return self.T_all * self.tile
+
+    @property
+    def BH(self) -> int:
+        return self.B * self.Hkv
+
+
+def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, tiling: str, tile: int,
+              estimator: str) -> bool:
+    """Whether the kernels run this call (else ``santa_decode_forward`` uses the reference)."""
+    if tiling not in ("prop", "flash") or estimator != "sys" or q.dim() != 3:
+        return False
+    if q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        return False
+    if not (q.device == k_cache.device == v_cache.device) or (q.device.type != "cuda" and not _INTERPRET):
+        return False
+    return q.shape[-1] <= MAX_HEAD_DIM and -(-k_cache.shape[2] // tile) <= MAX_TILES and tile <= 4096
+
+
+@dataclass(frozen=True)
+class _PropScores:
+    """Buffers the prop score pass fills (float32 views of one allocation, int32 budgets)."""
+
+    scores: torch.Tensor  # [B·Hq·Tk_pad]
+    m: torch.Tensor  # [B·Hq·T_all] tile max scores
+    ell: torch.Tensor  # [B·Hq·T_all] Σ exp(s - m_t)
+    budgets: torch.Tensor  # [B·Hq, T_all] S_t
+    acc: torch.Tensor  # [B·Hq·BLOCK_D] zeroed output accumulator
+    counters: torch.Tensor  # int32; [BH:2·BH] is the gather pass's
+
+
+def _prop_scores(q: torch.Tensor, k: torch.Tensor, num_samples: torch.Tensor, cache_len: torch.Tensor,
+                 scale: float, geo: _Geometry) -> _PropScores:
+    """Launch the prop score pass (scores, tile statistics, budgets)."""
+    dev = q.device
+    rows, t_all, pad = geo.B * geo.Hq, geo.T_all, geo.Tk_pad
+    work = _alloc((rows * (pad + 2 * t_all + geo.BLOCK_D),), torch.float32, dev)
+    bufs = _PropScores(work[: rows * pad], work[rows * pad:][: rows * t_all],
+                       work[rows * (pad + t_all):][: rows * t_all], _alloc((rows, t_all), torch.int32, dev),
+                       work[rows * (pad + 2 * t_all):], _counters(dev, 2 * geo.BH))
+    block_t = _pow2(t_all, 2)
+    _prop_score_kernel[(t_all, geo.BH)](
+        q, k, cache_len, num_samples, bufs.scores, bufs.m, bufs.ell, bufs.budgets, bufs.acc, bufs.counters,
+        float(scale), geo.G, geo.Hkv, geo.Hq, geo.D, geo.tile, t_all, pad,
+        *q.stride(), *k.stride(), cache_len.stride(0), num_samples.stride(0),
+        GP=geo.GP, BN=geo.BN, BLOCK_D=geo.BLOCK_D, BLOCK_T=block_t, FRAC_BITS=_FRAC_BITS,
+        RADIX_BITS=_radix_bits(geo.GP * block_t), IEEE=q.dtype == torch.float32, num_warps=SCORE_WARPS,
+    )
+    return bufs
+
+
+def _prop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_samples: torch.Tensor, uniforms: torch.Tensor,
+          cache_len: torch.Tensor, scale: float, geo: _Geometry,
+          counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """S²ANTA-prop: (output [B, Hq, D], budgets [B·Hq, T_all] int32); ``counts`` receives per-key counts."""
+    bufs = _prop_scores(q, k, num_samples, cache_len, scale, geo)
+    out = _alloc((geo.B, geo.Hq, geo.D), q.dtype, q.device)
+    _prop_gather_kernel[(geo.T_all, geo.BH)](
+        v, uniforms, cache_len, num_samples, bufs.scores, bufs.budgets, bufs.acc, bufs.counters[geo.BH:], out,
+        counts if counts is not None else out,
+        geo.G, geo.Hkv, geo.Hq, geo.D, geo.tile, geo.T_all, geo.Tk_pad,
+        *v.stride(), *uniforms.stride(), *out.stride(), cache_len.stride(0), num_samples.stride(0),
+        GP=geo.GP, BN=geo.BN, BLOCK_D=geo.BLOCK_D, MAXS=GATHER_SAMPLES,
+        WRITE_COUNTS=counts is not None, num_warps=GATHER_WARPS,
+    )
+    return out, bufs.budgets
+
+
+def _flash_groups(t_all: int) -> tuple[int, int]:
+    """(tiles per merge group, groups): about 16 groups; a group's partials merge in one step."""
+    per = min(16, triton.next_power_of_2(-(-t_all // 16)))
+    return per, -(-t_all // per)
+
+
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_samples: torch.Tensor, uniforms: torch.Tensor,
+           cache_len: torch.Tensor, scale: float, geo: _Geometry,
+           counts: torch.Tensor | None = None) -> torch.Tensor:
+    """S²ANTA-flash output [B, Hq, D]; ``counts`` receives per-key counts."""
+    dev = q.device
+    per, groups = _flash_groups(geo.T_all)
+    work = _alloc((geo.BH * (geo.T_all + groups) * geo.GP * (2 + geo.BLOCK_D),), torch.float32, dev)
+    out = _alloc((geo.B, geo.Hq, geo.D), q.dtype, dev)
+    _flash_kernel[(geo.T_all, geo.BH)](
+        q, k, v, uniforms, cache_len, num_samples, work, _counters(dev, geo.BH * (groups + 1)), out,
+        counts if counts is not None else out,
+        float(scale), geo.G, geo.Hkv, geo.Hq, geo.D, geo.tile, geo.T_all, geo.Tk_pad, groups,
+        *q.stride(), *k.stride(), *v.stride(), *uniforms.stride(), *out.stride(),
+        cache_len.stride(0), num_samples.stride(0),
+        GP=geo.GP, BN=geo.BN, BLOCK_D=geo.BLOCK_D, TPG=per, CH=min(16, _pow2(groups, 2)),
+        IEEE=q.dtype == torch.float32, WRITE_COUNTS=counts is not None, num_warps=FLASH_WARPS,
+    )
+    return out
+
+
+def santa_decode_forward(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    num_samples: torch.Tensor,
+    *,
+    tiling: str,
+    tile: int,
+    estimator: str,
+    scale: float,
+    uniforms: torch.Tensor,
+    cache_len: torch.Tensor,
+) -> torch.Tensor:
+    """One decode step (contract of ``reference.santa_decode_forward``; same arguments and result).
+
+    q: [B, Hq, D]; k_cache, v_cache: [B, Hkv, Tk, D]; num_samples: [B] int64 ``>= 1``;
+    uniforms: [B, Hq, ceil(Tk / tile)] float64 tile offsets (prop / flash); cache_len: [B] int64 in
+    ``[1, Tk]``. Returns [B, Hq, D] in q.dtype. Calls the kernels can't run go to the reference.
+    """
+    if not supported(q, k_cache, v_cache, tiling=tiling, tile=tile, estimator=estimator):
+        return reference.santa_decode_forward(
+            q, k_cache, v_cache, num_samples, tiling=tiling, tile=tile, estimator=estimator, scale=scale,
+            uniforms=uniforms, cache_len=cache_len,
+        )
+    geo = _Geometry.of(q, k_cache, tile)
+    if tiling == "prop":
+        return _prop(q, k_cache, v_cache, num_samples, uniforms, cache_len, scale, geo)[0]
+    return _flash(q, k_cache, v_cache, num_samples, uniforms, cache_len, scale, geo)
+
+
+def decode_samples(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    num_samples: torch.Tensor,
+    *,
+    tiling: str,
+    tile: int,
+    scale: float,
+    tile_uniforms: torch.Tensor,
+    cache_len: torch.Tensor,
+) -> DecodeSamples:
+    """What the kernels draw (``reference.decode_samples``'s contract; for tests and diagnostics).
+
+    Runs the same kernels as ``santa_decode_forward`` (K stands in for V) with per-key count output.
+    Returns counts [B, Hq, Tk] int64, tile budgets [B, Hq, T] int64, tile masses [B, Hq, T] float64
+    (from the kernel's tile statistics) and key weights [B, Hq, Tk] float64.
+    """
+    if not supported(q, k_cache, k_cache, tiling=tiling, tile=tile, estimator="sys"):
+        raise ValueError("decode_samples: these inputs are not supported by the Triton kernels")
+    geo = _Geometry.of(q, k_cache, tile)
+    b, hq, t_all, tk = geo.B, geo.Hq, geo.T_all, k_cache.shape[2]
+    counts = torch.zeros(b * hq, geo.Tk_pad, dtype=torch.int32, device=q.device)
+    stats = _prop_scores(q, k_cache, num_samples, cache_len, scale, geo)
+    m, ell = stats.m.view(b, hq, t_all).double(), stats.ell.view(b, hq, t_all).double()
+    tile_valid = torch.arange(t_all, device=q.device)[None, :] < num_tiles(cache_len, tile)[:, None]
+    m = torch.where(tile_valid[:, None], m, torch.full_like(m, float("-inf")))
+    w = torch.where(tile_valid[:, None], torch.exp(m - m.amax(-1, keepdim=True)) * ell, torch.zeros_like(m))
+    mass = w / w.sum(-1, keepdim=True)
+    if tiling == "prop":
+        budgets = _prop(q, k_cache, k_cache, num_samples, tile_uniforms, cache_len, scale, geo, counts)[1]
+        budgets = budgets.view(b, hq, t_all).long()
+        per_sample = (1.0 / num_samples.double())[:, None, None].expand(b, hq, t_all)
+    elif tiling == "flash":
+        _flash(q, k_cache, k_cache, num_samples, tile_uniforms, cache_len, scale, geo, counts)
+        s_tile = flash_tile_budget(num_samples, num_tiles(cache_len, tile))
+        budgets = torch.where(tile_valid[:, None], s_tile[:, None, None], 0).expand(b, hq, t_all)
+        per_sample = mass / s_tile.double()[:, None, None]
+    else:
+        raise ValueError(f"unknown tiling {tiling!r}; use prop or flash")
+    counts = counts.view(b, hq, t_all, tile).long()
+    key_weights = (counts * per_sample[..., None]).reshape(b, hq, -1)[..., :tk]
+    return DecodeSamples(counts.reshape(b, hq, -1)[..., :tk], budgets, mass, key_weights)

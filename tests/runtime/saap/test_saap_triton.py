@@ -1,0 +1,283 @@
+"""SAAP Triton decode kernel vs the PyTorch reference.
+
+Unmarked tests run tiny shapes with the module's tiles shrunk, so that every case walks several window
+tiles, key steps, classifier tiles and merge steps with ragged tails: on CPU tensors under
+TRITON_INTERPRET=1 (tests/conftest.py sets it without CUDA), or compiled on a CUDA machine. ``gpu`` tests
+run the production tiles at 8k-32k keys in bf16 / fp16. Every call runs with NaN-poisoned outputs and
+partials (``CONFIG.poison``): an element the kernels do not write stays NaN and fails the comparison.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+triton_mod = pytest.importorskip("runtime_kernels.saap.triton")
+
+from runtime_kernels.saap import (  # noqa: E402
+    BucketIndex,
+    SaapLayerParams,
+    classify_queries,
+    rank_buckets,
+    saap_decode_attention,
+    saap_decode_attention_reference,
+)
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _poisoned_small_tiles(monkeypatch, request):
+    """NaN-poisoned buffers; for the tiny-shape tests 16-key steps, 32-key window tiles, 4 partials per
+    merge step and 16-wide classifier / merge tiles (several of each, ragged tails)."""
+    cfg = replace(triton_mod.CONFIG, poison=True)
+    if request.node.get_closest_marker("gpu") is None:
+        cfg = replace(cfg, block_n=16, min_win_steps=2, max_win_tiles=4, linear_block_k=16, linear_block_n=16,
+                      merge_block_p=4, merge_block_d=16)
+    monkeypatch.setattr(triton_mod, "CONFIG", cfg)
+
+
+def _params(hq, hkv, d, c, hd, sink, recent, *, seed=0, device="cpu", wdtype=torch.float32) -> SaapLayerParams:
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    p = SaapLayerParams(sink=sink, recent=recent, centroids=r(hkv, c, d), w1=r(hq, d, hd) / math.sqrt(d),
+                        b1=r(hq, hd) * 0.1, bn_mean=r(hq, hd) * 0.1, bn_var=torch.rand(hq, hd, generator=g) + 0.5,
+                        bn_weight=r(hq, hd), bn_bias=r(hq, hd) * 0.1, w2=r(hq, hd, c) * (3 / math.sqrt(hd)),
+                        b2=r(hq, c) * 0.1).to(device)
+    p.w1, p.w2 = p.w1.to(wdtype), p.w2.to(wdtype)
+    return p
+
+
+def _case(b, hq, hkv, t, d, c, sink, recent, *, structured=False, seed=0, dtype=torch.float32, hd=32,
+          device=DEV, wdtype=torch.float32):
+    """Inputs of one decode step: (q, q_derope, k, v, params, index). ``structured``: keys are scaled
+    centroids plus noise (clustered, peaked attention), the sink key is aligned with every query (an
+    attention sink), the queries point at a few centroids, and 1/8 of the buckets are empty and ranked
+    high by the classifier bias."""
+    p = _params(hq, hkv, d, c, hd, sink, recent, seed=seed, device=device, wdtype=wdtype)
+    g = torch.Generator(device=device).manual_seed(seed + 1)
+    rn = lambda *s: torch.randn(*s, generator=g, device=device)  # noqa: E731
+    q, qd, k, v = rn(b, hq, d), rn(b, hq, d), rn(b, hkv, t, d), rn(b, hkv, t, d)
+    kd = k
+    if structured:
+        n_empty = max(1, c // 8)
+        live = c - n_empty  # buckets live .. c-1 get no key: their centroids are far away
+        p.centroids[:, live:] += 1e3
+        pick = torch.randint(0, live, (b, hkv, t), generator=g, device=device)
+        cent = p.centroids[torch.arange(hkv, device=device)[None, :, None], pick]  # [B, Hkv, T, D]
+        kd = cent + 0.3 * rn(b, hkv, t, d)
+        k = 2.0 * kd
+        hot = p.centroids[torch.arange(hkv, device=device).repeat_interleave(hq // hkv), :3].mean(1)  # [Hq, D]
+        q = 1.5 * hot[None] + 0.2 * rn(b, hq, d)
+        k[:, :, 0] = q.view(b, hkv, hq // hkv, d).mean(2)  # attention sink
+        p.b2[:, live:] += 4.0
+    idx = BucketIndex.build(kd, p.centroids, sink=sink, recent=recent)
+    return q.to(dtype), qd.to(dtype), k.to(dtype), v.to(dtype), p, idx
+
+
+def _ref(q, qd, k, v, idx, p, top_l):
+    """The reference in float32 (its definition of correct), returned in float64."""
+    p32 = replace(p, w1=p.w1.float(), w2=p.w2.float())
+    return saap_decode_attention_reference(q.float(), qd.float(), k.float(), v.float(), idx, p32, top_l).double()
+
+
+def _dense64(q, k, v):
+    b, hq, d = q.shape
+    hkv = k.shape[1]
+    s = torch.einsum("bhgd,bhtd->bhgt", q.double().view(b, hkv, hq // hkv, d), k.double()) / math.sqrt(d)
+    return (torch.softmax(s, -1) @ v.double()).view(b, hq, d)
+
+
+def _row_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """max over (b, head) of ||out - ref|| / ||ref|| (NaN anywhere -> inf)."""
+    if torch.isnan(out).any():
+        return float("inf")
+    err = (out.double() - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-30)
+    return float(err.max())
+
+
+# -------------------------------------------------------------------------------------------- interpreter
+# float32 end to end: the kernel and the reference differ by summation order and exp2 vs exp only
+# (~1e-7 relative per op, a few hundred terms), so 2e-5 leaves a wide margin and still catches any
+# wrong key, wrong bucket or wrong merge weight (those are O(1e-2) or more).
+TOL32 = 2e-5
+# classifier probabilities: exact fp32 dots in the interpreter; compiled, float32 weights use tf32x3
+# dots (~1e-6 relative on the logits, so up to a few 1e-6 on a probability near 1)
+PROB_ATOL = 1e-6 if DEV == "cpu" else 1e-5
+
+SHAPES = [  # b, hq, hkv, t, d, c, sink, recent, top_l
+    (1, 4, 4, 301, 64, 8, 1, 37, 3),  # G = 1
+    (3, 8, 2, 157, 64, 7, 2, 21, 2),  # G = 4, B = 3, C not a power of two
+    (2, 8, 2, 203, 128, 16, 1, 40, 5),  # D = 128
+    (1, 6, 2, 99, 64, 5, 0, 13, 5),  # G = 3, no sink, ℓ = C
+]
+IDS = [f"B{s[0]}-Hq{s[1]}-Hkv{s[2]}-T{s[3]}-D{s[4]}-C{s[5]}-L{s[8]}" for s in SHAPES]
+
+
+@pytest.mark.parametrize("structured", [False, True], ids=["random", "structured"])
+@pytest.mark.parametrize("b,hq,hkv,t,d,c,sink,recent,top_l", SHAPES, ids=IDS)
+def test_matches_reference(b, hq, hkv, t, d, c, sink, recent, top_l, structured):
+    q, qd, k, v, p, idx = _case(b, hq, hkv, t, d, c, sink, recent, structured=structured)
+    out = triton_mod.saap_decode_attention_triton(q, qd, k, v, idx, p, top_l=top_l, scale=None)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert _row_rel_err(out, _ref(q, qd, k, v, idx, p, top_l)) < TOL32
+
+
+def test_empty_buckets_are_visited_and_weigh_nothing():
+    q, qd, k, v, p, idx = _case(2, 8, 2, 180, 64, 16, 1, 20, structured=True)
+    logits = triton_mod.saap_classifier_logits_triton(qd, p)
+    sel = triton_mod.saap_rank_buckets_triton(logits, 4, 6)
+    sizes = idx.bucket_count.gather(-1, sel.long())
+    assert (sizes == 0).any() and (sizes > 0).any()  # the case really mixes empty and full buckets
+    out = triton_mod.saap_decode_attention_triton(q, qd, k, v, idx, p, top_l=6, scale=None)
+    assert _row_rel_err(out, _ref(q, qd, k, v, idx, p, 6)) < TOL32
+
+
+def test_classifier_and_ranking_match_reference():
+    q, qd, k, v, p, idx = _case(3, 6, 2, 40, 64, 20, 1, 8)
+    logits = triton_mod.saap_classifier_logits_triton(qd, p)
+    probs = classify_queries(qd, p)
+    assert torch.allclose(torch.softmax(logits.double(), -1), probs.double(), atol=PROB_ATOL)
+    for top_l in (1, 5, 20, 50):
+        sel = triton_mod.saap_rank_buckets_triton(logits, 3, top_l)
+        ref = rank_buckets(probs, 3, top_l)
+        assert sel.shape == ref.shape and sel.dtype == torch.int32
+        assert torch.equal(sel.long().sort(-1).values, ref.sort(-1).values)
+
+
+def test_ranking_of_known_scores():
+    # group 2: KV head 0 sums to [1.0, 0.2, 1.5, ...]; independent of the classifier
+    probs = torch.full((1, 4, 8), 0.01, device=DEV)
+    probs[0, 0, [0, 2]] = torch.tensor([0.9, 0.5], device=DEV)
+    probs[0, 1, [1, 2]] = torch.tensor([0.2, 1.0], device=DEV)
+    probs[0, 2:, 5] = 0.7
+    sel = triton_mod.saap_rank_buckets_triton(probs.log(), 2, 3)  # softmax(log p) = p / Σp, same order
+    assert sel[0, 0].tolist()[:2] == [2, 0] and sel[0, 1, 0] == 5
+
+
+def test_bf16_inputs_and_weights():
+    # bf16 K/V/q (the kernel rounds p to bf16 before P·V, like a GPU run): within bf16 tolerance of the
+    # float32 reference; bf16 classifier weights take the activations as four bf16 terms, so the logits
+    # are fp32-exact and the bucket choice equals the reference's (which upcasts the same bf16 weights).
+    q, qd, k, v, p, idx = _case(2, 8, 2, 150, 64, 8, 1, 20, dtype=torch.bfloat16, wdtype=torch.bfloat16)
+    logits = triton_mod.saap_classifier_logits_triton(qd, p)
+    p32 = replace(p, w1=p.w1.float(), w2=p.w2.float())
+    assert torch.allclose(torch.softmax(logits, -1), classify_queries(qd, p32), atol=PROB_ATOL)
+    out = triton_mod.saap_decode_attention_triton(q, qd, k, v, idx, p, top_l=3, scale=0.1)
+    ref = saap_decode_attention_reference(q.float(), qd.float(), k.float(), v.float(), idx, p32, 3, 0.1).double()
+    assert out.dtype == torch.bfloat16 and _row_rel_err(out, ref) < 2e-2
+
+
+def test_incremental_index_with_slack():
+    """The index after decode appends (slack slots, several relayouts) is read through slot_start/count."""
+    q, qd, k, v, p, full = _case(2, 8, 2, 230, 64, 8, 1, 16)
+    kd = k  # _case keys are their own de-RoPE'd keys (random case)
+    idx = BucketIndex.build(kd[:, :, :150], p.centroids, sink=1, recent=16)
+    for t in range(150, 230):
+        idx.append(kd[:, :, t:t + 1])
+    assert idx.slots.shape[-1] > 230 - 17  # slack present: the slots are not packed
+    out = triton_mod.saap_decode_attention_triton(q, qd, k, v, idx, p, top_l=3, scale=None)
+    assert _row_rel_err(out, _ref(q, qd, k, v, full, p, 3)) < TOL32
+
+
+def test_all_buckets_dense_layer_and_short_cache_equal_dense_attention():
+    q, qd, k, v, p, idx = _case(2, 8, 2, 121, 64, 6, 1, 10)
+    dense = _dense64(q, k, v)  # independent float64 softmax attention
+    out = triton_mod.saap_decode_attention_triton(q, qd, k, v, idx, p, top_l=6, scale=None)
+    assert _row_rel_err(out, dense) < TOL32
+    out = triton_mod.saap_decode_attention_triton(q, None, k, v, None, SaapLayerParams(sink=1, recent=3, dense=True),
+                                                  top_l=2, scale=None)
+    assert _row_rel_err(out, dense) < TOL32
+    q, qd, k, v, p, idx = _case(1, 4, 2, 9, 64, 4, 1, 20)  # T < window: all dense
+    out = triton_mod.saap_decode_attention_triton(q, qd, k, v, idx, p, top_l=2, scale=None)
+    assert _row_rel_err(out, _dense64(q, k, v)) < TOL32
+
+
+def test_window_only_and_strided_cache():
+    q, qd, k, v, p, idx = _case(2, 4, 2, 90, 64, 4, 2, 11)
+    ref0 = _ref(q, qd, k, v, idx, p, 0)
+    out0 = triton_mod.saap_decode_attention_triton(q, qd, k, v, idx, p, top_l=0, scale=None)
+    assert _row_rel_err(out0, ref0) < TOL32
+    # a cache with spare capacity (HF-style [B, Hkv, T_cap, D] sliced to T) and a transposed-storage q
+    big_k, big_v = torch.randn(2, 2, 130, 64, device=DEV), torch.randn(2, 2, 130, 64, device=DEV)
+    big_k[:, :, :90], big_v[:, :, :90] = k, v
+    qt = q.transpose(0, 1).contiguous().transpose(0, 1)
+    out = triton_mod.saap_decode_attention_triton(qt, qd, big_k[:, :, :90], big_v[:, :, :90], idx, p, top_l=2,
+                                                  scale=None)
+    assert _row_rel_err(out, _ref(q, qd, k, v, idx, p, 2)) < TOL32
+
+
+def test_api_dispatches_to_triton():
+    q, qd, k, v, p, idx = _case(1, 4, 2, 70, 64, 4, 1, 9)
+    out = saap_decode_attention(q, k, v, idx, p, top_l=2, q_derope=qd, impl="triton")
+    assert _row_rel_err(out, _ref(q, qd, k, v, idx, p, 2)) < TOL32
+    with pytest.raises(ValueError, match="covers"):
+        triton_mod.saap_decode_attention_triton(q, qd, k[:, :, :-1], v[:, :, :-1], idx, p, top_l=2)
+    q64, qd64, k64, v64 = (t.double() for t in (q, qd, k, v))  # float64: the reference itself
+    out64 = triton_mod.saap_decode_attention_triton(q64, qd64, k64, v64, idx, p, top_l=2)
+    assert torch.equal(out64, saap_decode_attention_reference(q64, qd64, k64, v64, idx, p, 2))
+
+
+# ---------------------------------------------------------------------------------------------------- GPU
+# bf16 / fp16 vs the float32 reference: bf16 rounding of the output (2^-9) and of the probabilities
+# before P·V give ~4e-3 per row; the issue's bound is 2e-2.
+GPU_TOL = 2e-2
+GPU_CASES = [  # b, hq, hkv, t, d, c, top_l
+    (2, 32, 8, 8193, 128, 256, 16),
+    (1, 32, 8, 32768, 128, 1024, 32),
+    (3, 8, 8, 12345, 64, 128, 8),  # G = 1, D = 64, B = 3, odd length
+]
+GPU_IDS = [f"B{c[0]}-Hq{c[1]}-Hkv{c[2]}-T{c[3]}-D{c[4]}-C{c[5]}-L{c[6]}" for c in GPU_CASES]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("structured", [False, True], ids=["random", "structured"])
+@pytest.mark.parametrize("b,hq,hkv,t,d,c,top_l", GPU_CASES, ids=GPU_IDS)
+def test_gpu_matches_reference(b, hq, hkv, t, d, c, top_l, structured, dtype):
+    q, qd, k, v, p, idx = _case(b, hq, hkv, t, d, c, 1, 2047, structured=structured, dtype=dtype, hd=256,
+                                device="cuda")
+    ref = _ref(q, qd, k, v, idx, p, top_l)
+    out = triton_mod.saap_decode_attention_triton(q, qd, k, v, idx, p, top_l=top_l, scale=None)
+    assert _row_rel_err(out, ref) < GPU_TOL
+    out = saap_decode_attention(q, k, v, idx, p, top_l=top_l, q_derope=qd)  # the public dispatch
+    assert _row_rel_err(out, ref) < GPU_TOL
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_classifier_ranks_like_reference():
+    """bf16 weights at Llama shapes (hidden 1024, C = 1024): the kernel's top-ℓ is the reference's set,
+    except where the ℓ-th and (ℓ+1)-th group scores are within float32 rounding (1e-5 relative)."""
+    _, qd, _, _, p, _ = _case(4, 32, 8, 64, 128, 1024, 1, 16, hd=1024, wdtype=torch.bfloat16, device="cuda",
+                              dtype=torch.bfloat16)
+    logits = triton_mod.saap_classifier_logits_triton(qd, p)
+    probs = classify_queries(qd, replace(p, w1=p.w1.float(), w2=p.w2.float()))
+    assert torch.allclose(torch.softmax(logits, -1), probs, atol=1e-6, rtol=1e-4)
+    score = probs.view(4, 8, 4, 1024).sum(2)
+    top = score.sort(-1, descending=True).values
+    for top_l in (16, 32, 64):
+        sel = triton_mod.saap_rank_buckets_triton(logits, 4, top_l).long().sort(-1).values
+        ref = rank_buckets(probs, 4, top_l).sort(-1).values
+        same = (sel == ref).all(-1)
+        near_tie = (top[..., top_l - 1] - top[..., top_l]) <= 1e-5 * top[..., top_l - 1]
+        assert (same | near_tie).all()
+
+
+@pytest.mark.gpu
+def test_gpu_dense_layer_and_graph_capture():
+    """Dense layer = dense attention; the whole step captures in a CUDA graph (no host sync) and replays."""
+    q, qd, k, v, p, idx = _case(2, 32, 8, 8191, 128, 256, 1, 2047, dtype=torch.bfloat16, device="cuda")
+    out = triton_mod.saap_decode_attention_triton(q, None, k, v, None, SaapLayerParams(sink=1, recent=7, dense=True),
+                                                  top_l=1, scale=None)
+    assert _row_rel_err(out, _dense64(q.float(), k.float(), v.float())) < GPU_TOL
+    step = lambda: triton_mod.saap_decode_attention_triton(q, qd, k, v, idx, p, top_l=16, scale=None)  # noqa: E731
+    eager = step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)

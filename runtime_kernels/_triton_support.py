@@ -25,9 +25,9 @@ def patch_interpreter() -> None:
         return
     from triton.runtime import interpreter
 
-    if getattr(interpreter, "_calib_index_patch", False):
-        return
-    original = interpreter._patch_lang_tensor
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(interpreter, "_calib_index_patch", False):
+        return  # another Triton release: its interpreter has its own (fixed) scalar conversion
 
     def patched(tensor, scope):  # noqa: ANN001, ANN202 - triton's internal signature
         original(tensor, scope)

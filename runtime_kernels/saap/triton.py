@@ -80,18 +80,37 @@ _ROWS = 16  # batch rows per classifier tile and query rows per attention tile (
 
 @dataclass
 class SaapTritonConfig:
-    """Tile sizes (module-level :data:`CONFIG`; tests shrink them to exercise several tiles on tiny shapes).
+    """Tile sizes and schedule switches (module-level :data:`CONFIG`; tests shrink the tiles to exercise
+    several tiles on tiny shapes; ``scripts/bench_decode.py --saap-config / --saap-variants`` time others).
 
-    ``block_n`` keys per attention step; the dense region is cut into tiles of
-    ``block_n · max(min_win_steps, ceil(n_dense / (max_win_tiles · block_n)))`` keys.
+    Attention: ``block_n`` keys per step; the dense region is cut into tiles of
+    ``block_n · max(min_win_steps, ceil(n_dense / (max_win_tiles · block_n)))`` keys; each bucket program
+    walks ``bkt_per_prog`` consecutive selected buckets, each bucket split over ``bkt_split`` programs
+    (chunks of ``ceil(count / bkt_split)`` keys). ``overlap_window``: the window partials run on a side
+    stream under the classifier and ranking (CUDA only; fork/join by events, graph-capturable).
+
+    Classifier: ``cls_fused = 1``: one launch, one program per (query head, ``cls_block_h`` hidden units,
+    ``cls_n_split``-th of the C logits, 16 batch rows) computing its hidden slice (layer 1) and that
+    slice's contribution to the logits (layer 2, ``cls_block_n`` columns per step); the last of the
+    ``hidden / cls_block_h`` programs of a (head, column range, rows) to finish sums the partials in a
+    fixed order (deterministic). ``cls_fused = 0``: the two-launch path (``linear_*``).
     """
 
     block_n: int = 64
     min_win_steps: int = 2
     max_win_tiles: int = 64
+    bkt_split: int = 1
+    bkt_per_prog: int = 1
+    overlap_window: int = 1
     attn_warps: int = 4
     attn_stages: int = 2  # most programs walk 1-3 key steps: occupancy matters more than deep pipelines
-    linear_block_k: int = 64
+    cls_fused: int = 1
+    cls_block_h: int = 128
+    cls_block_n: int = 128
+    cls_n_split: int = 1
+    cls_warps: int = 4
+    cls_stages: int = 3
+    linear_block_k: int = 64  # also the layer-1 K step of the fused classifier
     linear_block_n: int = 128
     linear_warps: int = 4
     linear_stages: int = 4  # 16 steps of 16 KB weight tiles per program at hidden = C = 1024

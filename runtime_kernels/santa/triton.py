@@ -49,13 +49,15 @@ Performance model (Llama-3.1-8B decode: Hq=32, Hkv=8, D=128, bf16, B=1, N keys; 
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from runtime_kernels._triton_support import interpreting
+from runtime_kernels._triton_support import interpreting, patch_interpreter
 from runtime_kernels.santa import reference
 from runtime_kernels.santa.reference import DecodeSamples
 from runtime_kernels.santa.tiling import flash_tile_budget, num_tiles
@@ -65,12 +67,43 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_HEAD_DIM = 256
 MAX_TILES = 16384  # one program ranks all tiles of a head in registers when computing prop budgets
 _FRAC_BITS = 20  # prop fractional parts are ranked at 2^-20 resolution (ties: lower tile)
+patch_interpreter()
 
-# Launch knobs (tunable on the GPU): warps per program of each kernel.
-SCORE_WARPS = 4
-GATHER_WARPS = 4
-GATHER_SAMPLES = 16  # prop gather: samples per head resolved to keys per step
-FLASH_WARPS = 8
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Launch knobs (tunable on the GPU; results do not depend on them beyond float32 rounding of ℓ_t).
+
+    score_bk: keys per K chunk of the score pass (a power of two; the tile is streamed in chunks, ℓ_t
+    kept online); score_stages: software-pipeline depth of the chunk loop (cp.async buffers);
+    score_tpp: tiles per score program; flash_mode: ``split`` (the shared score pass, then a gather /
+    merge kernel over the stored scores) or ``fused`` (one kernel: scores, counts, V, merge).
+    """
+
+    score_bk: int = 64
+    score_stages: int = 3
+    score_tpp: int = 1
+    score_warps: int = 4
+    budget_heads: int = 1  # query heads per budget program (divides Hq; 1 = one program per head)
+    gather_warps: int = 4
+    gather_samples: int = 16  # prop gather: samples per head resolved to keys per step
+    flash_mode: str = "split"
+    flash_warps: int = 8  # fused flash kernel
+    flash_gather_warps: int = 4  # split flash gather kernel
+
+
+VARIANTS: dict[str, KernelConfig] = {
+    "default": KernelConfig(),
+    "bk32": KernelConfig(score_bk=32, score_stages=4),
+    "bk128": KernelConfig(score_bk=128, score_stages=2),
+    "tpp4": KernelConfig(score_tpp=4),
+    "w2": KernelConfig(score_warps=2, gather_warps=2, flash_gather_warps=2),
+    "w8": KernelConfig(score_warps=8, gather_warps=8, flash_gather_warps=8),
+    "nopipe": KernelConfig(score_bk=256, score_stages=1),  # one 256-key load per tile, as before
+    "fused": KernelConfig(flash_mode="fused"),
+}
+CONFIG: KernelConfig = VARIANTS[os.environ.get("SANTA_TRITON_VARIANT", "default")]
 
 
 def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -231,14 +264,18 @@ def _prop_budgets(m_ptr, l_ptr, bud_ptr, row, gmask, T_all, T_b, S,
 
 
 @triton.jit
-def _prop_score_kernel(
-    q_ptr, k_ptr, len_ptr, ns_ptr, s_ptr, m_ptr, l_ptr, bud_ptr, acc_ptr, cnt_ptr,
+def _score_kernel(
+    q_ptr, k_ptr, len_ptr, s_ptr, m_ptr, l_ptr,
     scale, G, Hkv, Hq, D, tile, T_all, Tk_pad,
-    sqb, sqh, sqd, skb, skh, skn, skd, sls, sns,
-    GP: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
-    FRAC_BITS: tl.constexpr, RADIX_BITS: tl.constexpr, IEEE: tl.constexpr,
+    sqb, sqh, sqd, skb, skh, skn, skd, sls,
+    GP: tl.constexpr, BK: tl.constexpr, NCH: tl.constexpr, TPP: tl.constexpr, BLOCK_D: tl.constexpr,
+    STAGES: tl.constexpr, IEEE: tl.constexpr,
 ):
-    t = tl.program_id(0)
+    """Scores [GP, BK] per K chunk (stored float32 ``[B·Hq, Tk_pad]``) and per tile ``m_t``, ``ℓ_t``.
+
+    One program = TPP consecutive tiles of one KV head, streamed as NCH chunks of BK keys per tile in a
+    software-pipelined loop (STAGES chunks in flight); ``ℓ_t`` is kept online over the chunks.
+    """
     bh = tl.program_id(1)
     b = bh // Hkv
     kvh = bh % Hkv
@@ -247,25 +284,50 @@ def _prop_score_kernel(
     g = tl.arange(0, GP)
     gmask = g < G
     row = (b * Hq + kvh * G + g).to(tl.int64)
-    if t < T_b:
-        q = _load_group_q(q_ptr, b, kvh, G, D, sqb, sqh, sqd, GP, BLOCK_D)
-        key, kmask = _tile_keys(t, tile, length, BN)
-        k_base = k_ptr + b.to(tl.int64) * skb + kvh.to(tl.int64) * skh
+    j = tl.arange(0, BK)
+    t0 = tl.program_id(0) * TPP
+    n_chunks = tl.minimum(T_b - t0, TPP) * NCH  # <= 0: no tile of this program holds a key
+    q = _load_group_q(q_ptr, b, kvh, G, D, sqb, sqh, sqd, GP, BLOCK_D)
+    k_base = k_ptr + b.to(tl.int64) * skb + kvh.to(tl.int64) * skh
+    m_run = tl.full((GP,), float("-inf"), tl.float32)
+    l_run = tl.zeros((GP,), tl.float32)
+    for c in tl.range(0, n_chunks, num_stages=STAGES):
+        t = t0 + c // NCH
+        pos = (c % NCH) * BK + j
+        key = t * tile + pos
+        kmask = (pos < tile) & (key < length)
         s = _tile_scores(q, k_base, key, kmask, D, skn, skd, scale, BLOCK_D, IEEE)
         tl.store(s_ptr + row[:, None] * Tk_pad + key[None, :], s, mask=gmask[:, None] & kmask[None, :])
-        m = tl.max(s, axis=1)
-        ell = tl.sum(tl.exp(s - m[:, None]), axis=1)
-        tl.store(m_ptr + row * T_all + t, m, mask=gmask)
-        tl.store(l_ptr + row * T_all + t, ell, mask=gmask)
-    tl.debug_barrier()
-    done = tl.atomic_add(cnt_ptr + bh, 1)
-    if done == T_all - 1:  # last tile of this (b, kv head): budgets, then clear the accumulator
-        S = tl.load(ns_ptr + b * sns).to(tl.int32)
-        _prop_budgets(m_ptr, l_ptr, bud_ptr, row, gmask, T_all, T_b, S, BLOCK_T, FRAC_BITS, RADIX_BITS)
-        d = tl.arange(0, BLOCK_D)
-        tl.store(acc_ptr + row[:, None] * BLOCK_D + d[None, :], tl.zeros((GP, BLOCK_D), tl.float32),
-                 mask=gmask[:, None])
-        tl.atomic_xchg(cnt_ptr + bh, 0)
+        m_new = tl.maximum(m_run, tl.max(s, axis=1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l_run = l_run * tl.exp(m_run - m_ref) + tl.sum(tl.exp(s - m_ref[:, None]), axis=1)
+        m_run = m_new
+        if c % NCH == NCH - 1:  # last chunk of tile t
+            tl.store(m_ptr + row * T_all + t, m_run, mask=gmask)
+            tl.store(l_ptr + row * T_all + t, l_run, mask=gmask)
+            m_run = tl.full((GP,), float("-inf"), tl.float32)
+            l_run = tl.zeros((GP,), tl.float32)
+
+
+@triton.jit
+def _prop_budget_kernel(
+    m_ptr, l_ptr, bud_ptr, acc_ptr, len_ptr, ns_ptr, Hq, tile, T_all, sls, sns,
+    HP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    FRAC_BITS: tl.constexpr, RADIX_BITS: tl.constexpr,
+):
+    """Largest-remainder budgets of HP query heads (rows ``pid·HP + [0, HP)`` of ``B·Hq``, one batch
+    row: HP divides Hq) from the score pass's tile statistics; zeroes their output accumulator rows."""
+    h = tl.arange(0, HP)
+    first = tl.program_id(0) * HP
+    b = first // Hq
+    row = (first + h).to(tl.int64)
+    hmask = h < HP
+    length = tl.load(len_ptr + b * sls).to(tl.int32)
+    T_b = (length + tile - 1) // tile
+    S = tl.load(ns_ptr + b * sns).to(tl.int32)
+    _prop_budgets(m_ptr, l_ptr, bud_ptr, row, hmask, T_all, T_b, S, BLOCK_T, FRAC_BITS, RADIX_BITS)
+    d = tl.arange(0, BLOCK_D)
+    tl.store(acc_ptr + row[:, None] * BLOCK_D + d[None, :], tl.zeros((HP, BLOCK_D), tl.float32))
 
 
 @triton.jit
@@ -359,60 +421,52 @@ def _store_partial(pm_ptr, pl_ptr, pa_ptr, row, m, ell, acc, GP: tl.constexpr, B
 
 
 @triton.jit
-def _flash_kernel(
-    q_ptr, k_ptr, v_ptr, u_ptr, len_ptr, ns_ptr, work_ptr, cnt_ptr, out_ptr, counts_ptr,
-    scale, G, Hkv, Hq, D, tile, T_all, Tk_pad, n_groups,
-    sqb, sqh, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sub, suh, sut, sob, soh, sod, sls, sns,
-    GP: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr, TPG: tl.constexpr, CH: tl.constexpr,
-    IEEE: tl.constexpr, WRITE_COUNTS: tl.constexpr,
-):
-    t = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // Hkv
-    kvh = bh % Hkv
-    n_bh = tl.num_programs(1)
+def _flash_tile(s, kmask, key, b, kvh, t, bh, G, Hq, D, T_all, Tk_pad, v_ptr, u_ptr, ns_ptr, work_ptr,
+                counts_ptr, T_b, svb, svh, svn, svd, sub, suh, sut, sns,
+                GP: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr, WRITE_COUNTS: tl.constexpr):
+    """Tile t's partial ``(m_t, ℓ_t, ℓ_t·μ̂_t)`` from its scores s [GP, BN] (``-inf`` off the tile)."""
     g = tl.arange(0, GP)
     gmask = g < G
-    d = tl.arange(0, BLOCK_D)
-    length = tl.load(len_ptr + b * sls).to(tl.int32)
-    T_b = (length + tile - 1) // tile
-    # work buffer: tile partials (m, L [BH·T_all·GP], A [BH·T_all·GP·BLOCK_D]), then group partials.
+    S = tl.load(ns_ptr + b * sns).to(tl.int32)
+    s_tile = tl.maximum((2 * S + T_b) // (2 * T_b), 1)  # round_half_up(S / T_b), at least 1
+    m_t = tl.max(s, axis=1)
+    m_t = tl.where(gmask, m_t, 0.0)  # padding heads: no scores, no samples
+    w = tl.exp(s - m_t[:, None])
+    l_t = tl.sum(w, axis=1)
+    head = (kvh * G + g).to(tl.int64)
+    u = tl.load(u_ptr + b.to(tl.int64) * sub + head * suh + t * sut, mask=gmask, other=0.0)
+    counts, _ = _systematic_counts(w, tl.where(gmask, s_tile, 0), u)
+    v_base = v_ptr + b.to(tl.int64) * svb + kvh.to(tl.int64) * svh
+    o = _gather_values(counts, v_base, key, kmask, D, svn, svd, BLOCK_D, IEEE)
+    o = o * (l_t / s_tile.to(tl.float32))[:, None]  # A = ℓ_t · (mean of the tile's samples)
+    n_tp = tl.num_programs(1).to(tl.int64) * T_all * GP
+    _store_partial(work_ptr, work_ptr + n_tp, work_ptr + 2 * n_tp, bh.to(tl.int64) * T_all + t, m_t, l_t, o,
+                   GP, BLOCK_D)
+    if WRITE_COUNTS:
+        row = (b * Hq + kvh * G + g).to(tl.int64)
+        tl.store(counts_ptr + row[:, None] * Tk_pad + key[None, :], counts, mask=gmask[:, None] & kmask[None, :])
+
+
+@triton.jit
+def _flash_merge(b, kvh, t, bh, G, D, T_all, T_b, n_groups, work_ptr, cnt_ptr, out_ptr, sob, soh, sod,
+                 GP: tl.constexpr, BLOCK_D: tl.constexpr, TPG: tl.constexpr, CH: tl.constexpr):
+    """Log-sum-exp merge: the last tile of each group of TPG tiles merges the group, the last group the row.
+
+    work buffer: tile partials (m, L [BH·T_all·GP], A [BH·T_all·GP·BLOCK_D]), then group partials.
+    """
+    n_bh = tl.num_programs(1)
     n_tp = n_bh.to(tl.int64) * T_all * GP
     n_gp = n_bh.to(tl.int64) * n_groups * GP
-    tm_ptr = work_ptr
-    tl_ptr = work_ptr + n_tp
     ta_ptr = work_ptr + 2 * n_tp
     gm_ptr = ta_ptr + n_tp * BLOCK_D
     gl_ptr = gm_ptr + n_gp
     ga_ptr = gm_ptr + 2 * n_gp
-    if t < T_b:
-        S = tl.load(ns_ptr + b * sns).to(tl.int32)
-        s_tile = tl.maximum((2 * S + T_b) // (2 * T_b), 1)  # round_half_up(S / T_b), at least 1
-        q = _load_group_q(q_ptr, b, kvh, G, D, sqb, sqh, sqd, GP, BLOCK_D)
-        key, kmask = _tile_keys(t, tile, length, BN)
-        k_base = k_ptr + b.to(tl.int64) * skb + kvh.to(tl.int64) * skh
-        s = _tile_scores(q, k_base, key, kmask, D, skn, skd, scale, BLOCK_D, IEEE)
-        m_t = tl.max(s, axis=1)
-        w = tl.exp(s - m_t[:, None])
-        l_t = tl.sum(w, axis=1)
-        head = (kvh * G + g).to(tl.int64)
-        u = tl.load(u_ptr + b.to(tl.int64) * sub + head * suh + t * sut, mask=gmask, other=0.0)
-        counts, _ = _systematic_counts(w, tl.where(gmask, s_tile, 0), u)
-        v_base = v_ptr + b.to(tl.int64) * svb + kvh.to(tl.int64) * svh
-        o = _gather_values(counts, v_base, key, kmask, D, svn, svd, BLOCK_D, IEEE)
-        o = o * (l_t / s_tile.to(tl.float32))[:, None]  # A = ℓ_t · (mean of the tile's samples)
-        _store_partial(tm_ptr, tl_ptr, ta_ptr, bh.to(tl.int64) * T_all + t, m_t, l_t, o, GP, BLOCK_D)
-        if WRITE_COUNTS:
-            row = (b * Hq + kvh * G + g).to(tl.int64)
-            tl.store(counts_ptr + row[:, None] * Tk_pad + key[None, :], counts,
-                     mask=gmask[:, None] & kmask[None, :])
-    tl.debug_barrier()
     grp = t // TPG
     g_lo = grp * TPG
     in_group = tl.minimum(T_all - g_lo, TPG)
     done = tl.atomic_add(cnt_ptr + bh * n_groups + grp, 1)
     if done == in_group - 1:  # last tile of its group: merge the group's tiles
-        m_g, l_g, a_g = _merge_partials(tm_ptr, tl_ptr, ta_ptr, bh.to(tl.int64) * T_all, g_lo,
+        m_g, l_g, a_g = _merge_partials(work_ptr, work_ptr + n_tp, ta_ptr, bh.to(tl.int64) * T_all, g_lo,
                                         tl.minimum(g_lo + TPG, T_b), GP, BLOCK_D, TPG)
         _store_partial(gm_ptr, gl_ptr, ga_ptr, bh.to(tl.int64) * n_groups + grp, m_g, l_g, a_g, GP, BLOCK_D)
         tl.atomic_xchg(cnt_ptr + bh * n_groups + grp, 0)
@@ -424,6 +478,41 @@ def _flash_kernel(
             res = a_o / tl.where(l_o > 0, l_o, 1.0)[:, None]
             _store_rows(out_ptr, b, kvh, G, D, sob, soh, sod, res, GP, BLOCK_D)
             tl.atomic_xchg(cnt_ptr + n_bh * n_groups + bh, 0)
+
+
+@triton.jit
+def _flash_kernel(
+    q_ptr, k_ptr, v_ptr, u_ptr, len_ptr, ns_ptr, s_ptr, work_ptr, cnt_ptr, out_ptr, counts_ptr,
+    scale, G, Hkv, Hq, D, tile, T_all, Tk_pad, n_groups,
+    sqb, sqh, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sub, suh, sut, sob, soh, sod, sls, sns,
+    GP: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr, TPG: tl.constexpr, CH: tl.constexpr,
+    IEEE: tl.constexpr, WRITE_COUNTS: tl.constexpr, FUSED: tl.constexpr, MERGE: tl.constexpr,
+):
+    """One tile of flash: scores (FUSED: q·K here; else the stored scores of ``_score_kernel``), counts,
+    ``counts @ V``, its partial; with MERGE the log-sum-exp merge (off only to time the stages)."""
+    t = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // Hkv
+    kvh = bh % Hkv
+    length = tl.load(len_ptr + b * sls).to(tl.int32)
+    T_b = (length + tile - 1) // tile
+    if t < T_b:
+        key, kmask = _tile_keys(t, tile, length, BN)
+        if FUSED:
+            q = _load_group_q(q_ptr, b, kvh, G, D, sqb, sqh, sqd, GP, BLOCK_D)
+            k_base = k_ptr + b.to(tl.int64) * skb + kvh.to(tl.int64) * skh
+            s = _tile_scores(q, k_base, key, kmask, D, skn, skd, scale, BLOCK_D, IEEE)
+        else:
+            g = tl.arange(0, GP)
+            row = (b * Hq + kvh * G + g).to(tl.int64)
+            s = tl.load(s_ptr + row[:, None] * Tk_pad + key[None, :], mask=(g < G)[:, None] & kmask[None, :],
+                        other=float("-inf"))
+        _flash_tile(s, kmask, key, b, kvh, t, bh, G, Hq, D, T_all, Tk_pad, v_ptr, u_ptr, ns_ptr, work_ptr,
+                    counts_ptr, T_b, svb, svh, svn, svd, sub, suh, sut, sns, GP, BLOCK_D, IEEE, WRITE_COUNTS)
+    if MERGE:
+        tl.debug_barrier()
+        _flash_merge(b, kvh, t, bh, G, D, T_all, T_b, n_groups, work_ptr, cnt_ptr, out_ptr, sob, soh, sod,
+                     GP, BLOCK_D, TPG, CH)
 
 
 # ------------------------------------------------------------------------------------- host side

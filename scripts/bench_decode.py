@@ -369,6 +369,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--json", type=Path, default=None, help="write all rows here")
+    p.add_argument("--saap-variants", nargs="*", default=None, metavar="NAME",
+                   help=f"time named SAAP configs side by side instead of the full table (B 1 8 x T 8192 131072, "
+                        f"l=32); no name: all of {', '.join(SAAP_VARIANTS)}")
     p.add_argument("--saap-config", nargs="*", default=[], metavar="KEY=INT",
                    help="override runtime_kernels.saap.triton.CONFIG fields, e.g. block_n=32 linear_stages=3")
     return p.parse_args(argv)
@@ -385,6 +388,68 @@ def apply_saap_config(pairs: list[str]) -> None:
     values = dict(pair.split("=", 1) for pair in pairs)
     saap_triton.CONFIG = replace(saap_triton.CONFIG, **{k: int(v) for k, v in values.items()})
     print(f"SAAP config: {saap_triton.CONFIG}")
+
+
+# named CONFIG overrides timed side by side by --saap-variants (one GPU run compares schedules)
+SAAP_VARIANTS: dict[str, dict[str, int]] = {
+    "default": {},
+    "fused": {"cls_fused": 1, "overlap_window": 1},  # the split-K one-launch classifier + side-stream window
+    "overlap": {"overlap_window": 1},
+    "cls-h128-n64": {"cls_fused": 1, "cls_block_h": 128, "cls_block_n": 64},
+    "cls-h64-n64-s4": {"cls_fused": 1, "cls_block_h": 64, "cls_block_n": 64, "cls_stages": 4},
+    "cls-h128-n128-w8": {"cls_fused": 1, "cls_block_h": 128, "cls_block_n": 128, "cls_warps": 8},
+    "cls-h64-n256-w8": {"cls_fused": 1, "cls_block_h": 64, "cls_block_n": 256, "cls_warps": 8},
+    "cls-nsplit2": {"cls_fused": 1, "cls_n_split": 2},
+    "attn-bn32": {"block_n": 32, "min_win_steps": 2, "max_win_tiles": 64},
+    "attn-w8": {"attn_warps": 8},
+    "win-big": {"min_win_steps": 4, "max_win_tiles": 16, "attn_stages": 3},
+    "bkt-split2": {"bkt_split": 2},
+    "bkt-per4": {"bkt_per_prog": 4},
+}
+
+
+def bench_saap_variants(args: argparse.Namespace, names: list[str]) -> None:
+    """Graphed time of the full SAAP step and of the classifier alone, per named CONFIG, at B x T, l = 32."""
+    from dataclasses import replace
+
+    from runtime_kernels.saap import triton as saap_triton
+
+    cuda = torch.cuda.is_available() and not args.smoke
+    sh = SMOKE if args.smoke else Shapes(batches=(1, 8), lengths=(8192, 131072))
+    batches = tuple(args.batches) if args.batches else sh.batches
+    lengths = tuple(args.lengths) if args.lengths else sh.lengths
+    top_l = _pick(sh.top_ls, 32, len(sh.top_ls) // 2)
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    timer = Timer(cuda, args.warmup if cuda else 1, args.repeats)
+    base = saap_triton.CONFIG
+    results: list[tuple[str, int, int, float, float, float | None]] = []
+    for b in batches:
+        for t in lengths:
+            q = _randn(b, sh.hq, sh.d, device=device, dtype=dtype)
+            k, v = (_randn(b, sh.hkv, t, sh.d, device=device, dtype=dtype) for _ in range(2))
+            _, sdpa_graph, _ = bench_sdpa(timer, q, k, v)
+            params, index, qd = saap_setup(sh, b, t, device)
+            for name in names:
+                saap_triton.CONFIG = replace(base, **SAAP_VARIANTS[name])
+                full = lambda: saap_triton.saap_decode_attention_triton(  # noqa: E731
+                    q, qd, k, v, index, params, top_l=top_l, scale=None)
+                cls = lambda: saap_triton.saap_classifier_logits_triton(qd, params)  # noqa: E731
+                times = []
+                for fn in (full, cls):
+                    graph, _ = timer.graphed(fn)
+                    times.append(graph if graph is not None else timer.eager(fn))
+                results.append((name, b, t, times[0], times[1], sdpa_graph))
+                print(f"  {name:<18} B={b} T={t}: saap {times[0]:.1f} us, cls {times[1]:.1f} us", flush=True)
+            saap_triton.CONFIG = base
+            del q, k, v, params, index
+            if cuda:
+                torch.cuda.empty_cache()
+    print(f"\nSAAP variants (graphed us, l={top_l}, C={sh.clusters}; sdpa graphed)")
+    print(f"{'variant':<18} {'B':>2} {'T':>7} {'saap_us':>8} {'cls_us':>7} {'sdpa_us':>8} {'sdpa/saap':>9}  overrides")
+    for name, b, t, full_us, cls_us, sdpa in results:
+        ratio = f"{sdpa / full_us:.2f}" if sdpa else "-"
+        print(f"{name:<18} {b:>2} {t:>7} {full_us:>8.1f} {cls_us:>7.1f} {_fmt(sdpa):>8} {ratio:>9}  "
+              f"{SAAP_VARIANTS[name]}")
 
 
 def run(args: argparse.Namespace) -> tuple[list[Row], Shapes]:
@@ -433,6 +498,16 @@ def _print_header(cuda: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.saap_variants is not None:
+        if args.smoke or not torch.cuda.is_available():
+            os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
+        _print_header(torch.cuda.is_available() and not args.smoke)
+        apply_saap_config(args.saap_config)  # a base that every variant overrides
+        unknown = sorted(set(args.saap_variants) - set(SAAP_VARIANTS))
+        if unknown:
+            raise SystemExit(f"unknown SAAP variants {unknown}; known: {sorted(SAAP_VARIANTS)}")
+        bench_saap_variants(args, args.saap_variants or list(SAAP_VARIANTS))
+        return 0
     rows, sh = run(args)
     if args.json:
         args.json.write_text(json.dumps([{**asdict(r), "t_us": r.t_us} for r in rows], indent=1))

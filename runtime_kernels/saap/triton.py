@@ -2,22 +2,28 @@
 :func:`runtime_kernels.saap.reference.saap_decode_attention_reference` (papers/saap.txt App. F).
 
 One decode step of one layer in five launches and no host sync (Python ints from shapes size the grids,
-so the step can be captured in a CUDA graph):
+so the step can be captured in a CUDA graph); the defaults in :class:`SaapTritonConfig` are what measured
+fastest on the H200 (two-launch classifier, no side stream); the alternatives below stay selectable:
 
-1. :func:`_mlp_layer_kernel` twice: the classifier MLP of every query head (``q_derope @ w1 + b1``,
-   batch-norm in eval mode, ReLU; then ``@ w2 + b2``). One program per (query head, 128 output columns,
-   16 batch rows), the weights streamed once per 16 rows in their own dtype through a cp.async pipeline
-   into one wgmma per step. The ranking must equal the reference's (a flipped bucket moves the output by
-   far more than 2e-2), so the float32 activations enter the dot as four stacked bf16/fp16 terms
-   (``x = t0 + t1 + t2 + t3``, rows ``t·16 + i``; each product exact in fp32, the four row groups summed
-   after the loop): logits to ~1e-7 relative at bf16 tensor-core speed. Layer 1 writes its output in
-   that split form for layer 2. float32 weights use ``tf32x3`` dots instead. (fp16 weights: hidden
-   activations above 65504 would overflow the split; not a realistic range after batch-norm.)
+1. Classifier. ``CONFIG.cls_fused = 1``: :func:`_mlp_fused_kernel`, the classifier MLP of every query head (``q_derope @ w1 + b1``, batch-norm in
+   eval mode, ReLU; then ``@ w2 + b2``) in one launch: one program per (query head, 64 hidden units,
+   16 batch rows) computes its hidden slice and that slice's share of all C logits (split-K over the
+   hidden dimension: 512 programs of 144 KB at Llama shapes, no hidden round trip); the last program of a
+   head to finish (an arrival counter) sums the partial logits in a fixed order (deterministic). The
+   ranking must equal the reference's (a flipped bucket moves the output by far more than 2e-2), so the
+   float32 activations enter the dots as four stacked bf16/fp16 terms (``x = t0 + t1 + t2 + t3``, rows
+   ``t·16 + i``; each product exact in fp32, the four row groups summed after the dot): logits to ~1e-7
+   relative at bf16 tensor-core speed. Four terms cost nothing for B ≤ 16: 64 rows is the smallest wgmma
+   M anyway, and the tensor work (4.3 GFLOP, ~6 µs) hides under the 75 MB weight stream. float32 weights
+   use ``tf32x3`` dots instead. (fp16 weights: hidden activations above 65504 would overflow the split; not
+   a realistic range after batch-norm.) ``CONFIG.cls_fused = 0``: the first version's two launches of
+   :func:`_mlp_layer_kernel` (one per layer, hidden written split for layer 2).
 2. :func:`_rank_kernel`: one program per (batch, KV head): softmax of each query head's logits, sum over
    the ``G`` heads of the group, top-ℓ by a bitonic ``tl.topk`` over ``score bits << 32 | ~bucket`` keys.
 3. :func:`_partial_kernel`: one program per (batch, KV head, partial). Partials ``0 .. n_win-1`` are tiles
    of the dense region (sink + recent window: positions ``[0, lo) ∪ [hi, T)``, the current key
-   included); partials ``n_win ..`` are the ℓ visited buckets, each walking its slice of the
+   included); partials ``n_win ..`` are the ℓ visited buckets (``CONFIG.bkt_per_prog`` buckets per
+   program for short buckets, or a bucket split over ``CONFIG.bkt_split`` programs), each bucket walking its slice of the
    :class:`BucketIndex` slot array (``slots[b, h, slot_start[c] : slot_start[c] + bucket_count[c]]``: the
    index's own CSR-with-slack layout, read as is: no repacking, no ``csr()``). Each gathered K/V row is
    loaded once for all ``G`` query heads of the group (``q`` is a ``[16, D]`` tile; ``tl.dot`` with fp32
@@ -31,24 +37,30 @@ A dense layer (``params.dense``) is steps 3-4 with the whole cache as the window
 Performance model (Llama-3.1-8B: Hq = 32, Hkv = 8, D = 128, bf16 K/V and classifier weights, C = 1024,
 hidden 1024, window 1 + 2047, balanced buckets of ``N_s / C`` keys, ``N_vis = 2048 + ℓ · N_s / C``):
 
-* classifier: ``Hq · (D·Hd + Hd·C) · 2 B`` = 75.5 MB of weights per call whatever B (≤ 16); 256
-  programs of 256 KB (layer 2), 96 KB of smem each (4 stages), 2 per SM: one wave, ~18 µs at ~4 TB/s.
-  FLOPs ``2 · 64 · Hq · (D·Hd + Hd·C)`` = 4.3 GFLOP on wgmma (64 rows: 4 terms x 16 batch rows), ~6 µs
-  of tensor time hidden under the weight stream.
+* classifier: ``Hq · (D·Hd + Hd·C) · 2 B`` = 75.5 MB of weights per call whatever B (≤ 16). First
+  version (two launches, 256 programs streaming K = 1024): measured 46 µs (1.65 TB/s). Fused: 512
+  programs (2 resident per SM: 244 registers, 80 KB smem at 3 stages), each 16 KB of w1 then 8 steps of
+  16 KB of w2; no second launch, no hidden round trip; reduction reads ``16 · B · C · 4 B`` per head from
+  L2. Expected ~20-25 µs at 3-3.8 TB/s; the tile variants in ``bench_decode.py --saap-variants`` pick.
 * ranking: ``B · Hq · C · 4 B`` of logits (128 KB at B = 1), ~2-3 µs (latency).
 * attention: ``B · Hkv · N_vis · D · 2 · 2 B`` of K/V + 4 B per bucket key of slot index; T = 128k,
-  ℓ = 32: N_vis ≈ 6080, 24.9 MB at B = 1, 199 MB at B = 8. 96 registers and 39 KB of smem per program
-  (~5 resident per SM) keep ~150 KB of gathers in flight per SM. FLOPs ``4 · 16 · D · N_vis`` per
+  ℓ = 32: N_vis ≈ 6080, 24.9 MB at B = 1, 199 MB at B = 8. 149 registers and 39 KB of smem per program
+  at block_n 64 / 4 warps (3 resident per SM; 8 warps: 102 registers; block_n 32: 87; ptxas sm_90a, no
+  spills). FLOPs ``4 · 16 · D · N_vis`` per
   (b, KV head) on mma (negligible). Partials ``B · Hkv · P · G · (D + 2) · 4 B`` written and read back
   (P = n_win + ℓ = 48: 0.8 MB at B = 1, 6.4 MB at B = 8).
 * floor at 128k, ℓ = 32 (4.2 TB/s): B = 1: 100 MB -> 24 µs (dense K+V: 537 MB -> 128 µs); B = 8: 275 MB
-  -> 65 µs (dense: 4.3 GB -> 1023 µs). Expected graphed: B = 1 ≈ 35-40 µs (five dependent phases, each
-  with its ramp; the weights dominate), B = 8 ≈ 80-100 µs. Eager adds the Python launch cost of five
-  Triton launches (~20-40 µs of CPU) on top.
-* not done: the window partials do not depend on the ranking and could run under the classifier (a
-  second stream or one fused launch: ~2 µs at B = 1); the rank and merge steps could ride on the last
-  program of the previous launch (an arrival counter: ~2 x 2 µs); a bucket far larger than ``N_s / C``
-  is walked by one program (no split), so a very unbalanced index costs its longest bucket. Weights and
+  -> 65 µs (dense: 4.3 GB -> 1023 µs). Expected graphed after the fused classifier and the
+  overlap: B = 1 ≈ 22 (cls) + 3 (rank) + 8 (buckets) + 3 (merge) ≈ 35-40 µs; B = 8, 8k ≈ 25 + 3 + 5 + 3
+  ≈ 40-55 µs (window under the classifier). Eager adds the Python launch cost (~20-40 µs of CPU).
+* window overlap: the window partials (8 MB at B = 1, 64 MB at B = 8, T ≥ 8k) stream under the
+  classifier on a side stream, so at B = 8, 8k the step costs ~max(cls, window) + ranking + buckets +
+  merge instead of their sum.
+* not done: the rank and merge steps could ride on the last
+  program of the previous launch (an arrival counter: ~2 x 2 µs); ``bkt_split`` is one static split for all
+  buckets, so a very unbalanced index still costs its longest bucket / bkt_split. The split-K partial
+  logits are ``hidden / cls_block_h · B · Hq · C · 4 B`` written and read back (2 MB at B = 1, 16 MB at
+  B = 8 with block 64: ``cls-h128-*`` variants halve it). Weights and
   K/V must have unit stride on their last dim (true of contiguous tensors) for the cp.async pipelines.
 """
 
@@ -101,11 +113,14 @@ class SaapTritonConfig:
     max_win_tiles: int = 64
     bkt_split: int = 1
     bkt_per_prog: int = 1
-    overlap_window: int = 1
+    # Defaults from the H200 variant run (2026-11-21, bench_decode.py --saap-variants, graphed, ℓ=32): the
+    # two-launch classifier (46 µs alone at 128k B=1) beat the fused split-K one (147 µs; 93 µs with
+    # 128-wide hidden tiles), and overlapping the window on a side stream bought nothing.
+    overlap_window: int = 0
     attn_warps: int = 4
     attn_stages: int = 2  # most programs walk 1-3 key steps: occupancy matters more than deep pipelines
-    cls_fused: int = 1
-    cls_block_h: int = 128
+    cls_fused: int = 0
+    cls_block_h: int = 64  # 128 spills at 4 warps (255 regs, 700 B; ptxas sm_90a); 64: 244 regs, 80 KB smem
     cls_block_n: int = 128
     cls_n_split: int = 1
     cls_warps: int = 4
@@ -241,6 +256,109 @@ def _mlp_layer_kernel(
 
 
 @triton.jit
+def _mlp_fused_kernel(
+    x_ptr, w1_ptr, b1_ptr, mean_ptr, var_ptr, gamma_ptr, beta_ptr, w2_ptr, b2_ptr, part_ptr, cnt_ptr, out_ptr,
+    n_rows, n_heads, K, HD, N, n_chunk, n_split, eps, sx_b, sx_h, sx_k, s1_h, s1_k, s1_n, s2_h, s2_k, s2_n,
+    TERMS: tl.constexpr, F32: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr, N_SPLIT: tl.constexpr,
+):
+    """Both classifier layers of query head ``h`` for hidden units ``[s·BLOCK_H, (s+1)·BLOCK_H)``, logit
+    columns ``[ns·n_chunk, (ns+1)·n_chunk)`` and 16 batch rows (grid: (H, n_split, RB · N_SPLIT), program
+    axis 2 = ``rb · N_SPLIT + ns``).
+
+    Layer 1 (``K = D`` inputs): ``hid = relu(bn(x @ w1[h, :, slice] + b1))`` [16, BLOCK_H], exact in fp32
+    (x as ``TERMS`` stacked bf16/fp16 terms, see :func:`_mlp_layer_kernel`); layer 2: its ``TERMS``-term
+    split times ``w2[h, slice, cols]`` -> ``part[s, b, h, cols]`` (float32 partial logits). The program
+    that increments ``cnt[(h · RB + rb) · N_SPLIT + ns]`` last sums the ``n_split`` partials in order
+    ``s = 0, 1, ...``, adds ``b2`` and writes ``out [B, H, N]`` float32 (counters zeroed by the caller).
+    """
+    ROWS: tl.constexpr = 16 * TERMS
+    h = tl.program_id(0)
+    s = tl.program_id(1)
+    rb = tl.program_id(2) // N_SPLIT
+    ns = tl.program_id(2) % N_SPLIT
+    offs_r = tl.arange(0, ROWS)
+    offs_i = tl.arange(0, 16)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_h = s * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = offs_h < HD
+    bat_r = rb * 16 + offs_r % 16
+    term = (offs_r // 16)[:, None]
+    x_rows = x_ptr + bat_r.to(tl.int64)[:, None] * sx_b + h * sx_h
+    w1_head = w1_ptr + h.to(tl.int64) * s1_h + offs_h[None, :] * s1_n
+    acc1 = tl.zeros([ROWS, BLOCK_H], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        k_ok = kk < K
+        w = tl.load(w1_head + kk[:, None] * s1_k, mask=k_ok[:, None] & h_ok[None, :], other=0.0)
+        x = tl.load(x_rows + kk[None, :] * sx_k, mask=(bat_r < n_rows)[:, None] & k_ok[None, :], other=0.0)
+        x = x.to(tl.float32)
+        if TERMS == 4:
+            t0, t1, t2, t3 = _split4(x, w.dtype)
+            x = tl.where(term == 0, t0, tl.where(term == 1, t1, tl.where(term == 2, t2, t3)))
+        if F32:
+            acc1 += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        elif TERMS == 4:
+            acc1 += tl.dot(x, w)
+        else:
+            acc1 += tl.dot(x, w, input_precision="tf32x3")
+    vec = h * HD + offs_h
+    mean = tl.load(mean_ptr + vec, mask=h_ok, other=0.0).to(tl.float32)
+    var = tl.load(var_ptr + vec, mask=h_ok, other=1.0).to(tl.float32)
+    gamma = tl.load(gamma_ptr + vec, mask=h_ok, other=0.0).to(tl.float32)
+    beta = tl.load(beta_ptr + vec, mask=h_ok, other=0.0).to(tl.float32)
+    bias1 = tl.load(b1_ptr + vec, mask=h_ok, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt(var + eps)
+    if TERMS == 4:
+        hid = tl.sum(tl.reshape(acc1, [4, 16, BLOCK_H]), 0) + bias1[None, :]  # [16, BLOCK_H]
+        hid = tl.maximum((hid - mean[None, :]) * (inv * gamma)[None, :] + beta[None, :], 0.0)
+        hid = tl.where(h_ok[None, :], hid, 0.0)
+        hid = tl.reshape(tl.broadcast_to(hid[None, :, :], [4, 16, BLOCK_H]), [ROWS, BLOCK_H])
+        t0, t1, t2, t3 = _split4(hid, w2_ptr.dtype.element_ty)
+        a = tl.where(term == 0, t0, tl.where(term == 1, t1, tl.where(term == 2, t2, t3)))
+    else:
+        hid = acc1 + bias1[None, :]
+        hid = tl.maximum((hid - mean[None, :]) * (inv * gamma)[None, :] + beta[None, :], 0.0)
+        a = tl.where(h_ok[None, :], hid, 0.0)
+    # layer 2: this hidden slice's share of the logit columns [n_lo, n_hi)
+    bat = rb * 16 + offs_i
+    b_ok = bat < n_rows
+    n_lo = ns * n_chunk
+    n_hi = tl.minimum(N, n_lo + n_chunk)
+    w2_rows = w2_ptr + h.to(tl.int64) * s2_h + offs_h[:, None] * s2_k
+    part_rows = part_ptr + ((s * n_rows + bat).to(tl.int64)[:, None] * n_heads + h) * N
+    for n0 in range(n_lo, n_hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < n_hi
+        w = tl.load(w2_rows + offs_n[None, :] * s2_n, mask=h_ok[:, None] & n_ok[None, :], other=0.0)
+        if F32:
+            acc = tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        elif TERMS == 4:
+            acc = tl.dot(a, w)
+        else:
+            acc = tl.dot(a, w, input_precision="tf32x3")
+        if TERMS == 4:
+            y = tl.sum(tl.reshape(acc, [4, 16, BLOCK_N]), 0)
+        else:
+            y = acc
+        tl.store(part_rows + offs_n[None, :], y, mask=b_ok[:, None] & n_ok[None, :])
+    # the last program of this (head, rows, column range) reduces the n_split partials in a fixed order
+    cnt = cnt_ptr + (h * tl.num_programs(2) + tl.program_id(2))
+    done = tl.atomic_add(cnt, 1, sem="acq_rel")
+    if done == n_split - 1:
+        for n0 in range(n_lo, n_hi, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            ok = b_ok[:, None] & (offs_n < n_hi)[None, :]
+            y = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+            for sp in range(0, n_split):
+                rows = ((sp * n_rows + bat).to(tl.int64)[:, None] * n_heads + h) * N
+                y += tl.load(part_ptr + rows + offs_n[None, :], mask=ok, other=0.0, cache_modifier=".cg")
+            y += tl.load(b2_ptr + h * N + offs_n, mask=offs_n < n_hi, other=0.0).to(tl.float32)[None, :]
+            out = out_ptr + (bat.to(tl.int64)[:, None] * n_heads + h) * N + offs_n[None, :]
+            tl.store(out, y, mask=ok)
+
+
+@triton.jit
 def _rank_kernel(
     logits_ptr, sel_ptr, n_kv, C, L, sl_b, sl_h, sl_c,
     G: tl.constexpr, G_PAD: tl.constexpr, C_PAD: tl.constexpr, K_PAD: tl.constexpr,
@@ -275,7 +393,7 @@ def _rank_kernel(
 @triton.jit
 def _partial_kernel(
     q_ptr, k_ptr, v_ptr, sel_ptr, start_ptr, count_ptr, slots_ptr, o_ptr, m_ptr, l_ptr,
-    n_kv, lo, hi, n_dense, win_tile, n_win, n_part, L, qk_scale,
+    n_kv, lo, hi, n_dense, win_tile, n_win, n_part, p_base, L, n_split, n_per, qk_scale,
     sq_b, sq_h, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
     sst_b, sst_h, sst_c, scn_b, scn_h, scn_c, ssl_b, ssl_h, ssl_s,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
@@ -283,15 +401,17 @@ def _partial_kernel(
 ):
     """One partial softmax ``(o [G, D], m [G], l [G])`` of the query heads of one (batch, KV head).
 
-    Partial ``p < n_win``: dense-region keys ``j ∈ [p·win_tile, min((p+1)·win_tile, n_dense))`` at position
-    ``j`` if ``j < lo`` else ``j + hi - lo``. Partial ``p >= n_win``: every key of bucket
-    ``c = sel[b, h, p - n_win]``, positions ``slots[b, h, slot_start[b, h, c] + i]``,
+    Partial ``p = p_base + program_id(1)``. ``p < n_win``: dense-region keys
+    ``j ∈ [p·win_tile, min((p+1)·win_tile, n_dense))`` at position ``j`` if ``j < lo`` else ``j + hi - lo``.
+    ``p >= n_win``: with ``r = p - n_win``, the selected buckets ``sel[b, h, e]`` for
+    ``e ∈ [(r // n_split)·n_per, +n_per) ∩ [0, L)``, of each bucket ``c`` its ``(r % n_split)``-th chunk of
+    ``ceil(count / n_split)`` keys, positions ``slots[b, h, slot_start[b, h, c] + i]``,
     ``i < bucket_count[b, h, c]``. ``m`` is in log2 units (scores times ``scale · log2 e``), ``-inf`` and
     ``l = 0`` when the partial has no key. Partials are contiguous ``o [B, Hkv, P, G, D]``,
-    ``m, l [B, Hkv, P, G]`` float32. Grid: (B · Hkv, P).
+    ``m, l [B, Hkv, P, G]`` float32. Grid: (B · Hkv, number of partials of this launch).
     """
     pid = tl.program_id(0)
-    p = tl.program_id(1)
+    p = p_base + tl.program_id(1)
     b = pid // n_kv
     h = pid % n_kv
     b64 = b.to(tl.int64)
@@ -304,37 +424,45 @@ def _partial_kernel(
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # [G_PAD, D_PAD]
     k_base = k_ptr + b64 * sk_b + h * sk_h
     v_base = v_ptr + b64 * sv_b + h * sv_h
-    # what this program walks: a window tile (arithmetic positions) or a bucket (positions from slots)
+    # what this program walks: a window tile (arithmetic positions) or buckets (positions from slots)
     is_bkt = p >= n_win
+    r = p - n_win
+    e0 = (r // n_split) * n_per
+    part = r % n_split
     j_first = p * win_tile
-    c = tl.load(sel_ptr + pid.to(tl.int64) * L + (p - n_win), mask=is_bkt, other=0)
-    slot0 = tl.load(start_ptr + b64 * sst_b + h * sst_h + c * sst_c, mask=is_bkt, other=0)
-    n_bkt = tl.load(count_ptr + b64 * scn_b + h * scn_h + c * scn_c, mask=is_bkt, other=0)
-    n_keys = tl.where(is_bkt, n_bkt, tl.minimum(win_tile, n_dense - j_first))
-    slot_base = slots_ptr + b64 * ssl_b + h * ssl_h + slot0 * ssl_s
+    n_seg = tl.where(is_bkt, tl.minimum(n_per, L - e0), 1)
     m_i = tl.full([G_PAD], -float("inf"), dtype=tl.float32)
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
-    for n0 in range(0, n_keys, BLOCK_N):
-        i = n0 + offs_n
-        k_ok = i < n_keys
-        j = j_first + i
-        pos_w = tl.where(j < lo, j, j + (hi - lo))
-        pos_b = tl.load(slot_base + i * ssl_s, mask=k_ok & is_bkt, other=0)
-        pos = tl.where(is_bkt, pos_b, pos_w)
-        kt = tl.load(k_base + pos[None, :] * sk_t + offs_d[:, None] * sk_d,
-                     mask=k_ok[None, :] & d_ok[:, None], other=0.0)  # [D_PAD, BLOCK_N]
-        s = _mma(q, kt, F32) * qk_scale  # [G_PAD, BLOCK_N], log2 units
-        s = tl.where(k_ok[None, :], s, -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        pr = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(pr, 1)
-        v = tl.load(v_base + pos[:, None] * sv_t + offs_d[None, :] * sv_d,
-                    mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, D_PAD]
-        acc = acc * alpha[:, None] + _mma(pr.to(v.dtype), v, F32)
-        m_i = m_new
+    for e in range(0, n_seg):
+        c = tl.load(sel_ptr + pid.to(tl.int64) * L + e0 + e, mask=is_bkt, other=0)
+        slot0 = tl.load(start_ptr + b64 * sst_b + h * sst_h + c * sst_c, mask=is_bkt, other=0)
+        n_bkt = tl.load(count_ptr + b64 * scn_b + h * scn_h + c * scn_c, mask=is_bkt, other=0)
+        chunk = (n_bkt + n_split - 1) // n_split
+        i_lo = tl.where(is_bkt, part * chunk, 0)
+        i_hi = tl.where(is_bkt, tl.minimum(n_bkt, i_lo + chunk), tl.minimum(win_tile, n_dense - j_first))
+        slot_base = slots_ptr + b64 * ssl_b + h * ssl_h + slot0 * ssl_s
+        for n0 in range(i_lo, i_hi, BLOCK_N):
+            i = n0 + offs_n
+            k_ok = i < i_hi
+            j = j_first + i
+            pos_w = tl.where(j < lo, j, j + (hi - lo))
+            # the scalar flag is broadcast by hand: Triton 3.9's interpreter rejects vector & scalar masks
+            pos_b = tl.load(slot_base + i * ssl_s, mask=k_ok & ((i * 0 + p) >= n_win), other=0)
+            pos = tl.where(is_bkt, pos_b, pos_w)
+            kt = tl.load(k_base + pos[None, :] * sk_t + offs_d[:, None] * sk_d,
+                         mask=k_ok[None, :] & d_ok[:, None], other=0.0)  # [D_PAD, BLOCK_N]
+            s = _mma(q, kt, F32) * qk_scale  # [G_PAD, BLOCK_N], log2 units
+            s = tl.where(k_ok[None, :], s, -float("inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            pr = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(pr, 1)
+            v = tl.load(v_base + pos[:, None] * sv_t + offs_d[None, :] * sv_d,
+                        mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, D_PAD]
+            acc = acc * alpha[:, None] + _mma(pr.to(v.dtype), v, F32)
+            m_i = m_new
     row = (pid.to(tl.int64) * n_part + p) * G + offs_g  # [G_PAD] partial row index
     tl.store(o_ptr + row[:, None] * D + offs_d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
     tl.store(m_ptr + row, m_i, mask=g_ok)
@@ -417,6 +545,26 @@ def _mlp_layer(x: torch.Tensor, w: torch.Tensor, vecs: tuple[torch.Tensor, ...],
     )
 
 
+def _mlp_fused(q_derope: torch.Tensor, p: SaapLayerParams, logits: torch.Tensor) -> None:
+    """Launch :func:`_mlp_fused_kernel`: both layers in one launch, partials reduced by the last program."""
+    b, hq, d = q_derope.shape
+    hd, c = p.w2.shape[1], p.w2.shape[2]
+    cfg = CONFIG
+    n_split = triton.cdiv(hd, cfg.cls_block_h)
+    n_cols = triton.cdiv(c, cfg.cls_n_split * cfg.cls_block_n) * cfg.cls_block_n
+    ns = triton.cdiv(c, n_cols)
+    rb = triton.cdiv(b, _ROWS)
+    part = _buffer((n_split, b, hq, c), torch.float32, q_derope.device)
+    counters = torch.zeros(hq * rb * ns, dtype=torch.int32, device=q_derope.device)
+    vecs = (p.b1, p.bn_mean, p.bn_var, p.bn_weight, p.bn_bias)
+    _mlp_fused_kernel[(hq, n_split, rb * ns)](
+        q_derope, p.w1, *(t.contiguous() for t in vecs), p.w2, p.b2.contiguous(), part, counters, logits,
+        b, hq, d, hd, c, n_cols, n_split, float(p.bn_eps), *q_derope.stride(), *p.w1.stride(), *p.w2.stride(),
+        TERMS=_terms(p.w2), F32=_interpreting(), BLOCK_K=cfg.linear_block_k, BLOCK_H=cfg.cls_block_h,
+        BLOCK_N=cfg.cls_block_n, N_SPLIT=ns, num_warps=cfg.cls_warps, num_stages=cfg.cls_stages,
+    )
+
+
 def saap_classifier_logits_triton(q_derope: torch.Tensor, params: SaapLayerParams) -> torch.Tensor:
     """Classifier logits of every query head: ``q_derope [B, Hq, D]`` -> ``[B, Hq, C]`` float32.
 
@@ -427,12 +575,15 @@ def saap_classifier_logits_triton(q_derope: torch.Tensor, params: SaapLayerParam
         raise ValueError(f"classifier weights on {p.w1.device}, query on {q_derope.device}")
     b, hq, _ = q_derope.shape
     hd, c = p.w2.shape[1], p.w2.shape[2]
+    logits = _buffer((b, hq, c), torch.float32, q_derope.device)
+    if CONFIG.cls_fused and p.w1.dtype == p.w2.dtype:  # mixed dtypes: the two-launch path
+        _mlp_fused(q_derope, p, logits)
+        return logits
     terms2 = _terms(p.w2)
     hidden = _buffer((hq, triton.cdiv(b, _ROWS), _ROWS * terms2, hd),
                      p.w2.dtype if terms2 == 4 else torch.float32, q_derope.device)
     _mlp_layer(q_derope, p.w1, (p.b1, p.bn_mean, p.bn_var, p.bn_weight, p.bn_bias), hidden, b, p.bn_eps,
                True, terms2)
-    logits = _buffer((b, hq, c), torch.float32, q_derope.device)
     _mlp_layer(hidden, p.w2, (p.b2,) * 5, logits, b, 0.0, False, 1)
     return logits
 
@@ -472,6 +623,92 @@ def _index_tensors(state: BucketIndex | None, b: int, hkv: int, device: torch.de
     return state.slot_start, state.bucket_count, slots
 
 
+@dataclass
+class _Partials:
+    """How one attention call is cut into partials, and their buffers (see :func:`_partial_kernel`)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    lo: int
+    hi: int
+    scale: float
+    n_dense: int
+    win_tile: int
+    n_win: int
+    n_bkt_prog: int
+    n_split: int
+    n_per: int
+    o: torch.Tensor
+    m: torch.Tensor
+    l: torch.Tensor
+
+    @property
+    def n_part(self) -> int:
+        return self.n_win + self.n_bkt_prog
+
+
+def _plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, n_l: int, lo: int, hi: int,
+          scale: float) -> _Partials:
+    b, hq, d = q.shape
+    hkv, t = k_cache.shape[1], k_cache.shape[2]
+    cfg = CONFIG
+    n_dense = lo + (t - hi)
+    win_tile = cfg.block_n * max(cfg.min_win_steps, triton.cdiv(n_dense, cfg.max_win_tiles * cfg.block_n))
+    n_win = triton.cdiv(n_dense, win_tile)
+    n_per = max(1, cfg.bkt_per_prog)
+    n_split = max(1, cfg.bkt_split)
+    n_bkt_prog = triton.cdiv(n_l, n_per) * n_split
+    n_part = n_win + n_bkt_prog
+    g = hq // hkv
+    o, m, l_ = (_buffer(shape, torch.float32, q.device)
+                for shape in ((b, hkv, n_part, g, d), (b, hkv, n_part, g), (b, hkv, n_part, g)))
+    return _Partials(q, k_cache, v_cache, lo, hi, float(scale), n_dense, win_tile, n_win, n_bkt_prog, n_split,
+                     n_per, o, m, l_)
+
+
+def _launch_partials(pl: _Partials, state: BucketIndex | None, buckets: torch.Tensor | None, window: bool,
+                     bucket: bool) -> None:
+    """Launch :func:`_partial_kernel` for the window partials, the bucket partials, or both."""
+    q, k_cache, v_cache = pl.q, pl.k, pl.v
+    b, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    g = hq // hkv
+    p_base = 0 if window else pl.n_win
+    n_prog = (pl.n_win if window else 0) + (pl.n_bkt_prog if bucket else 0)
+    if n_prog == 0:
+        return
+    n_l = 0 if buckets is None else int(buckets.shape[-1])
+    if n_l and bucket:
+        sel = (buckets if buckets.dtype == torch.int32 else buckets.to(torch.int32)).contiguous()
+    else:
+        sel = torch.zeros(1, dtype=torch.int32, device=q.device)
+    start, count, slots = _index_tensors(state if n_l and bucket else None, b, hkv, q.device)
+    f32 = _interpreting() or q.dtype == torch.float32
+    _partial_kernel[(b * hkv, n_prog)](
+        q, k_cache, v_cache, sel, start, count, slots, pl.o, pl.m, pl.l,
+        hkv, pl.lo, pl.hi, pl.n_dense, pl.win_tile, pl.n_win, pl.n_part, p_base, max(n_l, 1), pl.n_split,
+        pl.n_per, pl.scale * LOG2E, *q.stride(), *k_cache.stride(), *v_cache.stride(), *start.stride(),
+        *count.stride(), *slots.stride(),
+        G=g, G_PAD=max(_ROWS, _pow2(g)), D=d, D_PAD=_pow2(d), BLOCK_N=CONFIG.block_n, F32=f32,
+        num_warps=CONFIG.attn_warps, num_stages=CONFIG.attn_stages,
+    )
+
+
+def _merge(pl: _Partials) -> torch.Tensor:
+    q = pl.q
+    b, hq, d = q.shape
+    hkv = pl.k.shape[1]
+    g = hq // hkv
+    out = _buffer((b, hq, d), q.dtype, q.device)
+    block_d = min(_pow2(d), CONFIG.merge_block_d)
+    _merge_kernel[(b * hkv, triton.cdiv(d, block_d))](
+        pl.o, pl.m, pl.l, out, hkv, pl.n_part, *out.stride(),
+        G=g, G_PAD=_pow2(g), D=d, BLOCK_D=block_d, BLOCK_P=CONFIG.merge_block_p, num_warps=4,
+    )
+    return out
+
+
 def saap_sparse_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  state: BucketIndex | None, buckets: torch.Tensor | None, lo: int, hi: int,
                                  scale: float) -> torch.Tensor:
@@ -480,40 +717,43 @@ def saap_sparse_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     q: [B, Hq, D]; k_cache, v_cache: [B, Hkv, T, D]; buckets: [B, Hkv, L] int32 bucket ids of ``state``
     (or None: dense region only); ``lo = hi = 0``: the whole cache. Returns [B, Hq, D] in q.dtype.
     """
-    b, hq, d = q.shape
-    hkv, t = k_cache.shape[1], k_cache.shape[2]
-    g = hq // hkv
     n_l = 0 if buckets is None else int(buckets.shape[-1])
-    n_dense = lo + (t - hi)
-    bn = CONFIG.block_n
-    win_tile = bn * max(CONFIG.min_win_steps, triton.cdiv(n_dense, CONFIG.max_win_tiles * bn))
-    n_win = triton.cdiv(n_dense, win_tile)
-    n_part = n_win + n_l
-    if n_l:
-        sel = buckets if buckets.dtype == torch.int32 else buckets.to(torch.int32)
-        sel = sel.contiguous()
-    else:
-        sel = torch.zeros(1, dtype=torch.int32, device=q.device)
-    start, count, slots = _index_tensors(state if n_l else None, b, hkv, q.device)
-    o_part = _buffer((b, hkv, n_part, g, d), torch.float32, q.device)
-    m_part = _buffer((b, hkv, n_part, g), torch.float32, q.device)
-    l_part = _buffer((b, hkv, n_part, g), torch.float32, q.device)
-    g_pad, d_pad = max(_ROWS, _pow2(g)), _pow2(d)
-    f32 = _interpreting() or q.dtype == torch.float32
-    _partial_kernel[(b * hkv, n_part)](
-        q, k_cache, v_cache, sel, start, count, slots, o_part, m_part, l_part,
-        hkv, lo, hi, n_dense, win_tile, n_win, n_part, max(n_l, 1), float(scale) * LOG2E,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *start.stride(), *count.stride(), *slots.stride(),
-        G=g, G_PAD=g_pad, D=d, D_PAD=d_pad, BLOCK_N=bn, F32=f32,
-        num_warps=CONFIG.attn_warps, num_stages=CONFIG.attn_stages,
-    )
-    out = _buffer((b, hq, d), q.dtype, q.device)
-    block_d = min(d_pad, CONFIG.merge_block_d)
-    _merge_kernel[(b * hkv, triton.cdiv(d, block_d))](
-        o_part, m_part, l_part, out, hkv, n_part, *out.stride(),
-        G=g, G_PAD=_pow2(g), D=d, BLOCK_D=block_d, BLOCK_P=CONFIG.merge_block_p, num_warps=4,
-    )
-    return out
+    pl = _plan(q, k_cache, v_cache, n_l, lo, hi, scale)
+    _launch_partials(pl, state, buckets, True, True)
+    return _merge(pl)
+
+
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[index]
+
+
+def _sparse_step(q: torch.Tensor, q_derope: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 state: BucketIndex, params: SaapLayerParams, top_l: int, lo: int, hi: int, scale: float
+                 ) -> torch.Tensor:
+    """Classifier, ranking, partials, merge. ``CONFIG.overlap_window`` (CUDA): the window partials run on a
+    side stream while the classifier and ranking run (fork and join by events: graph-capturable)."""
+    hkv = k_cache.shape[1]
+    c = params.w2.shape[-1]
+    pl = _plan(q, k_cache, v_cache, min(int(top_l), c), lo, hi, scale)
+    overlap = bool(CONFIG.overlap_window) and q.is_cuda and not _interpreting()
+    if overlap:
+        main = torch.cuda.current_stream(q.device)
+        side = _side_stream(q.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            _launch_partials(pl, None, None, True, False)
+    logits = saap_classifier_logits_triton(q_derope, params)
+    buckets = saap_rank_buckets_triton(logits, q.shape[1] // hkv, top_l)
+    _launch_partials(pl, state, buckets, not overlap, True)
+    if overlap:
+        main.wait_stream(side)
+    return _merge(pl)
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -557,6 +797,4 @@ def saap_decode_attention_triton(q: torch.Tensor, q_derope: torch.Tensor | None,
         return saap_sparse_attention_triton(q, k_cache, v_cache, None, None, lo, hi, scale)
     if q_derope is None:
         raise ValueError("a non-dense SAAP layer needs q_derope")
-    logits = saap_classifier_logits_triton(q_derope, params)
-    buckets = saap_rank_buckets_triton(logits, q.shape[1] // hkv, top_l)
-    return saap_sparse_attention_triton(q, k_cache, v_cache, state, buckets, lo, hi, scale)
+    return _sparse_step(q, q_derope, k_cache, v_cache, state, params, top_l, lo, hi, scale)

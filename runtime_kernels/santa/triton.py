@@ -12,39 +12,41 @@ become int64 fixed point (``floor(w·2^32)``) before the prefix sum, so ``C_{n-1
 counts are never negative and sum to ``S_t`` exactly; ``S_t·C/Z - u`` is float64. Counts match the
 float64 reference except where ``S_t·C_n/Z - u`` lies within float32 score rounding of an integer.
 
-Kernels (one program = one tile of one KV head; its G = Hq/Hkv query heads share each K/V load):
+Kernels (the G = Hq/Hkv query heads of a KV head share each K/V load; ``CONFIG`` / ``VARIANTS`` /
+env ``SANTA_TRITON_VARIANT`` pick launch knobs, ``santa_stages`` launches each stage alone for timing):
 
-* prop, 2 launches. ``_prop_score_kernel``: the G heads' scores of the tile in one ``tl.dot``, stored
-  float32 ``[B·Hq, T·tile]``, plus ``m_t`` and ``ℓ_t = Σ exp(s - m_t)``. The last program of each
-  (b, kv head) (atomic counter) computes the largest-remainder budgets of its heads (float64 masses;
-  fractional parts on a 2^-20 grid ranked by a radix select, 5 rounds × 16 thresholds for T <= 128;
-  ties to the lower tile) and zeroes the float32 accumulator. ``_prop_gather_kernel``: tiles without
-  budget exit at once; the others turn the stored scores (not K) into cumulative counts, find each
-  sample's key (``#{n : c(C_n) <= j}``) and load just those V rows, add them to the accumulator with
-  float32 atomics; the last program of the (b, kv head) writes ``acc / S``.
-* flash, 1 launch. ``_flash_kernel``: scores, ``(m_t, ℓ_t)``, ``S_tile = max(1, round_half_up(S/T_b))``
-  (in the kernel, from ``num_samples`` and ``cache_len``), counts, then ``counts @ V`` as ``tl.dot`` in
-  the V dtype over a row-masked V tile (unsampled rows are never fetched; counts go in exact base-256
-  digits, one dot unless a key has >= 256 samples). Partials ``(m_t, ℓ_t, ℓ_t·μ̂_t)`` are merged by
-  log-sum-exp: the last tile of each group of <= 16 tiles merges the group, the last group the row.
+* ``_score_kernel`` (prop, and flash in ``split`` mode): one program = ``score_tpp`` tiles of one KV
+  head, K streamed in chunks of ``score_bk`` keys by a software-pipelined loop (cp.async, ``score_stages``
+  deep); stores float32 scores ``[B·Hq, Tk_pad]`` and per tile ``m_t`` and ``ℓ_t = Σ exp(s - m_t)``
+  (online over the chunks: ℓ_t differs from a one-shot sum by float32 rounding only; counts are
+  computed from the stored scores and do not depend on it).
+* ``_prop_budget_kernel``: one program per query head: largest-remainder budgets (float64 masses;
+  fractional parts on a 2^-20 grid ranked by a radix select; ties to the lower tile); zeroes the
+  output accumulator. ``_prop_gather_kernel``: tiles without budget exit; the others turn the stored
+  scores into cumulative counts, resolve each sample to its key (``#{n : c(C_n) <= j}``), load just
+  those V rows, add them with float32 atomics; the last program of a (b, kv head) writes ``acc / S``.
+* ``_flash_kernel``: per tile, scores (stored ones, or q·K in the kernel when ``FUSED``),
+  ``S_tile = max(1, round_half_up(S/T_b))``, counts, the sampled V rows (``flash_values="rows"``, as
+  prop) or ``counts @ V`` over the row-masked V tile (``"dot"``, exact base-256 digits), the partial
+  ``(m_t, ℓ_t, ℓ_t·μ̂_t)``; log-sum-exp merge: the last tile of each group of <= 16 merges the group,
+  the last group the row.
 
 The launch counters are one int32 buffer per device, zeroed once and reset by each launch's last program.
 
-Performance model (Llama-3.1-8B decode: Hq=32, Hkv=8, D=128, bf16, B=1, N keys; H200 ~4.2 TB/s):
+Performance model (Llama-3.1-8B decode: Hq=32, Hkv=8, D=128, bf16, N keys; H200 ~4.2 TB/s):
 
-* Dense floor: K+V = ``2·N·Hkv·D·2`` B = 128 MiB at N=32k ≈ 32 µs.
-* prop: all of K (67 MB ≈ 16 µs) + float32 scores written (``N·Hq·4`` = 4 MB, L2-resident) and re-read
-  only for tiles with budget + at most ``G·S`` V rows per KV head (S=128: 512 × 256 B × 8 = 1 MB).
-  Recomputing q·k in the gather pass would re-read 64 KB of K per tile, and at S=128 nearly every one
-  of the 128 tiles has a sample: all of K again, 16× the score bytes. FLOPs ``2·N·Hq·D`` (0.27 GFLOP):
-  memory bound. Floor ≈ 17 µs (1.9× under dense) + serial latency: budget tail (~1 µs), gather pass
-  (budgets+scores → counts → V rows → atomics → output, ~3-4 µs, ~1 wave at 72 regs / 4 warps).
-  Target ≥ 1.4× under the dense floor, i.e. ≤ 23 µs.
-* flash: K once + sampled V rows (S=2048 at 32k: S_tile=16, ≤ 64 of 256 rows per tile, ≤ 25% of V)
-  ⇒ floor ≈ 20 µs (1.6× under dense); 2 KB of partials per tile (L2); merges ~1 µs. Target ≤ 25.6 µs.
-* ptxas (sm_90, bf16, G=4, D=128): score 168 regs at 4 warps (3 programs, 192 KB of K in flight per
-  SM), gather 72 regs at 4 warps, flash 117 regs at 8 warps + 66 KB smem (2 programs per SM).
-* Launches: prop 2, flash 1 (+ the api's offset draw); no host syncs, no per-call memsets.
+* Dense floor: K+V = ``2·N·Hkv·D·2`` B per batch row = 128 MiB at N=32k ≈ 32 µs.
+* score pass: all of K (67 MB at 32k, 16 µs) + float32 scores written (``N·Hq·4`` = 4 MB per batch row).
+  FLOPs ``2·N·Hq·D``: memory bound. ptxas sm_90 (default config): 58 regs, 34 KB smem (2 chunks of
+  16 KB in flight per program, ~6 programs = 192 KB per SM) vs 164-255 regs / 1 tile in registers before.
+* prop: score pass + budgets (32 programs at B=1; T=128 tiles: ~2-3 µs, latency) + gather (scores of
+  tiles with a budget re-read, <= min(S, T) tiles per head, + <= S V rows per head; ~3-5 µs at B=1).
+  Predicted 32k B=1: ~17 + 3 + 4 + launch gaps ≈ 25 µs (target 22.8).
+* flash split: score pass + one tile kernel (reads 4 KB of scores per tile + S_tile·G V rows, 95 regs
+  / 8 KB smem, so ~5 programs per SM; before: 117 regs + 66 KB smem = 2 per SM, K in registers).
+  Predicted 32k B=1: 17 + ~6 ≈ 23-26 µs (target 25.6); B=8 128k: K 511 µs + scores 2·134 MB
+  (64 µs) + V rows ≈ 620 µs (SDPA 961).
+* Launches: prop 3, flash 2 (fused: 1), + the api's offset draw; no host syncs, no per-call memsets.
 """
 
 from __future__ import annotations
@@ -89,7 +91,9 @@ class KernelConfig:
     gather_warps: int = 4
     gather_samples: int = 16  # prop gather: samples per head resolved to keys per step
     flash_mode: str = "split"
+    flash_values: str = "rows"  # flash: ``rows`` (sampled V rows, as prop) or ``dot`` (counts @ V tile)
     flash_warps: int = 8  # fused flash kernel
+    merge_rows: int = 4  # flash merge: partial rows per step (registers: rows · GP · BLOCK_D floats)
     flash_gather_warps: int = 4  # split flash gather kernel
 
 
@@ -102,6 +106,11 @@ VARIANTS: dict[str, KernelConfig] = {
     "w8": KernelConfig(score_warps=8, gather_warps=8, flash_gather_warps=8),
     "nopipe": KernelConfig(score_bk=256, score_stages=1),  # one 256-key load per tile, as before
     "fused": KernelConfig(flash_mode="fused"),
+    "fused_dot": KernelConfig(flash_mode="fused", flash_values="dot"),  # the previous flash kernel
+    "dot": KernelConfig(flash_values="dot"),
+    "maxs32": KernelConfig(gather_samples=32),
+    "maxs8": KernelConfig(gather_samples=8),
+    "merge16": KernelConfig(merge_rows=16),
 }
 CONFIG: KernelConfig = VARIANTS[os.environ.get("SANTA_TRITON_VARIANT", "default")]
 
@@ -422,8 +431,8 @@ def _store_partial(pm_ptr, pl_ptr, pa_ptr, row, m, ell, acc, GP: tl.constexpr, B
 
 @triton.jit
 def _flash_tile(s, kmask, key, b, kvh, t, bh, G, Hq, D, T_all, Tk_pad, v_ptr, u_ptr, ns_ptr, work_ptr,
-                counts_ptr, T_b, svb, svh, svn, svd, sub, suh, sut, sns,
-                GP: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr, WRITE_COUNTS: tl.constexpr):
+                counts_ptr, T_b, tile, svb, svh, svn, svd, sub, suh, sut, sns, GP: tl.constexpr,
+                BLOCK_D: tl.constexpr, IEEE: tl.constexpr, WRITE_COUNTS: tl.constexpr, MAXS: tl.constexpr):
     """Tile t's partial ``(m_t, ℓ_t, ℓ_t·μ̂_t)`` from its scores s [GP, BN] (``-inf`` off the tile)."""
     g = tl.arange(0, GP)
     gmask = g < G
@@ -435,9 +444,13 @@ def _flash_tile(s, kmask, key, b, kvh, t, bh, G, Hq, D, T_all, Tk_pad, v_ptr, u_
     l_t = tl.sum(w, axis=1)
     head = (kvh * G + g).to(tl.int64)
     u = tl.load(u_ptr + b.to(tl.int64) * sub + head * suh + t * sut, mask=gmask, other=0.0)
-    counts, _ = _systematic_counts(w, tl.where(gmask, s_tile, 0), u)
+    budget = tl.where(gmask, s_tile, 0)
+    counts, c_hi = _systematic_counts(w, budget, u)
     v_base = v_ptr + b.to(tl.int64) * svb + kvh.to(tl.int64) * svh
-    o = _gather_values(counts, v_base, key, kmask, D, svn, svd, BLOCK_D, IEEE)
+    if MAXS > 0:  # sampled rows only, MAXS samples per head per step (no V tile staging)
+        o = _gather_samples(c_hi, budget, v_base, t * tile, D, svn, svd, BLOCK_D, MAXS)
+    else:  # counts @ V over the row-masked V tile (base-256 digits)
+        o = _gather_values(counts, v_base, key, kmask, D, svn, svd, BLOCK_D, IEEE)
     o = o * (l_t / s_tile.to(tl.float32))[:, None]  # A = ℓ_t · (mean of the tile's samples)
     n_tp = tl.num_programs(1).to(tl.int64) * T_all * GP
     _store_partial(work_ptr, work_ptr + n_tp, work_ptr + 2 * n_tp, bh.to(tl.int64) * T_all + t, m_t, l_t, o,
@@ -467,7 +480,7 @@ def _flash_merge(b, kvh, t, bh, G, D, T_all, T_b, n_groups, work_ptr, cnt_ptr, o
     done = tl.atomic_add(cnt_ptr + bh * n_groups + grp, 1)
     if done == in_group - 1:  # last tile of its group: merge the group's tiles
         m_g, l_g, a_g = _merge_partials(work_ptr, work_ptr + n_tp, ta_ptr, bh.to(tl.int64) * T_all, g_lo,
-                                        tl.minimum(g_lo + TPG, T_b), GP, BLOCK_D, TPG)
+                                        tl.minimum(g_lo + TPG, T_b), GP, BLOCK_D, CH)
         _store_partial(gm_ptr, gl_ptr, ga_ptr, bh.to(tl.int64) * n_groups + grp, m_g, l_g, a_g, GP, BLOCK_D)
         tl.atomic_xchg(cnt_ptr + bh * n_groups + grp, 0)
         tl.debug_barrier()
@@ -487,6 +500,7 @@ def _flash_kernel(
     sqb, sqh, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sub, suh, sut, sob, soh, sod, sls, sns,
     GP: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr, TPG: tl.constexpr, CH: tl.constexpr,
     IEEE: tl.constexpr, WRITE_COUNTS: tl.constexpr, FUSED: tl.constexpr, MERGE: tl.constexpr,
+    MAXS: tl.constexpr,
 ):
     """One tile of flash: scores (FUSED: q·K here; else the stored scores of ``_score_kernel``), counts,
     ``counts @ V``, its partial; with MERGE the log-sum-exp merge (off only to time the stages)."""
@@ -508,7 +522,8 @@ def _flash_kernel(
             s = tl.load(s_ptr + row[:, None] * Tk_pad + key[None, :], mask=(g < G)[:, None] & kmask[None, :],
                         other=float("-inf"))
         _flash_tile(s, kmask, key, b, kvh, t, bh, G, Hq, D, T_all, Tk_pad, v_ptr, u_ptr, ns_ptr, work_ptr,
-                    counts_ptr, T_b, svb, svh, svn, svd, sub, suh, sut, sns, GP, BLOCK_D, IEEE, WRITE_COUNTS)
+                    counts_ptr, T_b, tile, svb, svh, svn, svd, sub, suh, sut, sns, GP, BLOCK_D, IEEE, WRITE_COUNTS,
+                    MAXS)
     if MERGE:
         tl.debug_barrier()
         _flash_merge(b, kvh, t, bh, G, D, T_all, T_b, n_groups, work_ptr, cnt_ptr, out_ptr, sob, soh, sod,
@@ -592,35 +607,69 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, 
 
 
 @dataclass(frozen=True)
-class _PropScores:
-    """Buffers the prop score pass fills (float32 views of one allocation, int32 budgets)."""
+class _Scores:
+    """Buffers of the score pass (float32 views of one allocation) and prop's budgets / accumulator."""
 
-    scores: torch.Tensor  # [B·Hq·Tk_pad]
+    scores: torch.Tensor  # [B·Hq·Tk_pad] q·k·scale
     m: torch.Tensor  # [B·Hq·T_all] tile max scores
     ell: torch.Tensor  # [B·Hq·T_all] Σ exp(s - m_t)
-    budgets: torch.Tensor  # [B·Hq, T_all] S_t
-    acc: torch.Tensor  # [B·Hq·BLOCK_D] zeroed output accumulator
-    counters: torch.Tensor  # int32; [BH:2·BH] is the gather pass's
+    budgets: torch.Tensor  # [B·Hq, T_all] int32 S_t (prop)
+    acc: torch.Tensor  # [B·Hq·BLOCK_D] output accumulator (prop; zeroed by the budget kernel)
+
+
+def _score_buffers(geo: _Geometry, device: torch.device) -> _Scores:
+    rows, t_all, pad = geo.B * geo.Hq, geo.T_all, geo.Tk_pad
+    work = _alloc((rows * (pad + 2 * t_all + geo.BLOCK_D),), torch.float32, device)
+    return _Scores(work[: rows * pad], work[rows * pad:][: rows * t_all], work[rows * (pad + t_all):][: rows * t_all],
+                   _alloc((rows, t_all), torch.int32, device), work[rows * (pad + 2 * t_all):])
+
+
+def _launch_scores(q: torch.Tensor, k: torch.Tensor, cache_len: torch.Tensor, scale: float, geo: _Geometry,
+                   bufs: _Scores) -> None:
+    """The score pass: stored scores and tile statistics ``(m_t, ℓ_t)`` (K read once)."""
+    cfg = CONFIG
+    bk = min(geo.BN, _pow2(cfg.score_bk, 16))
+    _score_kernel[(triton.cdiv(geo.T_all, cfg.score_tpp), geo.BH)](
+        q, k, cache_len, bufs.scores, bufs.m, bufs.ell,
+        float(scale), geo.G, geo.Hkv, geo.Hq, geo.D, geo.tile, geo.T_all, geo.Tk_pad,
+        *q.stride(), *k.stride(), cache_len.stride(0),
+        GP=geo.GP, BK=bk, NCH=geo.BN // bk, TPP=cfg.score_tpp, BLOCK_D=geo.BLOCK_D, STAGES=cfg.score_stages,
+        IEEE=q.dtype == torch.float32, num_warps=cfg.score_warps,
+    )
+
+
+def _launch_budgets(num_samples: torch.Tensor, cache_len: torch.Tensor, geo: _Geometry, bufs: _Scores) -> None:
+    """prop budgets (largest remainder over the tile masses) and the zeroed accumulator."""
+    hp = CONFIG.budget_heads if geo.Hq % CONFIG.budget_heads == 0 else 1
+    block_t = _pow2(geo.T_all, 2)
+    _prop_budget_kernel[(geo.B * geo.Hq // hp,)](
+        bufs.m, bufs.ell, bufs.budgets, bufs.acc, cache_len, num_samples, geo.Hq, geo.tile, geo.T_all,
+        cache_len.stride(0), num_samples.stride(0),
+        HP=hp, BLOCK_T=block_t, BLOCK_D=geo.BLOCK_D, FRAC_BITS=_FRAC_BITS, RADIX_BITS=_radix_bits(hp * block_t),
+        num_warps=4,
+    )
 
 
 def _prop_scores(q: torch.Tensor, k: torch.Tensor, num_samples: torch.Tensor, cache_len: torch.Tensor,
-                 scale: float, geo: _Geometry) -> _PropScores:
-    """Launch the prop score pass (scores, tile statistics, budgets)."""
-    dev = q.device
-    rows, t_all, pad = geo.B * geo.Hq, geo.T_all, geo.Tk_pad
-    work = _alloc((rows * (pad + 2 * t_all + geo.BLOCK_D),), torch.float32, dev)
-    bufs = _PropScores(work[: rows * pad], work[rows * pad:][: rows * t_all],
-                       work[rows * (pad + t_all):][: rows * t_all], _alloc((rows, t_all), torch.int32, dev),
-                       work[rows * (pad + 2 * t_all):], _counters(dev, 2 * geo.BH))
-    block_t = _pow2(t_all, 2)
-    _prop_score_kernel[(t_all, geo.BH)](
-        q, k, cache_len, num_samples, bufs.scores, bufs.m, bufs.ell, bufs.budgets, bufs.acc, bufs.counters,
-        float(scale), geo.G, geo.Hkv, geo.Hq, geo.D, geo.tile, t_all, pad,
-        *q.stride(), *k.stride(), cache_len.stride(0), num_samples.stride(0),
-        GP=geo.GP, BN=geo.BN, BLOCK_D=geo.BLOCK_D, BLOCK_T=block_t, FRAC_BITS=_FRAC_BITS,
-        RADIX_BITS=_radix_bits(geo.GP * block_t), IEEE=q.dtype == torch.float32, num_warps=SCORE_WARPS,
-    )
+                 scale: float, geo: _Geometry) -> _Scores:
+    """Score pass + budgets (2 launches)."""
+    bufs = _score_buffers(geo, q.device)
+    _launch_scores(q, k, cache_len, scale, geo, bufs)
+    _launch_budgets(num_samples, cache_len, geo, bufs)
     return bufs
+
+
+def _launch_prop_gather(v: torch.Tensor, num_samples: torch.Tensor, uniforms: torch.Tensor,
+                        cache_len: torch.Tensor, geo: _Geometry, bufs: _Scores, out: torch.Tensor,
+                        counts: torch.Tensor | None) -> None:
+    _prop_gather_kernel[(geo.T_all, geo.BH)](
+        v, uniforms, cache_len, num_samples, bufs.scores, bufs.budgets, bufs.acc, _counters(v.device, geo.BH), out,
+        counts if counts is not None else out,
+        geo.G, geo.Hkv, geo.Hq, geo.D, geo.tile, geo.T_all, geo.Tk_pad,
+        *v.stride(), *uniforms.stride(), *out.stride(), cache_len.stride(0), num_samples.stride(0),
+        GP=geo.GP, BN=geo.BN, BLOCK_D=geo.BLOCK_D, MAXS=CONFIG.gather_samples,
+        WRITE_COUNTS=counts is not None, num_warps=CONFIG.gather_warps,
+    )
 
 
 def _prop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_samples: torch.Tensor, uniforms: torch.Tensor,
@@ -629,14 +678,7 @@ def _prop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_samples: torch.
     """S²ANTA-prop: (output [B, Hq, D], budgets [B·Hq, T_all] int32); ``counts`` receives per-key counts."""
     bufs = _prop_scores(q, k, num_samples, cache_len, scale, geo)
     out = _alloc((geo.B, geo.Hq, geo.D), q.dtype, q.device)
-    _prop_gather_kernel[(geo.T_all, geo.BH)](
-        v, uniforms, cache_len, num_samples, bufs.scores, bufs.budgets, bufs.acc, bufs.counters[geo.BH:], out,
-        counts if counts is not None else out,
-        geo.G, geo.Hkv, geo.Hq, geo.D, geo.tile, geo.T_all, geo.Tk_pad,
-        *v.stride(), *uniforms.stride(), *out.stride(), cache_len.stride(0), num_samples.stride(0),
-        GP=geo.GP, BN=geo.BN, BLOCK_D=geo.BLOCK_D, MAXS=GATHER_SAMPLES,
-        WRITE_COUNTS=counts is not None, num_warps=GATHER_WARPS,
-    )
+    _launch_prop_gather(v, num_samples, uniforms, cache_len, geo, bufs, out, counts)
     return out, bufs.budgets
 
 
@@ -646,24 +688,77 @@ def _flash_groups(t_all: int) -> tuple[int, int]:
     return per, -(-t_all // per)
 
 
+def _launch_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_samples: torch.Tensor,
+                  uniforms: torch.Tensor, cache_len: torch.Tensor, scale: float, geo: _Geometry,
+                  scores: torch.Tensor | None, work: torch.Tensor, out: torch.Tensor, counts: torch.Tensor | None,
+                  merge: bool = True) -> None:
+    """The flash tile kernel: fused (``scores`` None: q·K in the kernel) or over the stored scores."""
+    per, groups = _flash_groups(geo.T_all)
+    fused = scores is None
+    _flash_kernel[(geo.T_all, geo.BH)](
+        q, k, v, uniforms, cache_len, num_samples, out if fused else scores, work,
+        _counters(q.device, geo.BH * (groups + 1)), out, counts if counts is not None else out,
+        float(scale), geo.G, geo.Hkv, geo.Hq, geo.D, geo.tile, geo.T_all, geo.Tk_pad, groups,
+        *q.stride(), *k.stride(), *v.stride(), *uniforms.stride(), *out.stride(),
+        cache_len.stride(0), num_samples.stride(0),
+        GP=geo.GP, BN=geo.BN, BLOCK_D=geo.BLOCK_D, TPG=per, CH=min(CONFIG.merge_rows, per, _pow2(groups, 2)),
+        IEEE=q.dtype == torch.float32, WRITE_COUNTS=counts is not None, FUSED=fused, MERGE=merge,
+        MAXS=CONFIG.gather_samples if CONFIG.flash_values == "rows" else 0,
+        num_warps=CONFIG.flash_warps if fused else CONFIG.flash_gather_warps,
+    )
+
+
+def _flash_work(geo: _Geometry, device: torch.device) -> torch.Tensor:
+    groups = _flash_groups(geo.T_all)[1]
+    return _alloc((geo.BH * (geo.T_all + groups) * geo.GP * (2 + geo.BLOCK_D),), torch.float32, device)
+
+
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_samples: torch.Tensor, uniforms: torch.Tensor,
            cache_len: torch.Tensor, scale: float, geo: _Geometry,
            counts: torch.Tensor | None = None) -> torch.Tensor:
     """S²ANTA-flash output [B, Hq, D]; ``counts`` receives per-key counts."""
-    dev = q.device
-    per, groups = _flash_groups(geo.T_all)
-    work = _alloc((geo.BH * (geo.T_all + groups) * geo.GP * (2 + geo.BLOCK_D),), torch.float32, dev)
-    out = _alloc((geo.B, geo.Hq, geo.D), q.dtype, dev)
-    _flash_kernel[(geo.T_all, geo.BH)](
-        q, k, v, uniforms, cache_len, num_samples, work, _counters(dev, geo.BH * (groups + 1)), out,
-        counts if counts is not None else out,
-        float(scale), geo.G, geo.Hkv, geo.Hq, geo.D, geo.tile, geo.T_all, geo.Tk_pad, groups,
-        *q.stride(), *k.stride(), *v.stride(), *uniforms.stride(), *out.stride(),
-        cache_len.stride(0), num_samples.stride(0),
-        GP=geo.GP, BN=geo.BN, BLOCK_D=geo.BLOCK_D, TPG=per, CH=min(16, _pow2(groups, 2)),
-        IEEE=q.dtype == torch.float32, WRITE_COUNTS=counts is not None, num_warps=FLASH_WARPS,
-    )
+    out = _alloc((geo.B, geo.Hq, geo.D), q.dtype, q.device)
+    scores = None
+    if CONFIG.flash_mode == "split":
+        bufs = _score_buffers(geo, q.device)
+        _launch_scores(q, k, cache_len, scale, geo, bufs)
+        scores = bufs.scores
+    _launch_flash(q, k, v, num_samples, uniforms, cache_len, scale, geo, scores, _flash_work(geo, q.device), out,
+                  counts)
     return out
+
+
+def santa_stages(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_samples: torch.Tensor, *,
+                 tiling: str, tile: int, scale: float, uniforms: torch.Tensor,
+                 cache_len: torch.Tensor) -> dict[str, Callable[[], None]]:
+    """Launchers of each stage alone, on buffers filled by one full run (for timing; results unused).
+
+    prop: ``scores`` (K pass), ``budgets``, ``gather`` (V rows + output), ``full``. flash: ``scores`` (split
+    mode's K pass), ``tiles`` (counts + V + partials, no merge), ``merge_tiles`` (tiles + merge: the split
+    mode's second launch), ``fused_nomerge`` / ``fused`` (the one-kernel variant), ``full`` (CONFIG's mode).
+    Same arguments as ``santa_decode_forward`` (shapes in its docstring).
+    """
+    geo = _Geometry.of(q, k_cache, tile)
+    bufs = _score_buffers(geo, q.device)
+    out = _alloc((geo.B, geo.Hq, geo.D), q.dtype, q.device)
+    args = (num_samples, uniforms, cache_len)
+    stages: dict[str, Callable[[], None]] = {
+        "scores": lambda: _launch_scores(q, k_cache, cache_len, scale, geo, bufs),
+        "full": lambda: santa_decode_forward(q, k_cache, v_cache, num_samples, tiling=tiling, tile=tile,
+                                             estimator="sys", scale=scale, uniforms=uniforms, cache_len=cache_len),
+    }
+    stages["scores"]()
+    if tiling == "prop":
+        _launch_budgets(num_samples, cache_len, geo, bufs)
+        stages["budgets"] = lambda: _launch_budgets(num_samples, cache_len, geo, bufs)
+        stages["gather"] = lambda: _launch_prop_gather(v_cache, *args, geo, bufs, out, None)
+        return stages
+    work = _flash_work(geo, q.device)
+    for name, scores, merge in (("tiles", bufs.scores, False), ("merge_tiles", bufs.scores, True),
+                                ("fused_nomerge", None, False), ("fused", None, True)):
+        stages[name] = (lambda s=scores, mg=merge: _launch_flash(q, k_cache, v_cache, *args, scale, geo, s, work,
+                                                                  out, None, mg))
+    return stages
 
 
 def santa_decode_forward(

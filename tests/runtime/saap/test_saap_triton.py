@@ -32,11 +32,12 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 @pytest.fixture(autouse=True)
 def _poisoned_small_tiles(monkeypatch, request):
     """NaN-poisoned buffers; for the tiny-shape tests 16-key steps, 32-key window tiles, 4 partials per
-    merge step and 16-wide classifier / merge tiles (several of each, ragged tails)."""
+    merge step and 16-wide classifier / merge tiles (several of each, ragged tails; the fused classifier's hidden split
+    in two or more slices, so its last-arriving reduction runs)."""
     cfg = replace(triton_mod.CONFIG, poison=True)
     if request.node.get_closest_marker("gpu") is None:
         cfg = replace(cfg, block_n=16, min_win_steps=2, max_win_tiles=4, linear_block_k=16, linear_block_n=16,
-                      merge_block_p=4, merge_block_d=16)
+                      merge_block_p=4, merge_block_d=16, cls_block_h=16, cls_block_n=16)
     monkeypatch.setattr(triton_mod, "CONFIG", cfg)
 
 
@@ -124,6 +125,25 @@ def test_matches_reference(b, hq, hkv, t, d, c, sink, recent, top_l, structured)
     out = triton_mod.saap_decode_attention_triton(q, qd, k, v, idx, p, top_l=top_l, scale=None)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert _row_rel_err(out, _ref(q, qd, k, v, idx, p, top_l)) < TOL32
+
+
+SCHEDULES = [  # CONFIG switches that change how the work is cut, never the result
+    {"bkt_split": 3},  # each bucket over 3 programs (chunks of ceil(count / 3) keys, some empty)
+    {"bkt_per_prog": 2},  # two buckets per program (L odd in some shapes: a ragged last program)
+    {"bkt_split": 2, "bkt_per_prog": 3},
+    {"cls_fused": 1},  # the fused split-K classifier (not the default: slower on the H200)
+    {"cls_fused": 1, "cls_n_split": 2, "cls_block_h": 32},  # fused; logit columns over two programs
+]
+
+
+@pytest.mark.parametrize("sched", SCHEDULES, ids=[",".join(f"{k}={v}" for k, v in s.items()) for s in SCHEDULES])
+def test_schedules_match_reference(sched, monkeypatch):
+    monkeypatch.setattr(triton_mod, "CONFIG", replace(triton_mod.CONFIG, **sched))
+    for shape, structured in ((SHAPES[1], True), (SHAPES[0], False)):
+        b, hq, hkv, t, d, c, sink, recent, top_l = shape
+        q, qd, k, v, p, idx = _case(b, hq, hkv, t, d, c, sink, recent, structured=structured)
+        out = triton_mod.saap_decode_attention_triton(q, qd, k, v, idx, p, top_l=top_l, scale=None)
+        assert _row_rel_err(out, _ref(q, qd, k, v, idx, p, top_l)) < TOL32
 
 
 def test_empty_buckets_are_visited_and_weigh_nothing():

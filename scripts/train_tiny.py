@@ -482,6 +482,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="separate input embedding and LM head (tied by default)")
     ap.add_argument("--task-weights", default=None, help="task:weight,... (replaces the default mix)")
     ap.add_argument("--eval-num-prompts", type=int, default=None)
+    ap.add_argument("--eval-lengths", default=None, help="comma-separated prompt lengths of the final evaluation")
     args = ap.parse_args(argv)
     t0 = time.time()
     cfg = smoke_config() if args.smoke else TrainConfig()
@@ -498,6 +499,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg.tokens_per_step = args.tokens_per_step
     if args.eval_num_prompts is not None:
         cfg.eval_num_prompts = args.eval_num_prompts
+    if args.eval_lengths:
+        cfg.eval_lengths = [int(x) for x in args.eval_lengths.split(",")]
     if args.phases:
         cfg.phases = [Phase.parse(x) for x in args.phases.split(",")]
     if args.task_weights:

@@ -102,3 +102,25 @@ def torch_equal(a, b) -> bool:
     import torch
 
     return a.shape == b.shape and bool(torch.equal(a, b))
+
+
+def test_phase_spec_with_its_own_task_mix(tiny_tokenizer):
+    """``--phases name:steps:min:max[:task=w/...]``: a phase's mix replaces the default one in that phase only."""
+    tt, _ = _step_batches(tiny_tokenizer)
+    kv_only = tt.Phase.parse("kv:3:150:200:kv_retrieval=1")
+    mixed = tt.Phase.parse("rest:1:150:200")
+    assert (kv_only.steps, kv_only.min_len, kv_only.max_len, kv_only.task_weights) == (3, 150, 200, {"kv_retrieval": 1.0})
+    assert mixed.task_weights is None
+    with pytest.raises(ValueError, match="unknown tasks"):
+        tt.Phase.parse("x:1:10:20:no_such_task=1")
+    with pytest.raises(ValueError, match="expected name:steps"):
+        tt.Phase.parse("x:1:10")
+    cfg = tt.TrainConfig(tokens_per_step=800, unit_fit_length=512, phases=[kv_only, mixed])
+    data = tt.StepBatches(cfg, tiny_tokenizer)
+    tasks, cum = data.mix(kv_only)
+    assert tasks == ["kv_retrieval"] and cum == [1.0]
+    assert data.mix(mixed)[0] == list(cfg.task_weights)
+    kv_intro = tiny_tokenizer("JSON data", add_special_tokens=False)["input_ids"]
+    for step in range(3):  # every sequence of a kv-only step is a key-value prompt
+        for row in data[step]["input_ids"].tolist():
+            assert any(row[i:i + len(kv_intro)] == kv_intro for i in range(len(row)))

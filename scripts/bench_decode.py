@@ -49,7 +49,7 @@ for _path in (ROOT, ROOT / "scripts"):  # run from a checkout without `pip insta
         sys.path.insert(0, str(_path))
 
 import torch  # noqa: E402
-from benchutil import cuda_time, floor_ms, measured_copy_tbps  # noqa: E402
+from benchutil import cuda_time, floor_ms, measured_copy_tbps, print_targets  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -345,18 +345,6 @@ def targets(rows: list[Row], sh: Shapes) -> list[tuple[str, float | None, float]
     return out
 
 
-def print_targets(checks: list[tuple[str, float | None, float]]) -> None:
-    print("\ntargets (ratios from graphed times where captured)")
-    if not checks:
-        print("  (no target shape in this run)")
-    for label, got, need in checks:
-        if got is None:
-            print(f"  {label:<44} n/a")
-            continue
-        verdict = "MET" if got >= need else f"MISSED by {need / got:.2f}x"
-        print(f"  {label:<44} {got:6.2f} (need >= {need:.2f})  {verdict}")
-
-
 # ------------------------------------------------------------------------------------------------ main
 
 
@@ -513,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps([{**asdict(r), "t_us": r.t_us} for r in rows], indent=1))
     print()
     print_rows(rows)
-    print_targets(targets(rows, sh))
+    print_targets(targets(rows, sh), "targets (ratios from graphed times where captured)", 44)
     return 0
 
 

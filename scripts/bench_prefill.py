@@ -58,7 +58,7 @@ for _path in (ROOT, ROOT / "scripts"):  # run from a checkout without `pip insta
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from benchutil import cuda_time  # noqa: E402
+from benchutil import cuda_time, print_targets  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -426,16 +426,6 @@ def targets(rows: list[Row], sh: Shapes) -> list[tuple[str, float | None, float]
     return out
 
 
-def print_targets(checks: list[tuple[str, float | None, float]]) -> None:
-    print("\ntargets (speedup = sdpa / t; 1.5x slower = 0.67)")
-    for label, got, need in checks:
-        if got is None:
-            print(f"  {label:<52} n/a")
-            continue
-        verdict = "MET" if got >= need else f"MISSED by {need / got:.2f}x"
-        print(f"  {label:<52} {got:6.2f} (need >= {need:.2f})  {verdict}")
-
-
 # ------------------------------------------------------------------------------------------------ main
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -506,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps([{**asdict(r), "speedup": r.speedup} for r in rows], indent=1))
     print()
     print_rows(rows)
-    print_targets(targets(rows, sh))
+    print_targets(targets(rows, sh), "targets (speedup = sdpa / t; 1.5x slower = 0.67)", 52)
     return 0
 
 

@@ -68,3 +68,16 @@ def measured_copy_tbps(nbytes: int = 2 * 1024**3) -> float:
 def tbps(nbytes: float, ms: float) -> float:
     """Achieved TB/s for ``nbytes`` moved in ``ms`` milliseconds."""
     return nbytes / (ms * 1e-3) / 1e12
+
+
+def print_targets(checks: list[tuple[str, float | None, float]], header: str, width: int = 44) -> None:
+    """Print each ``(label, achieved ratio or None, needed ratio)`` as MET or MISSED by how much."""
+    print(f"\n{header}")
+    if not checks:
+        print("  (no target shape in this run)")
+    for label, got, need in checks:
+        if got is None:
+            print(f"  {label:<{width}} n/a")
+            continue
+        verdict = "MET" if got >= need else f"MISSED by {need / got:.2f}x"
+        print(f"  {label:<{width}} {got:6.2f} (need >= {need:.2f})  {verdict}")

@@ -11,7 +11,6 @@ otherwise; ``backend="reference"`` / ``"triton"`` force one. The attention itsel
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib
 import math
@@ -56,13 +55,6 @@ def _select(q: torch.Tensor, k: torch.Tensor, row: BucketRow, blk: int, scale: f
             backend: str = "auto") -> BlockMask:
     return _selection_impl(q, backend).sampleattention_select(q, k, alpha_c=row.alpha_c, alpha_s=row.alpha_s,
                                                               chunk_n=row.chunk_n, blk=blk, scale=scale)
-
-
-def _exact_indices(mask: BlockMask) -> BlockMask:
-    """``mask`` with ``indices[:offsets[-1]]`` (one sync, outside the timed path): the Triton selection sizes
-    ``indices`` for every causal block to avoid a sync, which ``BlockMask.to_dense`` does not expect."""
-    nnz = int(mask.offsets[-1])
-    return mask if mask.indices.numel() == nnz else dataclasses.replace(mask, indices=mask.indices[:nnz])
 
 
 def sampleattention_prefill_mask(
@@ -240,7 +232,7 @@ class SampleAttentionPrefill:
         cra = None
         if self.report_cra:
             rows = sampled_query_rows(q.shape[2], row.chunk_n, self.table.blk, q.device)
-            cra = cumulative_residual_attention(q, k, _exact_indices(mask), rows, scale=scale)
+            cra = cumulative_residual_attention(q, k, mask, rows, scale=scale)
         self._stats.add(mask.density(), cra, bucket, elapsed)
         return out
 

@@ -193,3 +193,16 @@ def test_cuda_memory_is_proportional_to_kept_blocks():
     elem = keep[..., -1, :].repeat_interleave(bk, -1)[:, :, None, :].cpu() & _causal(t, t)[rows]
     ref, _ = _bruteforce(q[:, :, rows].cpu(), k.cpu(), v.cpu(), elem)
     torch.testing.assert_close(out[:, :, rows].double().cpu(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_over_allocated_indices_mean_the_same_mask():
+    """A sync-free GPU selector sizes ``indices`` for every causal block; only ``indices[:offsets[-1]]``
+    counts, so trailing garbage changes neither the block table nor the attention."""
+    g = torch.Generator().manual_seed(5)
+    keep = torch.rand(1, 2, 3, 6, generator=g) < 0.5
+    exact = BlockMask.from_dense(keep, 96, 96, 32, 16)
+    padded = BlockMask(exact.offsets, torch.cat([exact.indices, torch.full((7,), 3, dtype=torch.int32)]),
+                       1, 2, 96, 96, 32, 16)
+    assert torch.equal(padded.to_dense(), exact.to_dense())
+    q, k, v = (torch.randn(1, 2, 96, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    assert torch.equal(block_sparse_attention(q, k, v, padded), block_sparse_attention(q, k, v, exact))

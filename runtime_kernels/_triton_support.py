@@ -1,4 +1,5 @@
-"""What every Triton module of ``runtime_kernels`` shares: interpreter detection and one interpreter fix.
+"""What the Triton modules of ``runtime_kernels`` share: interpreter detection, one interpreter fix and
+the scaled ``q·kᵀ`` tile helper. Imported only by those modules (it needs triton).
 
 Without a GPU, the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``; ``tests/conftest.py``
 sets it on CPU-only machines), so CI exercises the same kernel code a GPU compiles.
@@ -12,6 +13,9 @@ one-line fix once per process, and only under the interpreter. Import-time cost:
 from __future__ import annotations
 
 import os
+
+import triton
+import triton.language as tl
 
 
 def interpreting() -> bool:
@@ -35,3 +39,17 @@ def patch_interpreter() -> None:
 
     interpreter._patch_lang_tensor = patched
     interpreter._calib_index_patch = True
+
+
+@triton.jit
+def scaled_scores(q, kk, sm_scale, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """``(q @ kkᵀ) · sm_scale`` for a ``[M, D]`` query tile and ``[N, D]`` key tile, fp32 accumulation.
+    ``UPCAST``: operands to fp32 first (the interpreter's bf16 dot is wrong); ``IEEE``: exact fp32 dot."""
+    if UPCAST:
+        q = q.to(tl.float32)
+        kk = kk.to(tl.float32)
+    if IEEE:
+        s = tl.dot(q, tl.trans(kk), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(kk))
+    return s * sm_scale

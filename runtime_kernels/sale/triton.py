@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime_kernels._triton_support import patch_interpreter
+from runtime_kernels._triton_support import patch_interpreter, scaled_scores
 from runtime_kernels._triton_support import interpreting as _interpreting
 from runtime_kernels.blocksparse import api as blocksparse_api
 from runtime_kernels.blocksparse.mask import BlockMask, causal_block_count
@@ -128,14 +128,7 @@ def _sale_quant_kernel(x_ptr, kbar_ptr, xq_ptr, scale_ptr, shift_ptr, sxb, sxh, 
 @triton.jit
 def _online_update(q, kk, ok, m_i, l_i, sm_scale, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """One tile of the exact sink/local softmax statistics: returns the new (m, l) of every row."""
-    if UPCAST:
-        q = q.to(tl.float32)
-        kk = kk.to(tl.float32)
-    if IEEE:
-        s = tl.dot(q, tl.trans(kk), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(kk))
-    s = tl.where(ok, s * sm_scale, float("-inf"))
+    s = tl.where(ok, scaled_scores(q, kk, sm_scale, UPCAST, IEEE), float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     l_new = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(s - m_safe[:, None]), axis=1)

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from runtime_kernels._triton_support import interpreting as _interpreting
-from runtime_kernels._triton_support import patch_interpreter
+from runtime_kernels._triton_support import patch_interpreter, scaled_scores
 from runtime_kernels.blocksparse.mask import BlockMask, causal_block_count
 from runtime_kernels.sampleattention import reference
 from runtime_kernels.sampleattention.reference import _check_alpha, _check_qk, select_columns, select_slashes
@@ -70,18 +70,6 @@ def _tile_setup(s, pid2, Hq, Sq, Sk, chunk_n, G: tl.constexpr, HPP: tl.constexpr
 
 
 @triton.jit
-def _scores(q, kk, sm_scale, UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    if UPCAST:
-        q = q.to(tl.float32)
-        kk = kk.to(tl.float32)
-    if IEEE:
-        s = tl.dot(q, tl.trans(kk), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(kk))
-    return s * sm_scale
-
-
-@triton.jit
 def _sa_stats_kernel(q_ptr, k_ptr, m_ptr, l_ptr, sqb, sqh, sqt, skb, skh, skt,
                      Hq, Sq, Sk, chunk_n, n_splits, split_len, sm_scale,
                      G: tl.constexpr, HPP: tl.constexpr, BLK: tl.constexpr, D: tl.constexpr,
@@ -101,7 +89,7 @@ def _sa_stats_kernel(q_ptr, k_ptr, m_ptr, l_ptr, sqb, sqh, sqt, skb, skh, skt,
     for k0 in range(k_lo, tl.minimum(k_lo + split_len, kmax), BLK):
         kt = k0 + tl.arange(0, BLK)
         kk = tl.load(k_base + kt[:, None] * skt + rd[None, :], mask=(kt < Sk)[:, None], other=0.0)
-        sc = _scores(q, kk, sm_scale, UPCAST, IEEE)
+        sc = scaled_scores(q, kk, sm_scale, UPCAST, IEEE)
         sc = tl.where((kt[None, :] <= pos[:, None]) & row_ok[:, None], sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -141,7 +129,7 @@ def _sa_reduce_kernel(q_ptr, k_ptr, m_ptr, l_ptr, col_ptr, sl_ptr, sqb, sqh, sqt
         j = k0 // BLK
         kt = k0 + tl.arange(0, BLK)
         kk = tl.load(k_base + kt[:, None] * skt + rd[None, :], mask=(kt < Sk)[:, None], other=0.0)
-        sc = _scores(q, kk, sm_scale, UPCAST, IEEE)
+        sc = scaled_scores(q, kk, sm_scale, UPCAST, IEEE)
         ok = (kt[None, :] <= pos[:, None]) & row_ok[:, None]
         p = tl.where(ok, tl.exp(sc - m_i[:, None]) * inv_l[:, None], 0.0)  # [HPP*BLK, BLK]
         p3 = tl.reshape(p, [HPP, BLK, BLK])

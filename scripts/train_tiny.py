@@ -31,11 +31,13 @@ GPU nondeterminism: data and initialization are bitwise deterministic; the CUDA 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import multiprocessing as mp
 import os
 import platform
+import re
 import shutil
 import sys
 import time
@@ -97,6 +99,17 @@ class TrainConfig:
         "frequent_words": 0.175})
     extra_queries: dict[str, int] = field(default_factory=lambda: {
         "niah_multikey": 3, "kv_retrieval": 15, "variable_tracking": 1})
+    # Tasks whose context tokens also carry the next-token loss (default: all, the shipped recipe). In
+    # kv_retrieval and the needle tasks the context is random content that never repeats; predicting it
+    # teaches "a word already seen will not come next" at the very spot where the answer must copy a
+    # seen word (`"key": "` -> value). Turning it off there (--context-lm-tasks
+    # variable_tracking,frequent_words) did not make key matching form (2026-11-21, README).
+    context_lm_tasks: tuple[str, ...] = TASKS
+    # After a kv_retrieval example's questions, up to this many of its pairs again (2 per pair at most,
+    # drawn with replacement) in the context's own `"key": "value"` form, each value an answer target:
+    # dense supervision of exactly the lookup the evaluated question needs. 0 (off) in the shipped
+    # recipe; 128 did not make the lookup form either (README).
+    kv_recall_pairs: int = 0
     length_jitter: float = 0.05  # a training prompt aims at target * U(1 - jitter, 1)
     # architecture (conf/model/tiny.yaml supplies the shape; these complete it)
     intermediate_size: int = 768
@@ -158,6 +171,10 @@ class UnitModel:
         return MIN_UNITS[task] + max(0, int((target - self.base[task]) / self.per_unit[task]))
 
 
+LM, ANSWER, NO_LOSS = 0, 1, 2  # per-token loss flags of a training sequence
+KV_PAIR = re.compile(r'"([^"]+)": "([^"]+)"')
+
+
 class StepBatches(torch.utils.data.Dataset):
     """Item ``step`` is the whole batch of that step: a pure function of (seed, step)."""
 
@@ -198,20 +215,47 @@ class StepBatches(torch.utils.data.Dataset):
         return list(self.tok(text, add_special_tokens=False)["input_ids"])
 
     def sequence(self, inst) -> tuple[list[int], list[int]]:
-        """Token ids of an instance's training sequence, and answer flags (1 on answer tokens and the
-        EOS after each answer): the evaluated prompt, its answer, then any extra questions."""
+        """Token ids of an instance's training sequence, and flags: ANSWER on answer tokens and the EOS
+        after each answer, NO_LOSS on context tokens of tasks outside ``context_lm_tasks``, LM elsewhere.
+        The sequence: the evaluated prompt, its answer, then any extra questions."""
         q0 = inst.queries[0]
         ids = self.fmt.encode(self.fmt.render(inst.context, q0.question, q0.prefix))
-        flags = [0] * len(ids)
+        flags = [LM] * len(ids)
+        if inst.task not in self.cfg.context_lm_tasks:
+            # word-level tokenizer: the context's tokens are a prefix of the prompt's (BOS first)
+            n_ctx = len(self.fmt.encode(inst.context))
+            flags[1:n_ctx] = [NO_LOSS] * (n_ctx - 1)
         for k, q in enumerate(inst.queries[: 1 + self.cfg.extra_queries.get(inst.task, 0)]):
             if k:
                 seg = self._ids(f"\n\nQuestion: {q.question}\nAnswer: {q.prefix}")
                 ids += seg
-                flags += [0] * len(seg)
+                flags += [LM] * len(seg)
             ans = self._ids(q.completion) + [self.eos]
             ids += ans
-            flags += [1] * len(ans)
+            flags += [ANSWER] * len(ans)
+        if inst.task == "kv_retrieval" and self.cfg.kv_recall_pairs > 0:
+            self._recall_block(inst, ids, flags)
         return ids, flags
+
+    def _recall_block(self, inst, ids: list[int], flags: list[int]) -> None:
+        """Append ``"k": "v",`` lines for a shuffled subset of the context's pairs: keys carry no loss
+        (their order is random), values are answers, the punctuation keeps the LM loss."""
+        pairs = KV_PAIR.findall(inst.context)
+        rng = StableRng(seed_from("kv-recall", hashlib.sha256(inst.context.encode()).hexdigest()))
+        # drawn WITH replacement: a permutation lets "a value not recalled yet" answer the late lines by
+        # elimination (half the answers at 4 pairs), a shortcut that competes with the lookup itself
+        order = [int(i) for i in rng.integers(len(pairs), min(self.cfg.kv_recall_pairs, 2 * len(pairs)))]
+        ids += self._ids("\n\nJSON data again:\n{")
+        flags += [LM] * (len(ids) - len(flags))
+        for j, i in enumerate(order):
+            key, value = pairs[i]
+            for text, flag in ((('"' if j == 0 else ',\n "'), LM), (key, NO_LOSS), ('": "', LM), (value, ANSWER),
+                               ('"', LM)):
+                seg = self._ids(text)
+                ids += seg
+                flags += [flag] * len(seg)
+        ids += self._ids("}") + [self.eos]
+        flags += [LM, LM]
 
     def example(self, task: str, seed: int, target: float) -> tuple[list[int], list[int]]:
         """A sequence of about ``target`` tokens in all (extra questions included)."""
@@ -224,21 +268,21 @@ class StepBatches(torch.utils.data.Dataset):
         target = phase.min_len + rng.uniform() * (phase.max_len - phase.min_len)
         batch = max(1, self.cfg.tokens_per_step // int(target))
         tasks, cum = self.mix(phase)
-        seqs = []
+        seqs, row_tasks = [], []
         for j in range(batch):
             u = rng.uniform()
             task = tasks[next(i for i, c in enumerate(cum) if u < c or i == len(cum) - 1)]
             aim = target * (1 - self.cfg.length_jitter * rng.uniform())
             seqs.append(self.example(task, seed_from("calib-train", self.cfg.seed, step, j), aim))
+            row_tasks.append(TASKS.index(task))
         width = max(len(s) for s, _ in seqs)
         ids = torch.full((batch, width), self.pad, dtype=torch.long)
-        answer = torch.zeros((batch, width), dtype=torch.bool)
-        real = torch.zeros((batch, width), dtype=torch.bool)
+        flags = torch.full((batch, width), NO_LOSS, dtype=torch.long)  # padding: no loss
         for b, (s, f) in enumerate(seqs):
             ids[b, : len(s)] = torch.tensor(s)
-            answer[b, : len(f)] = torch.tensor(f, dtype=torch.bool)
-            real[b, : len(s)] = True
-        return {"input_ids": ids, "answer": answer, "real": real, "target_len": torch.tensor(int(target))}
+            flags[b, : len(f)] = torch.tensor(f)
+        return {"input_ids": ids, "answer": flags == ANSWER, "lm": flags == LM,
+                "task": torch.tensor(row_tasks), "target_len": torch.tensor(int(target))}
 
 
 def _worker_init(_: int) -> None:
@@ -267,23 +311,45 @@ def build_model(cfg: TrainConfig, arch: dict, tokenizer):
     return model
 
 
+def load_weights(model, model_dir: Path) -> None:
+    """Copy a saved model's weights into ``model`` (strict: same architecture, same tokenizer size)."""
+    from safetensors.torch import load_file
+
+    path = Path(model_dir) / "model.safetensors"
+    if not path.is_file():
+        raise SystemExit(f"error: --init-from {model_dir}: no model.safetensors there")
+    state = {k: v.float() for k, v in load_file(str(path)).items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # shape mismatches
+        raise SystemExit(f"error: --init-from {model_dir}: architecture differs ({str(e).splitlines()[-1].strip()})")
+    missing = [k for k in missing if not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise SystemExit(f"error: --init-from {model_dir}: architecture differs "
+                         f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+
+
 def loss_terms(model, batch: dict[str, torch.Tensor], device: torch.device, autocast: bool):
-    """(answer loss, LM loss, answer-token accuracy). Targets are the next tokens; an answer position is
-    one whose next token is an answer token. Answer loss: mean per example, then over examples."""
+    """(answer loss, LM loss, answer-token accuracy, per-row [right, answer tokens]). Targets are the next
+    tokens; an answer position is one whose next token is an answer token. Answer loss: mean per
+    example, then over examples."""
     ids = batch["input_ids"].to(device, non_blocking=True)
     ans = batch["answer"].to(device, non_blocking=True)[:, 1:]  # [B, T-1]: next token is an answer token
-    real = batch["real"].to(device, non_blocking=True)[:, 1:]
+    lm = batch["lm"].to(device, non_blocking=True)[:, 1:]       # next token carries the LM loss
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
         hidden = model.model(input_ids=ids).last_hidden_state[:, :-1]  # [B, T-1, H]
         logits = model.lm_head(hidden).float()                           # [B, T-1, V]
     targets = ids[:, 1:]
     ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none")  # [B, T-1]
-    ans_f, lm_f = ans.float(), (real & ~ans).float()
+    ans_f, lm_f = ans.float(), lm.float()
     per_example = (ce * ans_f).sum(1) / ans_f.sum(1).clamp(min=1)
     answer_loss = per_example.mean()
     lm_loss = (ce * lm_f).sum() / lm_f.sum().clamp(min=1)
-    correct = ((logits.argmax(-1) == targets) & ans).sum() / ans.sum().clamp(min=1)
-    return answer_loss, lm_loss, correct
+    right = ((logits.argmax(-1) == targets) & ans).sum(1)
+    correct = right.sum() / ans.sum().clamp(min=1)
+    return answer_loss, lm_loss, correct, torch.stack([right, ans.sum(1)], 1)
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -315,22 +381,25 @@ def train(cfg: TrainConfig, model, tokenizer, device: torch.device, log) -> dict
         stats["wait"] += time.time() - t_data
         for g in opt.param_groups:
             g["lr"] = lr_at(cfg, step)
-        answer_loss, lm_loss, acc = loss_terms(model, batch, device, autocast)
+        answer_loss, lm_loss, acc, rows = loss_terms(model, batch, device, autocast)
         loss = answer_loss + cfg.lm_loss_weight * lm_loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         stats["n"] += 1
-        stats["tokens"] += int(batch["real"].sum())
+        stats["tokens"] += int((batch["input_ids"] != data.pad).sum())
         if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.total_steps:
             for k, v in (("answer_loss", answer_loss), ("lm_loss", lm_loss), ("answer_acc", acc)):
                 stats[k] = float(v.detach())  # last step's values (one sync per log line)
             now = time.time()
+            by_task = torch.zeros(len(TASKS), 2, dtype=torch.long).index_add_(0, batch["task"], rows.cpu())
             rec = {"step": step + 1, "phase": data.phase(step).name, "len": int(batch["target_len"]),
                    "batch": int(batch["input_ids"].shape[0]), "lr": lr_at(cfg, step),
                    "answer_loss": round(stats["answer_loss"], 4), "lm_loss": round(stats["lm_loss"], 4),
-                   "answer_acc": round(stats["answer_acc"], 4), "grad_norm": round(float(gnorm), 3),
+                   "answer_acc": round(stats["answer_acc"], 4),
+                   "acc_by_task": {t: round(int(r) / int(n), 3) for t, (r, n) in zip(TASKS, by_task.tolist()) if n},
+                   "grad_norm": round(float(gnorm), 3),
                    "ms_per_step": round(1000 * (now - t_mark) / stats["n"], 1),
                    "data_wait_ms": round(1000 * stats["wait"] / stats["n"], 1),
                    "tokens_per_s": int(stats["tokens"] / (now - t_mark)),
@@ -468,6 +537,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-every", type=int, default=None, help="steps between log lines (default 50)")
     ap.add_argument("--lr", type=float, default=None, help="peak learning rate")
     ap.add_argument("--lm-loss-weight", type=float, default=None, help="weight of the next-token loss off answers")
+    ap.add_argument("--context-lm-tasks", default=None,
+                    help="comma-separated tasks whose context tokens carry the next-token loss ('all' (default), "
+                         "'none')")
+    ap.add_argument("--extra-queries", default=None,
+                    help="task=n,... further questions per training context (default niah_multikey=3, "
+                         "kv_retrieval=15, variable_tracking=1)")
+    ap.add_argument("--kv-recall-pairs", type=int, default=None,
+                    help="pairs repeated after a kv context as dense answer targets (default 0 = off)")
     ap.add_argument("--tokens-per-step", type=int, default=None)
     ap.add_argument("--phases", default=None,
                     help="curriculum as name:steps:min_len:max_len[:task=w/task=w],... (replaces the default "
@@ -483,6 +560,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--task-weights", default=None, help="task:weight,... (replaces the default mix)")
     ap.add_argument("--eval-num-prompts", type=int, default=None)
     ap.add_argument("--eval-lengths", default=None, help="comma-separated prompt lengths of the final evaluation")
+    ap.add_argument("--init-from", type=Path, default=None,
+                    help="start from this saved model's weights (same architecture) instead of a fresh init: "
+                         "continues a run across several GPU sessions; the phases given here are run anew")
     args = ap.parse_args(argv)
     t0 = time.time()
     cfg = smoke_config() if args.smoke else TrainConfig()
@@ -495,6 +575,16 @@ def main(argv: list[str] | None = None) -> int:
         cfg.lr = args.lr
     if args.lm_loss_weight is not None:
         cfg.lm_loss_weight = args.lm_loss_weight
+    if args.context_lm_tasks is not None:
+        chosen = {"all": list(TASKS), "none": []}.get(args.context_lm_tasks, args.context_lm_tasks.split(","))
+        unknown = set(chosen) - set(TASKS)
+        if unknown:
+            raise SystemExit(f"error: --context-lm-tasks: unknown tasks {sorted(unknown)}; known: {list(TASKS)}")
+        cfg.context_lm_tasks = tuple(chosen)
+    if args.extra_queries:
+        cfg.extra_queries = {k: int(v) for k, v in (x.split("=") for x in args.extra_queries.split(","))}
+    if args.kv_recall_pairs is not None:
+        cfg.kv_recall_pairs = args.kv_recall_pairs
     if args.tokens_per_step is not None:
         cfg.tokens_per_step = args.tokens_per_step
     if args.eval_num_prompts is not None:
@@ -538,7 +628,11 @@ def main(argv: list[str] | None = None) -> int:
     eval_jobs = [(str(tok_dir), t, n, cfg.eval_num_prompts, cfg.eval_seed) for t in TASKS for n in cfg.eval_lengths]
     eval_async = None if args.no_eval else pool.map_async(_build_eval_chunk, eval_jobs)
 
-    model = build_model(cfg, arch, tokenizer).to(device)
+    model = build_model(cfg, arch, tokenizer)
+    if args.init_from is not None:
+        load_weights(model, args.init_from)
+        log(f"initialized from {args.init_from}")
+    model = model.to(device)
     params = sum(p.numel() for p in model.parameters())
     log(f"device={device} params={params:,} vocab={len(tokenizer)} steps={cfg.total_steps} "
         f"workers={cfg.workers}")
@@ -549,6 +643,7 @@ def main(argv: list[str] | None = None) -> int:
             "vocab": len(tokenizer), "params": params, "train_seconds": result["train_seconds"],
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"}
     record = {"config": asdict(cfg), "arch": arch, "params": params, "vocab_size": len(tokenizer),
+              "init_from": str(args.init_from) if args.init_from else None,
               "torch": torch.__version__, "transformers": __import__("transformers").__version__,
               "device": info["device"], "train_seconds": result["train_seconds"], "log": result["log"]}
     (out / "training_config.json").write_text(json.dumps(record, indent=2) + "\n")

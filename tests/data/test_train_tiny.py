@@ -67,9 +67,11 @@ def test_training_batches_deterministic_and_labelled(tiny_tokenizer):
     batch = data[1]
     assert not torch_equal(batch["input_ids"], data[2]["input_ids"])
     eos = tiny_tokenizer.eos_token_id
-    for ids, ans, real in zip(batch["input_ids"].tolist(), batch["answer"].tolist(), batch["real"].tolist()):
-        n = sum(real)
-        assert real == [True] * n + [False] * (len(real) - n)
+    pad = tiny_tokenizer.pad_token_id
+    for ids, ans, lm in zip(batch["input_ids"].tolist(), batch["answer"].tolist(), batch["lm"].tolist()):
+        n = sum(t != pad for t in ids)
+        assert all(t != pad for t in ids[:n]) and not any(ans[n:]) and not any(lm[n:])  # padding: no loss
+        assert not any(a and m for a, m in zip(ans, lm))
         assert ids[0] == tiny_tokenizer.bos_token_id and ids[n - 1] == eos
         flagged = [t for t, f in zip(ids, ans) if f]
         assert flagged.count(eos) == sum(1 for t in ids[:n] if t == eos) >= 1  # each answer ends with EOS
@@ -89,8 +91,8 @@ def test_example_answer_is_the_prompt_answer(tiny_tokenizer):
         ids, flags = data.sequence(inst)
         q = inst.queries[0]
         prompt = fmt.encode(fmt.render(inst.context, q.question, q.prefix))
-        assert ids[: len(prompt)] == prompt and not any(flags[: len(prompt)])
-        end = flags.index(0, len(prompt)) if 0 in flags[len(prompt):] else len(ids)
+        assert ids[: len(prompt)] == prompt and tt.ANSWER not in flags[: len(prompt)]
+        end = flags.index(tt.LM, len(prompt)) if tt.LM in flags[len(prompt):] else len(ids)
         answer = ids[len(prompt): end]  # the first answer and its EOS
         assert answer[-1] == tiny_tokenizer.eos_token_id
         assert tiny_tokenizer.decode(answer, skip_special_tokens=True) == q.answer
@@ -124,3 +126,77 @@ def test_phase_spec_with_its_own_task_mix(tiny_tokenizer):
     for step in range(3):  # every sequence of a kv-only step is a key-value prompt
         for row in data[step]["input_ids"].tolist():
             assert any(row[i:i + len(kv_intro)] == kv_intro for i in range(len(row)))
+
+
+def test_context_tokens_carry_no_lm_loss_for_random_content_tasks(tiny_tokenizer):
+    """kv/needle contexts are random content: no next-token loss there (it would teach "never copy a seen
+    word" where the answer must copy one); the question, prefix and extra questions keep it."""
+    from calib.data.synthetic import TASK_FUNCTIONS
+    from calib.data.vocab import seed_from
+
+    tt, data = _step_batches(tiny_tokenizer)
+    assert data.cfg.context_lm_tasks == tt.TASKS  # the shipped recipe: LM loss on every context
+    data.cfg.context_lm_tasks = ("variable_tracking", "frequent_words")
+    for task in TASK_FUNCTIONS:
+        inst = TASK_FUNCTIONS[task](seed_from("ctx", task), 30)
+        ids, flags = data.sequence(inst)
+        context = tiny_tokenizer(inst.context, add_special_tokens=False)["input_ids"]
+        assert ids[1:1 + len(context)] == context  # BOS, then the context's own tokens
+        after = flags[1 + len(context):]
+        assert tt.ANSWER in after and tt.LM in after  # question tokens and answers are trained
+        if task in data.cfg.context_lm_tasks:
+            assert set(flags[1:1 + len(context)]) == {tt.LM}
+        else:
+            assert set(flags[1:1 + len(context)]) == {tt.NO_LOSS}
+
+
+def test_kv_recall_block_repeats_context_pairs_as_answers(tiny_tokenizer):
+    """--kv-recall-pairs: after the questions, `"k": "v"` lines of the context's own pairs (with
+    replacement, at most 2 per pair); every value is an answer target and belongs to its key."""
+    import re
+
+    from calib.data.synthetic import kv_retrieval
+    from calib.data.vocab import seed_from
+
+    tt, data = _step_batches(tiny_tokenizer)
+    plain = data.sequence(kv_retrieval(seed_from("recall"), 6))
+    data.cfg.kv_recall_pairs = 128
+    inst = kv_retrieval(seed_from("recall"), 6)
+    ids, flags = data.sequence(inst)
+    assert ids[: len(plain[0])] == plain[0] and flags[: len(plain[1])] == plain[1]
+    pairs = dict(re.findall(r'"([^"]+)": "([^"]+)"', inst.context))
+    tail_ids, tail_flags = ids[len(plain[0]):], flags[len(plain[1]):]
+    keys = tiny_tokenizer.convert_ids_to_tokens([t for t, f in zip(tail_ids, tail_flags) if f == tt.NO_LOSS])
+    values = tiny_tokenizer.convert_ids_to_tokens([t for t, f in zip(tail_ids, tail_flags) if f == tt.ANSWER])
+    assert len(keys) == len(values) == 2 * len(pairs) == 12
+    assert all(pairs[k] == v for k, v in zip(keys, values))  # each value belongs to the key before it
+    assert len(set(keys)) < len(keys)  # with replacement: repeats are possible (and happen for this seed)
+
+
+def test_init_from_loads_saved_weights_and_refuses_another_shape(tiny_tokenizer, tmp_path):
+    """--init-from: a run continues from a saved model's weights (tied head included); a model of
+    another shape is a one-line error, not a silent partial load."""
+    import torch
+    from safetensors.torch import load_file
+
+    tt, _ = _step_batches(tiny_tokenizer)
+    arch = tt.read_arch(ROOT / "conf" / "model" / "tiny.yaml")
+    small = {**arch, "hidden_size": 64, "num_layers": 1}
+    cfg = tt.TrainConfig(intermediate_size=128)
+    saved = tt.build_model(cfg, small, tiny_tokenizer)
+    with torch.no_grad():
+        for p in saved.parameters():
+            p.add_(torch.randn_like(p))  # differ from any fresh init
+    saved.save_pretrained(tmp_path / "a")
+    cfg.seed = 1
+    fresh = tt.build_model(cfg, small, tiny_tokenizer)
+    tt.load_weights(fresh, tmp_path / "a")
+    stored = load_file(str(tmp_path / "a" / "model.safetensors"))
+    state = fresh.state_dict()
+    assert all(torch.equal(state[k], v.float()) for k, v in stored.items())
+    assert torch.equal(fresh.lm_head.weight, fresh.model.embed_tokens.weight)
+    other = tt.build_model(tt.TrainConfig(intermediate_size=128), {**small, "hidden_size": 128}, tiny_tokenizer)
+    with pytest.raises(SystemExit, match="architecture differs"):
+        tt.load_weights(other, tmp_path / "a")
+    with pytest.raises(SystemExit, match="no model.safetensors"):
+        tt.load_weights(other, tmp_path)

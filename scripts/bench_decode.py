@@ -361,7 +361,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"time named SAAP configs side by side instead of the full table (B 1 8 x T 8192 131072, "
                         f"l=32); no name: all of {', '.join(SAAP_VARIANTS)}")
     p.add_argument("--saap-config", nargs="*", default=[], metavar="KEY=INT",
-                   help="override runtime_kernels.saap.triton.CONFIG fields, e.g. block_n=32 linear_stages=3")
+                   help="override runtime_kernels.saap.triton_config.CONFIG fields, e.g. block_n=32 linear_stages=3")
     return p.parse_args(argv)
 
 
@@ -371,11 +371,11 @@ def apply_saap_config(pairs: list[str]) -> None:
         return
     from dataclasses import replace
 
-    from runtime_kernels.saap import triton as saap_triton
+    from runtime_kernels.saap import triton_config
 
     values = dict(pair.split("=", 1) for pair in pairs)
-    saap_triton.CONFIG = replace(saap_triton.CONFIG, **{k: int(v) for k, v in values.items()})
-    print(f"SAAP config: {saap_triton.CONFIG}")
+    triton_config.CONFIG = replace(triton_config.CONFIG, **{k: int(v) for k, v in values.items()})
+    print(f"SAAP config: {triton_config.CONFIG}")
 
 
 # named CONFIG overrides timed side by side by --saap-variants (one GPU run compares schedules)
@@ -401,6 +401,7 @@ def bench_saap_variants(args: argparse.Namespace, names: list[str]) -> None:
     from dataclasses import replace
 
     from runtime_kernels.saap import triton as saap_triton
+    from runtime_kernels.saap import triton_config
 
     cuda = torch.cuda.is_available() and not args.smoke
     sh = SMOKE if args.smoke else Shapes(batches=(1, 8), lengths=(8192, 131072))
@@ -409,7 +410,7 @@ def bench_saap_variants(args: argparse.Namespace, names: list[str]) -> None:
     top_l = _pick(sh.top_ls, 32, len(sh.top_ls) // 2)
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     timer = Timer(cuda, args.warmup if cuda else 1, args.repeats)
-    base = saap_triton.CONFIG
+    base = triton_config.CONFIG
     results: list[tuple[str, int, int, float, float, float | None]] = []
     for b in batches:
         for t in lengths:
@@ -418,7 +419,7 @@ def bench_saap_variants(args: argparse.Namespace, names: list[str]) -> None:
             _, sdpa_graph, _ = bench_sdpa(timer, q, k, v)
             params, index, qd = saap_setup(sh, b, t, device)
             for name in names:
-                saap_triton.CONFIG = replace(base, **SAAP_VARIANTS[name])
+                triton_config.CONFIG = replace(base, **SAAP_VARIANTS[name])
                 full = lambda: saap_triton.saap_decode_attention_triton(  # noqa: E731
                     q, qd, k, v, index, params, top_l=top_l, scale=None)
                 cls = lambda: saap_triton.saap_classifier_logits_triton(qd, params)  # noqa: E731
@@ -428,7 +429,7 @@ def bench_saap_variants(args: argparse.Namespace, names: list[str]) -> None:
                     times.append(graph if graph is not None else timer.eager(fn))
                 results.append((name, b, t, times[0], times[1], sdpa_graph))
                 print(f"  {name:<18} B={b} T={t}: saap {times[0]:.1f} us, cls {times[1]:.1f} us", flush=True)
-            saap_triton.CONFIG = base
+            triton_config.CONFIG = base
             del q, k, v, params, index
             if cuda:
                 torch.cuda.empty_cache()

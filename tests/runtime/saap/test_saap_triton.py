@@ -16,6 +16,7 @@ import pytest
 import torch
 
 triton_mod = pytest.importorskip("runtime_kernels.saap.triton")
+tconf = pytest.importorskip("runtime_kernels.saap.triton_config")
 
 from runtime_kernels.saap import (  # noqa: E402
     BucketIndex,
@@ -34,11 +35,11 @@ def _poisoned_small_tiles(monkeypatch, request):
     """NaN-poisoned buffers; for the tiny-shape tests 16-key steps, 32-key window tiles, 4 partials per
     merge step and 16-wide classifier / merge tiles (several of each, ragged tails; the fused classifier's hidden split
     in two or more slices, so its last-arriving reduction runs)."""
-    cfg = replace(triton_mod.CONFIG, poison=True)
+    cfg = replace(tconf.CONFIG, poison=True)
     if request.node.get_closest_marker("gpu") is None:
         cfg = replace(cfg, block_n=16, min_win_steps=2, max_win_tiles=4, linear_block_k=16, linear_block_n=16,
                       merge_block_p=4, merge_block_d=16, cls_block_h=16, cls_block_n=16)
-    monkeypatch.setattr(triton_mod, "CONFIG", cfg)
+    monkeypatch.setattr(tconf, "CONFIG", cfg)
 
 
 def _params(hq, hkv, d, c, hd, sink, recent, *, seed=0, device="cpu", wdtype=torch.float32) -> SaapLayerParams:
@@ -138,7 +139,7 @@ SCHEDULES = [  # CONFIG switches that change how the work is cut, never the resu
 
 @pytest.mark.parametrize("sched", SCHEDULES, ids=[",".join(f"{k}={v}" for k, v in s.items()) for s in SCHEDULES])
 def test_schedules_match_reference(sched, monkeypatch):
-    monkeypatch.setattr(triton_mod, "CONFIG", replace(triton_mod.CONFIG, **sched))
+    monkeypatch.setattr(tconf, "CONFIG", replace(tconf.CONFIG, **sched))
     for shape, structured in ((SHAPES[1], True), (SHAPES[0], False)):
         b, hq, hkv, t, d, c, sink, recent, top_l = shape
         q, qd, k, v, p, idx = _case(b, hq, hkv, t, d, c, sink, recent, structured=structured)

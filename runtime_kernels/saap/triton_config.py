@@ -1,0 +1,71 @@
+"""Tile sizes and schedule switches of the SAAP Triton kernels (:data:`CONFIG`), and the small host
+helpers both kernel modules share (:mod:`runtime_kernels.saap.triton`,
+:mod:`runtime_kernels.saap.triton_classifier`).
+
+Both modules read ``triton_config.CONFIG`` at every call, so rebinding it here (tests' monkeypatch,
+``scripts/bench_decode.py --saap-config``) changes every launch at once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ROWS = 16  # batch rows per classifier tile and query rows per attention tile (tl.dot needs M >= 16)
+
+
+@dataclass
+class SaapTritonConfig:
+    """Tile sizes and schedule switches (module-level :data:`CONFIG`; tests shrink the tiles to exercise
+    several tiles on tiny shapes; ``scripts/bench_decode.py --saap-config / --saap-variants`` time others).
+
+    Attention: ``block_n`` keys per step; the dense region is cut into tiles of
+    ``block_n · max(min_win_steps, ceil(n_dense / (max_win_tiles · block_n)))`` keys; each bucket program
+    walks ``bkt_per_prog`` consecutive selected buckets, each bucket split over ``bkt_split`` programs
+    (chunks of ``ceil(count / bkt_split)`` keys). ``overlap_window``: the window partials run on a side
+    stream under the classifier and ranking (CUDA only; fork/join by events, graph-capturable).
+
+    Classifier: ``cls_fused = 1``: one launch, one program per (query head, ``cls_block_h`` hidden units,
+    ``cls_n_split``-th of the C logits, 16 batch rows) computing its hidden slice (layer 1) and that
+    slice's contribution to the logits (layer 2, ``cls_block_n`` columns per step); the last of the
+    ``hidden / cls_block_h`` programs of a (head, column range, rows) to finish sums the partials in a
+    fixed order (deterministic). ``cls_fused = 0``: the two-launch path (``linear_*``).
+    """
+
+    block_n: int = 64
+    min_win_steps: int = 2
+    max_win_tiles: int = 64
+    bkt_split: int = 1
+    bkt_per_prog: int = 1
+    # Defaults from the H200 variant run (2026-11-21, bench_decode.py --saap-variants, graphed, ℓ=32): the
+    # two-launch classifier (46 µs alone at 128k B=1) beat the fused split-K one (147 µs; 93 µs with
+    # 128-wide hidden tiles), and overlapping the window on a side stream bought nothing.
+    overlap_window: int = 0
+    attn_warps: int = 4
+    attn_stages: int = 2  # most programs walk 1-3 key steps: occupancy matters more than deep pipelines
+    cls_fused: int = 0
+    cls_block_h: int = 64  # 128 spills at 4 warps (255 regs, 700 B; ptxas sm_90a); 64: 244 regs, 80 KB smem
+    cls_block_n: int = 128
+    cls_n_split: int = 1
+    cls_warps: int = 4
+    cls_stages: int = 3
+    linear_block_k: int = 64  # also the layer-1 K step of the fused classifier
+    linear_block_n: int = 128
+    linear_warps: int = 4
+    linear_stages: int = 4  # 16 steps of 16 KB weight tiles per program at hidden = C = 1024
+    merge_block_p: int = 16
+    merge_block_d: int = 32
+    poison: bool = False  # fill outputs and partials with NaN before the launches (tests)
+
+
+CONFIG = SaapTritonConfig()
+
+
+def pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if CONFIG.poison:  # NaN (floats) or -1 (bucket ids): an unwritten element shows in the result
+        return torch.full(shape, float("nan") if dtype.is_floating_point else -1, dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)

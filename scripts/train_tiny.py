@@ -6,6 +6,9 @@
 
 What it does, deterministically from ``--seed``:
 
+0. Recall stages (:mod:`recall_stage`): multi-query associative recall on token batches generated on the
+   device - first ``k v`` pairs, then the JSON ``"k": "v"`` form with name and 7-digit values. Without
+   them the key-conditioned copying circuit never formed (kv_retrieval at chance in 15 recipes; README).
 1. Architecture from ``conf/model/tiny.yaml`` (a 4-layer ``LlamaForCausalLM``, GQA 8 query / 2 KV
    heads of dim 64, RoPE θ=10000, tied embeddings) and the tokenizer of
    :mod:`calib.data.tokenizer`.
@@ -56,6 +59,7 @@ from calib.data.prompt import PromptFormatter  # noqa: E402
 from calib.data.synthetic import MIN_UNITS, TASK_FUNCTIONS, fit_to_length  # noqa: E402
 from calib.data.tokenizer import load_tokenizer, save_tiny_tokenizer  # noqa: E402
 from calib.data.vocab import StableRng, name_pool, seed_from, sentence_bank  # noqa: E402
+from recall_stage import RecallStage, RecallTokens, evaluate_stage, train_stage  # noqa: E402
 
 
 @dataclass
@@ -111,6 +115,13 @@ class TrainConfig:
     # recipe; 128 did not make the lookup form either (README).
     kv_recall_pairs: int = 0
     length_jitter: float = 0.05  # a training prompt aims at target * U(1 - jitter, 1)
+    # Stage 0, before the phases: the plateau of the adjacent form breaks after ~5500 steps of 256
+    # sequences (H200, 2026-11-21); from there the JSON form takes 1000-4000 steps.
+    recall: list[RecallStage] = field(default_factory=lambda: [
+        RecallStage(formats=("adjacent",), steps=7000, max_pairs=16),
+        RecallStage(formats=("json", "json7"), steps=3000, max_pairs=32)])
+    recall_eval_pairs: tuple[int, ...] = (4, 16, 64)
+    recall_eval_batch: int = 64
     # architecture (conf/model/tiny.yaml supplies the shape; these complete it)
     intermediate_size: int = 768
     rms_norm_eps: float = 1e-5
@@ -136,7 +147,11 @@ class TrainConfig:
 
 def smoke_config() -> TrainConfig:
     """A few small steps with the real architecture: exercises every stage on a CPU in seconds."""
+    tiny_recall = dict(batch=4, queries=4, max_pairs=4, warmup=1)
     return TrainConfig(tokens_per_step=768, phases=[Phase("short", 3, 160, 256), Phase("long", 1, 256, 320)],
+                       recall=[RecallStage(formats=("adjacent",), steps=2, **tiny_recall),
+                               RecallStage(formats=("json", "json7"), steps=2, **tiny_recall)],
+                       recall_eval_pairs=(2, 4), recall_eval_batch=4,
                        warmup_steps=2, eval_num_prompts=1, eval_lengths=[192, 256], eval_max_new_tokens=8,
                        eval_tokens_per_batch=1024, attention_report_length=256, unit_fit_length=512,
                        workers=1, eval_pool=1, log_every=1)
@@ -366,6 +381,24 @@ def make_optimizer(cfg: TrainConfig, model, device: torch.device):
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, fused=device.type == "cuda")
 
 
+def run_recall(cfg: TrainConfig, model, device: torch.device, log) -> dict:
+    """Stage 0: each recall stage in turn (its own optimizer and schedule), then held-out recall accuracy
+    per format and number of pairs, logged and returned for training_config.json and the card."""
+    tokens = RecallTokens.tiny()
+    out = {"stages": [], "log": [], "eval": {}}
+    t0 = time.time()
+    for i, stage in enumerate(cfg.recall):
+        seed = seed_from("calib-recall", cfg.seed, i) % 2**63
+        out["stages"].append(asdict(stage))
+        out["log"] += train_stage(model, stage, tokens, device, seed, log, cfg.log_every, name=f"recall{i}")
+    formats = list(dict.fromkeys(f for st in cfg.recall for f in st.formats))
+    out["eval"] = evaluate_stage(model, formats, cfg.recall_eval_pairs, tokens, device, seed=cfg.seed,
+                                 batch=cfg.recall_eval_batch)
+    out["seconds"] = round(time.time() - t0, 1)
+    log(f"recall accuracy (held out, teacher forced) by format and pairs: {json.dumps(out['eval'])}")
+    return out
+
+
 def train(cfg: TrainConfig, model, tokenizer, device: torch.device, log) -> dict:
     data = StepBatches(cfg, tokenizer)
     loader = torch.utils.data.DataLoader(
@@ -473,7 +506,8 @@ def evaluate(cfg: TrainConfig, model, tokenizer, prompts_by_key: dict, device, l
 # Writing the model directory
 
 
-def write_card(out: Path, cfg: TrainConfig, acc: dict, info: dict, attention: dict | None) -> None:
+def write_card(out: Path, cfg: TrainConfig, acc: dict, info: dict, attention: dict | None,
+               recall: dict | None = None) -> None:
     lengths = cfg.eval_lengths
     rows = ["| task | " + " | ".join(str(n) for n in lengths) + " |",
             "|---|" + "---|" * len(lengths)]
@@ -493,8 +527,8 @@ on the synthetic tasks of `calib.data` at prompt lengths up to {max(p.max_len fo
 Weights: `model.safetensors` ({cfg.save_dtype}). Tokenizer: word-level WordPiece over the tasks' closed
 vocabulary (`calib/data/tokenizer.py`), no chat template. Every hyper-parameter: `training_config.json`.
 
-Training: {cfg.total_steps} steps of {cfg.tokens_per_step} tokens, {info['train_seconds']} s on
-{info['device']} ({info['wall_seconds']} s for the whole script).
+Training: {_recall_sentence(cfg, recall)}{cfg.total_steps} steps of {cfg.tokens_per_step} tokens on the tasks,
+{info['train_seconds']} s on {info['device']} ({info['wall_seconds']} s for the whole script).
 
 ## Dense exact-match accuracy
 
@@ -508,6 +542,17 @@ prompts come from a separate seed namespace), weights as saved ({cfg.save_dtype}
 Numbers also in `eval.json`.
 {att}"""
     (out / "MODEL_CARD.md").write_text(text)
+
+
+def _recall_sentence(cfg: TrainConfig, recall: dict | None) -> str:
+    if not recall:
+        return ""
+    stages = ", then ".join(f"{st['steps']} steps of {st['batch']} sequences in {'+'.join(st['formats'])} form "
+                            f"({st['min_pairs']}-{st['max_pairs']} pairs)" for st in recall["stages"])
+    held = "; ".join(f"{fmt}: " + ", ".join(f"{a:.2f} at {n}" for n, a in by_n.items())
+                     for fmt, by_n in recall["eval"].items())
+    return (f"recall stages (`scripts/recall_stage.py`) {stages} - held-out recall accuracy by pairs {held}; "
+            "then ")
 
 
 def save_model(model, tokenizer_dir: Path, out: Path, cfg: TrainConfig):
@@ -562,7 +607,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-lengths", default=None, help="comma-separated prompt lengths of the final evaluation")
     ap.add_argument("--init-from", type=Path, default=None,
                     help="start from this saved model's weights (same architecture) instead of a fresh init: "
-                         "continues a run across several GPU sessions; the phases given here are run anew")
+                         "continues a run across several GPU sessions; the phases given here are run anew, "
+                         "the recall stages only if --recall is given")
+    ap.add_argument("--recall", default=None,
+                    help="recall stages 'field:value,...;...' (recall_stage.RecallStage fields, formats joined "
+                         "by '+'), or 'none'; default: the shipped two stages")
+    ap.add_argument("--recall-only", action="store_true",
+                    help="save after the recall stages (no phases, no evaluation): the first half of a run "
+                         "split across two GPU commands; the second is --init-from OUT")
     args = ap.parse_args(argv)
     t0 = time.time()
     cfg = smoke_config() if args.smoke else TrainConfig()
@@ -597,6 +649,17 @@ def main(argv: list[str] | None = None) -> int:
         cfg.task_weights = {k: float(v) for k, v in (x.split(":") for x in args.task_weights.split(","))}
     for p in cfg.phases:
         p.steps = max(1, round(p.steps * args.steps_scale))
+    if args.recall is not None:
+        try:
+            cfg.recall = [] if args.recall == "none" else [RecallStage.parse(x) for x in args.recall.split(";")]
+        except ValueError as e:
+            raise SystemExit(f"error: --recall: {e}")
+    elif args.init_from is not None:
+        cfg.recall = []  # the weights already went through them
+    if args.recall_only:
+        if not cfg.recall:
+            raise SystemExit("error: --recall-only with no recall stages (--recall none or --init-from)")
+        cfg.phases, args.no_eval = [], True
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cpu":  # leave cores to the data worker and the eval pool: spinning threads stall
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
@@ -634,9 +697,12 @@ def main(argv: list[str] | None = None) -> int:
         log(f"initialized from {args.init_from}")
     model = model.to(device)
     params = sum(p.numel() for p in model.parameters())
-    log(f"device={device} params={params:,} vocab={len(tokenizer)} steps={cfg.total_steps} "
-        f"workers={cfg.workers}")
-    result = train(cfg, model, tokenizer, device, log)
+    log(f"device={device} params={params:,} vocab={len(tokenizer)} recall steps="
+        f"{sum(r.steps for r in cfg.recall)} steps={cfg.total_steps} workers={cfg.workers}")
+    recall = run_recall(cfg, model, device, log) if cfg.recall else None
+    result = train(cfg, model, tokenizer, device, log) if cfg.phases else {"train_seconds": 0.0, "log": []}
+    if recall:
+        result["train_seconds"] = round(result["train_seconds"] + recall["seconds"], 1)
     save_model(model, tok_dir, out, cfg)
     info = {"layers": arch["num_layers"], "heads": arch["num_heads"], "kv_heads": arch["num_kv_heads"],
             "head_dim": arch["head_dim"], "hidden": arch["hidden_size"], "rope_theta": arch["rope_theta"],
@@ -645,7 +711,8 @@ def main(argv: list[str] | None = None) -> int:
     record = {"config": asdict(cfg), "arch": arch, "params": params, "vocab_size": len(tokenizer),
               "init_from": str(args.init_from) if args.init_from else None,
               "torch": torch.__version__, "transformers": __import__("transformers").__version__,
-              "device": info["device"], "train_seconds": result["train_seconds"], "log": result["log"]}
+              "device": info["device"], "train_seconds": result["train_seconds"], "recall": recall,
+              "log": result["log"]}
     (out / "training_config.json").write_text(json.dumps(record, indent=2) + "\n")
 
     if not args.no_eval:
@@ -662,7 +729,7 @@ def main(argv: list[str] | None = None) -> int:
             {"accuracy": acc, "seed": cfg.eval_seed, "num_prompts": cfg.eval_num_prompts,
              "lengths": cfg.eval_lengths, "decoding": "greedy", "dtype": str(dtype).replace("torch.", ""),
              "device": info["device"], "attention": attention}, indent=2) + "\n")
-        write_card(out, cfg, acc, info, attention)
+        write_card(out, cfg, acc, info, attention, recall)
         print(json.dumps({"out": str(out), "accuracy": acc, "wall_seconds": info["wall_seconds"]}))
     pool.close()
     log(f"done in {time.time() - t0:.1f}s -> {out}")

@@ -7,7 +7,8 @@
 What it does, deterministically from ``--seed``:
 
 0. Recall stages (:mod:`recall_stage`): multi-query associative recall on token batches generated on the
-   device - first ``k v`` pairs, then the JSON ``"k": "v"`` form with name and 7-digit values. Without
+   device - first ``k v`` pairs, then the JSON ``"k": "v"`` form with name and 7-digit values and
+   ``k: 1234567`` (a number two tokens after its key, as in the needles "... for k is 1234567"). Without
    them the key-conditioned copying circuit never formed (kv_retrieval at chance in 15 recipes; README).
 1. Architecture from ``conf/model/tiny.yaml`` (a 4-layer ``LlamaForCausalLM``, GQA 8 query / 2 KV
    heads of dim 64, RoPE θ=10000, tied embeddings) and the tokenizer of
@@ -119,7 +120,7 @@ class TrainConfig:
     # sequences (H200, 2026-11-21); from there the JSON form takes 1000-4000 steps.
     recall: list[RecallStage] = field(default_factory=lambda: [
         RecallStage(formats=("adjacent",), steps=7000, max_pairs=16),
-        RecallStage(formats=("json", "json7"), steps=3000, max_pairs=32)])
+        RecallStage(formats=("json", "json7", "colon7"), steps=4500, max_pairs=32)])
     recall_eval_pairs: tuple[int, ...] = (4, 16, 64)
     recall_eval_batch: int = 64
     # architecture (conf/model/tiny.yaml supplies the shape; these complete it)
@@ -150,7 +151,7 @@ def smoke_config() -> TrainConfig:
     tiny_recall = dict(batch=4, queries=4, max_pairs=4, warmup=1)
     return TrainConfig(tokens_per_step=768, phases=[Phase("short", 3, 160, 256), Phase("long", 1, 256, 320)],
                        recall=[RecallStage(formats=("adjacent",), steps=2, **tiny_recall),
-                               RecallStage(formats=("json", "json7"), steps=2, **tiny_recall)],
+                               RecallStage(formats=("json", "json7", "colon7"), steps=3, **tiny_recall)],
                        recall_eval_pairs=(2, 4), recall_eval_batch=4,
                        warmup_steps=2, eval_num_prompts=1, eval_lengths=[192, 256], eval_max_new_tokens=8,
                        eval_tokens_per_batch=1024, attention_report_length=256, unit_fit_length=512,

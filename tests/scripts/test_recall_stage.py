@@ -131,10 +131,10 @@ def test_train_tiny_recall_only_then_init_from(tmp_path):
     proc = _train_tiny("--out", str(first), "--recall-only")
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads((first / "training_config.json").read_text())
-    assert record["log"] == [] and [s["formats"] for s in record["recall"]["stages"]] == [["adjacent"],
-                                                                                          ["json", "json7"]]
+    assert record["log"] == [] and [s["formats"] for s in record["recall"]["stages"]] == [
+        ["adjacent"], ["json", "json7", "colon7"]]
     assert {r["phase"] for r in record["recall"]["log"]} == {"recall0", "recall1"}
-    assert set(record["recall"]["eval"]) == {"adjacent", "json", "json7"}
+    assert set(record["recall"]["eval"]) == {"adjacent", "json", "json7", "colon7"}
     assert (first / "model.safetensors").is_file() and not (first / "eval.json").exists()
 
     second = tmp_path / "tasks"

@@ -60,7 +60,8 @@ try:
     import triton
     import triton.language as tl
 except ImportError as exc:  # pragma: no cover - exercised only without triton
-    raise ImportError("runtime_kernels.blocksparse.triton needs the 'triton' package") from exc
+    raise ModuleNotFoundError("runtime_kernels.blocksparse.triton needs the 'triton' package",
+                              name="triton") from exc
 
 from runtime_kernels._triton_support import patch_interpreter
 from runtime_kernels.blocksparse import reference

@@ -17,6 +17,7 @@ from santa_checks import check_rl_dir
 
 from calib.errors import UserError
 from tests.recipe_support import in_calib_home, run_recipe
+from tests.subprocess_env import python_path
 
 ARCH = {"num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "hidden_size": 64,
         "max_position_embeddings": 2048, "rope_theta": 10000.0, "rope_scaling": None}
@@ -172,7 +173,7 @@ def test_worker_and_aggregator_commands(model_dir, tmp_path, calib_home):
 
 
 def _cli(*args: str, env_home: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "CALIB_HOME": str(env_home), "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "CALIB_HOME": str(env_home), "PYTHONPATH": python_path(ROOT)}
     env.pop("MLFLOW_TRACKING_URI", None)
     return subprocess.run([sys.executable, "-m", "calib", *args], capture_output=True, text=True, timeout=120,
                           cwd=env_home, env=env)

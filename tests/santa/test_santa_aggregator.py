@@ -18,6 +18,7 @@ from santa_checks import check_rl_dir, publish_lines, random_batch, result_lines
 from calib.errors import UserError
 from calib.santa.aggregator import CRASH_POINTS, Aggregator, IterationRecord, run_aggregator
 from calib.santa.lease import Lease, LeaseHeld, LeaseLost
+from tests.subprocess_env import python_path
 
 REPO = Path(__file__).resolve().parents[2]
 L, N = 3, 12
@@ -230,7 +231,7 @@ def _aggregator_cmd(root: Path, iterations: int, *extra: str) -> list[str]:
 
 
 def test_two_aggregators(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=python_path(REPO))
     first = subprocess.Popen(_aggregator_cmd(tmp_path, 100), env=env, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 30
@@ -258,7 +259,7 @@ def test_two_aggregators(tmp_path):
 
 def test_killed_aggregator_subprocess_resumes(tmp_path):
     """A real SIGKILL between snapshot and history (the --crash-at hook kills the process itself)."""
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=python_path(REPO))
     plant, _ = _feeder(tmp_path)
     run_aggregator(tmp_path, L, N, iterations=0, **FAST)
     plant(0)
@@ -274,7 +275,7 @@ def test_killed_aggregator_subprocess_resumes(tmp_path):
 
 
 def test_sigterm_releases_the_lease(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=python_path(REPO))
     proc = subprocess.Popen(_aggregator_cmd(tmp_path, 100), env=env, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 30
     while not (tmp_path / "policy" / "policy-0.json").exists() and time.monotonic() < deadline:

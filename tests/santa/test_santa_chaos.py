@@ -22,6 +22,7 @@ import pytest
 from santa_checks import check_rl_dir, publish_lines, result_lines, temp_files
 
 from calib.santa.aggregator import CRASH_POINTS
+from tests.subprocess_env import python_path
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -107,7 +108,7 @@ def kill_mid_write(chaos: Chaos) -> Path:
 
 def run_chaos(root: Path, *, seed: int, workers: int, iterations: int, aggregator_kills: int, budget_s: float) -> None:
     rng = random.Random(seed)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(HERE)]), SANTA_TEST_EVAL_SLEEP_S="0.05")
+    env = dict(os.environ, PYTHONPATH=python_path(REPO, HERE), SANTA_TEST_EVAL_SLEEP_S="0.05")
     chaos = Chaos(root=root, rng=rng, env=env)
     (root / "inbox").mkdir(parents=True)
     dead_temp = root / "inbox" / ".result-deadworker-0.jsonl.tmp-0"  # left by a worker killed long ago

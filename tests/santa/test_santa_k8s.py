@@ -7,11 +7,12 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-import kubernetes_validate
 import pytest
 import yaml
 
 from calib.config import compose
+
+kubernetes_validate = pytest.importorskip("kubernetes_validate")  # the `dev` extra
 
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 MANIFESTS = sorted(p for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+pytest.importorskip("triton")  # the benches time the Triton kernels (the `dev` extra installs triton)
 
 
 def _smoke(script: str) -> str:

@@ -12,6 +12,7 @@ from calib.errors import UserError
 from runtime_kernels.artifact import load_artifact, resolve_artifact_dir
 from runtime_kernels.manifest import ArtifactError, artifact_sha256
 from tests.spine.helpers import TINY_FACTS, write_test_artifact
+from tests.subprocess_env import python_path
 
 
 def _publish_one(tmp_path, name: str):
@@ -95,7 +96,7 @@ def test_unknown_registry_uri_is_an_artifact_error(calib_home, tmp_path):
 
 def test_cli_ls_and_promote(calib_home, tmp_path):
     _publish_one(tmp_path, "a1")
-    env = {"CALIB_HOME": str(calib_home), "PATH": "/usr/bin:/bin"}
+    env = {"CALIB_HOME": str(calib_home), "PATH": "/usr/bin:/bin", "PYTHONPATH": python_path()}
     ls = subprocess.run([sys.executable, "-m", "calib", "ls"], capture_output=True, text=True, env=env, timeout=120)
     assert ls.returncode == 0, ls.stderr
     assert "sale-tiny" in ls.stdout and "candidate" in ls.stdout

@@ -9,8 +9,8 @@ head that matches the asked key against it (K-composition, the induction mechani
 thousands of steps: in ``json`` form (value 4 tokens after its key) it stayed at chance for 5500 steps of
 256 sequences; in ``adjacent`` form (``k v``, offset 1) the plateau breaks after ~5500 steps, and a model
 that has learned ``adjacent`` learns ``json`` within 1000-4000 steps, to 1.00 at up to 32 pairs and
-0.95-0.995 at 64. So the shipped recipe runs two recall stages (adjacent, then json with name and
-7-digit-number values) before the task phases of ``train_tiny.py``.
+0.95-0.995 at 64. So ``train_tiny.py`` runs recall stages (``TrainConfig.recall``: adjacent, then json
+and colon forms with name and 7-digit values, then up to 256 pairs) before its task phases.
 
 Data: a context of ``n`` pairs (keys: distinct name tokens of the tiny vocabulary; values: names, or
 numbers written as the tokenizer writes them, a leading digit then ``##d`` pieces), then ``queries``

@@ -527,7 +527,7 @@ def write_card(out: Path, cfg: TrainConfig, acc: dict, info: dict, attention: di
 
 A {info['layers']}-layer `LlamaForCausalLM` ({info['params']:,} parameters, {info['heads']} query heads /
 {info['kv_heads']} KV heads of dim {info['head_dim']}, hidden {info['hidden']}, RoPE θ={info['rope_theta']},
-tied embeddings, vocabulary {info['vocab']}) trained from scratch by `scripts/train_tiny.py` (seed {cfg.seed})
+tied embeddings, vocabulary {info['vocab']}) trained {_origin(info)} by `scripts/train_tiny.py` (seed {cfg.seed})
 on the synthetic tasks of `calib.data` at prompt lengths up to {max(p.max_len for p in cfg.phases)} tokens.
 Weights: `model.safetensors` ({cfg.save_dtype}). Tokenizer: word-level WordPiece over the tasks' closed
 vocabulary (`calib/data/tokenizer.py`), no chat template. Every hyper-parameter: `training_config.json`.
@@ -547,6 +547,11 @@ prompts come from a separate seed namespace), weights as saved ({cfg.save_dtype}
 Numbers also in `eval.json`.
 {att}"""
     (out / "MODEL_CARD.md").write_text(text)
+
+
+def _origin(info: dict) -> str:
+    init = info.get("init_from")
+    return f"starting from the weights in `{init}`" if init else "from scratch"
 
 
 def _recall_sentence(cfg: TrainConfig, recall: dict | None) -> str:
@@ -616,7 +621,7 @@ def main(argv: list[str] | None = None) -> int:
                          "the recall stages only if --recall is given")
     ap.add_argument("--recall", default=None,
                     help="recall stages 'field:value,...;...' (recall_stage.RecallStage fields, formats joined "
-                         "by '+'), or 'none'; default: the shipped two stages")
+                         "by '+'), or 'none'; default: TrainConfig.recall (three stages)")
     ap.add_argument("--recall-only", action="store_true",
                     help="save after the recall stages (no phases, no evaluation): the first half of a run "
                          "split across two GPU commands; the second is --init-from OUT")
@@ -705,6 +710,9 @@ def main(argv: list[str] | None = None) -> int:
     log(f"device={device} params={params:,} vocab={len(tokenizer)} recall steps="
         f"{sum(r.steps for r in cfg.recall)} steps={cfg.total_steps} workers={cfg.workers}")
     recall = run_recall(cfg, model, device, log) if cfg.recall else None
+    inherited = None  # the recall stages the --init-from weights went through, for the record and the card
+    if args.init_from is not None and (args.init_from / "training_config.json").is_file():
+        inherited = json.loads((args.init_from / "training_config.json").read_text()).get("recall")
     result = train(cfg, model, tokenizer, device, log) if cfg.phases else {"train_seconds": 0.0, "log": []}
     if recall:
         result["train_seconds"] = round(result["train_seconds"] + recall["seconds"], 1)
@@ -717,7 +725,7 @@ def main(argv: list[str] | None = None) -> int:
               "init_from": str(args.init_from) if args.init_from else None,
               "torch": torch.__version__, "transformers": __import__("transformers").__version__,
               "device": info["device"], "train_seconds": result["train_seconds"], "recall": recall,
-              "log": result["log"]}
+              "recall_inherited": inherited, "log": result["log"]}
     (out / "training_config.json").write_text(json.dumps(record, indent=2) + "\n")
 
     if not args.no_eval:
@@ -734,7 +742,8 @@ def main(argv: list[str] | None = None) -> int:
             {"accuracy": acc, "seed": cfg.eval_seed, "num_prompts": cfg.eval_num_prompts,
              "lengths": cfg.eval_lengths, "decoding": "greedy", "dtype": str(dtype).replace("torch.", ""),
              "device": info["device"], "attention": attention}, indent=2) + "\n")
-        write_card(out, cfg, acc, info, attention, recall)
+        info["init_from"] = str(args.init_from) if args.init_from else None
+        write_card(out, cfg, acc, info, attention, recall or inherited)
         print(json.dumps({"out": str(out), "accuracy": acc, "wall_seconds": info["wall_seconds"]}))
     pool.close()
     log(f"done in {time.time() - t0:.1f}s -> {out}")

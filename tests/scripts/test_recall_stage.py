@@ -143,6 +143,8 @@ def test_train_tiny_recall_only_then_init_from(tmp_path):
     record = json.loads((second / "training_config.json").read_text())
     assert record["recall"] is None and record["config"]["recall"] == [] and record["log"]
     assert record["init_from"] == str(first)
+    assert record["recall_inherited"]["eval"] == json.loads((first / "training_config.json").read_text())[
+        "recall"]["eval"]  # the provenance of the weights travels with them
 
 
 def test_train_tiny_bad_recall_spec_is_one_line(tmp_path):

@@ -28,21 +28,19 @@ def _gen(seed: int = 0) -> torch.Generator:
 
 
 def _parse_lines(ids: list[int], fmt: str, tokens, n: int, count: int) -> tuple[list, list]:
-    """(context pairs, recall pairs) read back from the ids by the format's layout."""
+    """(context pairs, recall pairs) read back from the ids by the format's layout (K before V in all)."""
     layout, digits = R.parse_format(fmt)
-    line = R.LAYOUTS[layout]
-    width = len(line) - 1 + max(digits, 1)
+    line, d = R.LAYOUTS[layout], max(digits, 1)
+    width = len(line) - 1 + d
     k_at, v_at = line.index("K"), line.index("V")
+    punct = [tokens.punct[t] for t in line if t not in ("K", "V")]
 
     def read(start: int, lines: int) -> list:
         out = []
         for i in range(lines):
             seg = ids[start + i * width: start + (i + 1) * width]
-            k_pos = k_at if k_at < v_at else k_at + max(digits, 1) - 1
-            out.append((seg[k_pos], tuple(seg[v_at: v_at + max(digits, 1)])))
-            punct = [t for j, t in enumerate(line) if t not in ("K", "V")]
-            got = [x for j, x in enumerate(seg) if j != k_pos and not v_at <= j < v_at + max(digits, 1)]
-            assert got == [tokens.punct[p] for p in punct]
+            out.append((seg[k_at], tuple(seg[v_at: v_at + d])))
+            assert [x for j, x in enumerate(seg) if j != k_at and not v_at <= j < v_at + d] == punct
         return out
 
     assert ids[:2] == [tokens.punct["<s>"], tokens.punct["{"]]

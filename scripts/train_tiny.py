@@ -35,6 +35,7 @@ GPU nondeterminism: data and initialization are bitwise deterministic; the CUDA 
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import json
 import math
@@ -386,9 +387,10 @@ def make_optimizer(cfg: TrainConfig, model, device: torch.device):
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, fused=device.type == "cuda")
 
 
-def run_recall(cfg: TrainConfig, model, device: torch.device, log) -> dict:
+def run_recall(cfg: TrainConfig, model, device: torch.device, log, checkpoint=None) -> dict:
     """Stage 0: each recall stage in turn (its own optimizer and schedule), then held-out recall accuracy
-    per format and number of pairs, logged and returned for training_config.json and the card."""
+    per format and number of pairs, logged and returned for training_config.json and the card.
+    ``checkpoint(record)``, if given, runs after every stage with the record so far."""
     tokens = RecallTokens.tiny()
     out = {"stages": [], "log": [], "eval": {}}
     t0 = time.time()
@@ -396,6 +398,8 @@ def run_recall(cfg: TrainConfig, model, device: torch.device, log) -> dict:
         seed = seed_from("calib-recall", cfg.seed, i) % 2**63
         out["stages"].append(asdict(stage))
         out["log"] += train_stage(model, stage, tokens, device, seed, log, cfg.log_every, name=f"recall{i}")
+        if checkpoint is not None:
+            checkpoint({**out, "completed_stages": i + 1})
     formats = list(dict.fromkeys(f for st in cfg.recall for f in st.formats))
     out["eval"] = evaluate_stage(model, formats, cfg.recall_eval_pairs, tokens, device, seed=cfg.seed,
                                  batch=cfg.recall_eval_batch)
@@ -709,7 +713,14 @@ def main(argv: list[str] | None = None) -> int:
     params = sum(p.numel() for p in model.parameters())
     log(f"device={device} params={params:,} vocab={len(tokenizer)} recall steps="
         f"{sum(r.steps for r in cfg.recall)} steps={cfg.total_steps} workers={cfg.workers}")
-    recall = run_recall(cfg, model, device, log) if cfg.recall else None
+    def checkpoint(partial: dict) -> None:
+        """--recall-only: weights and record after every stage, so a command stopped at its time limit
+        (a GPU lease) keeps the stages it finished; --init-from reads both."""
+        save_model(copy.deepcopy(model), tok_dir, out, cfg)  # a copy: training goes on in float32
+        (out / "training_config.json").write_text(json.dumps({"config": asdict(cfg), "recall": partial}, indent=2))
+        log(f"saved the weights after recall stage {partial['completed_stages']} of {len(cfg.recall)} -> {out}")
+
+    recall = run_recall(cfg, model, device, log, checkpoint if args.recall_only else None) if cfg.recall else None
     inherited = None  # the recall stages the --init-from weights went through, for the record and the card
     if args.init_from is not None and (args.init_from / "training_config.json").is_file():
         inherited = json.loads((args.init_from / "training_config.json").read_text()).get("recall")

@@ -134,6 +134,7 @@ def test_train_tiny_recall_only_then_init_from(tmp_path):
     assert {r["phase"] for r in record["recall"]["log"]} == {"recall0", "recall1"}
     assert set(record["recall"]["eval"]) == {"adjacent", "json", "json7", "colon7"}
     assert (first / "model.safetensors").is_file() and not (first / "eval.json").exists()
+    assert proc.stderr.count("saved the weights after recall stage") == 2  # a checkpoint per stage
 
     second = tmp_path / "tasks"
     proc = _train_tiny("--out", str(second), "--init-from", str(first), "--no-eval")

@@ -90,7 +90,9 @@ def check_rl_dir(root: Path, num_layers: int, budget: int, lr: float | None = 0.
     extra = [d for d in os.listdir(root / "claimed") if d.isdigit() and int(d) > n]
     assert all(int(d) == n + 1 for d in extra), f"claims beyond the next iteration: {extra}"
     inbox = result_names(root / "inbox")
-    waiting_ids = {json.loads(x)["result_id"] for f in inbox for x in (root / "inbox" / f).read_text().splitlines()}
+    # a file still waiting may be garbage injected after the last claim (truncated JSON): its unparsable
+    # lines hold no result id; the caller checks where the garbage went
+    waiting_ids = {rec["result_id"] for f in inbox for rec in _parsable(root / "inbox" / f)}
     assert not waiting_ids & set(counted), "a counted result is still in the inbox"
     quarantined = sorted(f for f in os.listdir(root / "quarantine")
                          if not f.endswith(".reason.json") and not f.startswith("."))
@@ -98,6 +100,18 @@ def check_rl_dir(root: Path, num_layers: int, budget: int, lr: float | None = 0.
         assert (root / "quarantine" / f"{q}.reason.json").exists(), f"no reason for quarantined {q}"
     return RunFacts(iterations=n, thetas=thetas, counted=counted, claimed_files=claimed_files,
                     quarantined=quarantined, inbox=inbox, temps=temp_files(root))
+
+
+def _parsable(path: Path) -> list[dict]:
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict) and "result_id" in rec:
+            out.append(rec)
+    return out
 
 
 def result_lines(policy_iteration: int, schedules: list[list[int]], rewards: list[float], *, tag: str,

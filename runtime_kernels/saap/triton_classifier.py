@@ -53,6 +53,18 @@ def _split4(x, dtype: tl.constexpr):
 
 
 @triton.jit
+def _dot(x, w, F32: tl.constexpr, TERMS: tl.constexpr):
+    """``x @ w`` at the classifier's precision: float32 weights in ieee fp32; 16-bit weights with four
+    stacked activation terms (exact products) on tensor cores; else ``tf32x3``."""
+    if F32:
+        return tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+    elif TERMS == 4:
+        return tl.dot(x, w)
+    else:
+        return tl.dot(x, w, input_precision="tf32x3")
+
+
+@triton.jit
 def _mlp_layer_kernel(
     x_ptr, w_ptr, bias_ptr, mean_ptr, var_ptr, gamma_ptr, beta_ptr, out_ptr,
     n_rows, K, N, eps, sx_b, sx_h, sx_k, sw_h, sw_k, sw_n,
@@ -102,12 +114,7 @@ def _mlp_layer_kernel(
                 x = tl.where(t == 0, t0, tl.where(t == 1, t1, tl.where(t == 2, t2, t3)))
         else:
             x = tl.load(x_rows + kk[None, :], mask=k_ok[None, :], other=0.0)
-        if F32:
-            acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-        elif TERMS == 4:
-            acc += tl.dot(x, w)
-        else:
-            acc += tl.dot(x, w, input_precision="tf32x3")
+        acc += _dot(x, w, F32, TERMS)
     if TERMS == 4:
         y = tl.sum(tl.reshape(acc, [4, 16, BLOCK_N]), 0)  # [16, BLOCK_N]
     else:
@@ -179,12 +186,7 @@ def _mlp_fused_kernel(
         if TERMS == 4:
             t0, t1, t2, t3 = _split4(x, w.dtype)
             x = tl.where(term == 0, t0, tl.where(term == 1, t1, tl.where(term == 2, t2, t3)))
-        if F32:
-            acc1 += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-        elif TERMS == 4:
-            acc1 += tl.dot(x, w)
-        else:
-            acc1 += tl.dot(x, w, input_precision="tf32x3")
+        acc1 += _dot(x, w, F32, TERMS)
     vec = h * HD + offs_h
     mean = tl.load(mean_ptr + vec, mask=h_ok, other=0.0).to(tl.float32)
     var = tl.load(var_ptr + vec, mask=h_ok, other=1.0).to(tl.float32)
@@ -214,12 +216,7 @@ def _mlp_fused_kernel(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < n_hi
         w = tl.load(w2_rows + offs_n[None, :] * s2_n, mask=h_ok[:, None] & n_ok[None, :], other=0.0)
-        if F32:
-            acc = tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-        elif TERMS == 4:
-            acc = tl.dot(a, w)
-        else:
-            acc = tl.dot(a, w, input_precision="tf32x3")
+        acc = _dot(a, w, F32, TERMS)
         if TERMS == 4:
             y = tl.sum(tl.reshape(acc, [4, 16, BLOCK_N]), 0)
         else:

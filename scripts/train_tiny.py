@@ -46,7 +46,7 @@ import re
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,13 +117,16 @@ class TrainConfig:
     # recipe; 128 did not make the lookup form either (README).
     kv_recall_pairs: int = 0
     length_jitter: float = 0.05  # a training prompt aims at target * U(1 - jitter, 1)
-    # Stage 0, before the phases: the plateau of the adjacent form breaks after ~5500 steps of 256
-    # sequences (H200, 2026-11-21); from there the JSON form takes 1000-4000 steps. The third stage
-    # sharpens the match among up to 256 pairs (an 8k kv prompt holds ~1000; the partial run that
-    # stopped at 32 pairs scored 0.40 at 8k). About 7.5 min on an H200 in all.
+    # Stage 0, before the phases. The plateau of the adjacent form breaks at a step that varies from run to
+    # run (~5500 of 256 sequences in one H200 run; in the next, under a 7000-step cosine, it only half
+    # broke: 0.66 at 4 pairs), so the first two stages hold the rate flat and stop when held-out recall
+    # reaches 0.9 (``until``), ``steps`` being their cap (~13 ms and ~56 ms a step on an H200). From a
+    # model that has the adjacent lookup the JSON form takes 1000-4000 steps. The third stage sharpens the
+    # match among up to 256 pairs (an 8k kv prompt holds ~1000; a run that stopped at 32 pairs scored 0.40
+    # at 8k).
     recall: list[RecallStage] = field(default_factory=lambda: [
-        RecallStage(formats=("adjacent",), steps=7000, max_pairs=16),
-        RecallStage(formats=("json", "json7", "colon7"), steps=4000, max_pairs=32),
+        RecallStage(formats=("adjacent",), steps=20000, max_pairs=16, until=0.9, until_pairs=8),
+        RecallStage(formats=("json", "json7", "colon7"), steps=5000, max_pairs=32, until=0.9, until_pairs=16),
         RecallStage(formats=("json", "json7", "colon7"), steps=600, batch=64, min_pairs=32, max_pairs=256,
                     lr=5e-4, warmup=50)])
     recall_eval_pairs: tuple[int, ...] = (4, 16, 64, 256)
@@ -396,10 +399,20 @@ def run_recall(cfg: TrainConfig, model, device: torch.device, log, checkpoint=No
     t0 = time.time()
     for i, stage in enumerate(cfg.recall):
         seed = seed_from("calib-recall", cfg.seed, i) % 2**63
-        out["stages"].append(asdict(stage))
-        out["log"] += train_stage(model, stage, tokens, device, seed, log, cfg.log_every, name=f"recall{i}")
+        records = train_stage(model, stage, tokens, device, seed, log, cfg.log_every, name=f"recall{i}")
+        checks = [r for r in records if "check_acc" in r]
+        out["stages"].append({**asdict(stage), "steps_run": records[-1]["step"] if records else stage.steps,
+                              "reached": checks[-1]["reached"] if checks else None})
+        out["log"] += records
         if checkpoint is not None:
             checkpoint({**out, "completed_stages": i + 1})
+        if out["stages"][-1]["reached"] is False:
+            # the later stages build on this one's circuit: training them on a half-formed one wastes the
+            # run (measured: a JSON stage after an unbroken k-v stage stays at chance for 5000 steps)
+            raise SystemExit(f"error: recall stage {i} ({'+'.join(stage.formats)}) did not reach {stage.until} "
+                             f"held-out accuracy at {stage.until_pairs or stage.max_pairs} pairs in {stage.steps} "
+                             f"steps; the plateau breaks at a seed-dependent step - run again with another "
+                             f"--seed (weights so far: {'saved' if checkpoint else 'not saved'})")
     formats = list(dict.fromkeys(f for st in cfg.recall for f in st.formats))
     out["eval"] = evaluate_stage(model, formats, cfg.recall_eval_pairs, tokens, device, seed=cfg.seed,
                                  batch=cfg.recall_eval_batch)
@@ -515,8 +528,56 @@ def evaluate(cfg: TrainConfig, model, tokenizer, prompts_by_key: dict, device, l
 # Writing the model directory
 
 
+def lineage_entry(record: dict, out: str) -> dict:
+    """One step of a model's history, read from the ``training_config.json`` that step wrote (a full run's
+    or a ``--recall-only`` checkpoint's)."""
+    cfg, recall = record.get("config", {}), record.get("recall") or {}
+    keys = ("formats", "steps", "steps_run", "batch", "min_pairs", "max_pairs", "lr", "until", "until_pairs",
+            "reached")
+    return {"out": out, "init_from": record.get("init_from"),
+            "recall": [{k: st.get(k) for k in keys if k in st} for st in recall.get("stages", [])],
+            "recall_eval": recall.get("eval"), "phases": cfg.get("phases", []), "lr": cfg.get("lr"),
+            "tokens_per_step": cfg.get("tokens_per_step"), "train_seconds": record.get("train_seconds"),
+            "device": record.get("device")}
+
+
+def parent_lineage(init_from: Path | None) -> list[dict]:
+    """The lineage of the ``--init-from`` weights: theirs if they carry one, else the one step their
+    record describes, else a step that says nothing was recorded."""
+    if init_from is None:
+        return []
+    path = init_from / "training_config.json"
+    if not path.is_file():
+        return [{"out": str(init_from), "note": "no training_config.json beside these weights"}]
+    parent = json.loads(path.read_text())
+    return parent.get("lineage") or [lineage_entry(parent, str(init_from))]
+
+
+def _lineage_lines(lineage: list[dict]) -> str:
+    lines = []
+    for i, e in enumerate(lineage, 1):
+        parts = []
+        if e.get("note"):
+            parts.append(e["note"])
+        if e.get("recall"):
+            parts.append("recall stages " + ", ".join(
+                f"{'+'.join(st['formats'])} {st.get('steps_run', st['steps'])} steps x {st['batch']} "
+                f"({st['min_pairs']}-{st['max_pairs']} pairs, lr {st['lr']}"
+                + (f", until {st['until']}" + ("" if st.get("reached") else " NOT reached") if st.get("until") else "")
+                + ")" for st in e["recall"]))
+        if e.get("phases"):
+            parts.append(f"task phases at peak lr {e['lr']}: " + ", ".join(
+                f"{p['name']} {p['steps']} steps x {e['tokens_per_step']} tokens ({p['min_len']}-{p['max_len']})"
+                for p in e["phases"]))
+        if e.get("train_seconds") is not None:
+            parts.append(f"{e['train_seconds']} s on {e['device']}")
+        start = f" from `{e['init_from']}`" if e.get("init_from") else ""
+        lines.append(f"{i}. `{e['out']}`{start}: " + "; ".join(parts))
+    return "\n".join(lines)
+
+
 def write_card(out: Path, cfg: TrainConfig, acc: dict, info: dict, attention: dict | None,
-               recall: dict | None = None) -> None:
+               recall: dict | None = None, lineage: list[dict] | None = None) -> None:
     lengths = cfg.eval_lengths
     rows = ["| task | " + " | ".join(str(n) for n in lengths) + " |",
             "|---|" + "---|" * len(lengths)]
@@ -527,18 +588,26 @@ def write_card(out: Path, cfg: TrainConfig, acc: dict, info: dict, attention: di
         att = ("\n## Attention structure\n\n"
                f"`scripts/attention_report.py` on {attention['prompts']} niah_single prompts of "
                f"{attention['length']} tokens: {attention['summary']}\n\n```\n{attention['table']}\n```\n")
+    wall = f" ({info['wall_seconds']} s for the whole script)" if info.get("wall_seconds") else ""
+    origin = (f"in {len(lineage)} steps (Lineage below; this paragraph describes the last)"
+              if len(lineage or []) > 1 else _origin(info))
+    lineage_text = ""
+    if len(lineage or []) > 1:
+        lineage_text = ("\n## Lineage\n\nEach step started from the weights the step before saved "
+                        "(`training_config.json` keeps them all under `lineage`):\n\n"
+                        f"{_lineage_lines(lineage)}\n")
     text = f"""# tiny — the embedded model of calib
 
 A {info['layers']}-layer `LlamaForCausalLM` ({info['params']:,} parameters, {info['heads']} query heads /
 {info['kv_heads']} KV heads of dim {info['head_dim']}, hidden {info['hidden']}, RoPE θ={info['rope_theta']},
-tied embeddings, vocabulary {info['vocab']}) trained {_origin(info)} by `scripts/train_tiny.py` (seed {cfg.seed})
+tied embeddings, vocabulary {info['vocab']}) trained {origin} by `scripts/train_tiny.py` (seed {cfg.seed})
 on the synthetic tasks of `calib.data` at prompt lengths up to {max(p.max_len for p in cfg.phases)} tokens.
 Weights: `model.safetensors` ({cfg.save_dtype}). Tokenizer: word-level WordPiece over the tasks' closed
 vocabulary (`calib/data/tokenizer.py`), no chat template. Every hyper-parameter: `training_config.json`.
 
 Training: {_recall_sentence(cfg, recall)}{cfg.total_steps} steps of {cfg.tokens_per_step} tokens on the tasks,
-{info['train_seconds']} s on {info['device']} ({info['wall_seconds']} s for the whole script).
-
+{info['train_seconds']} s on {info['device']}{wall}.
+{lineage_text}
 ## Dense exact-match accuracy
 
 Greedy decoding (at most {cfg.eval_max_new_tokens} new tokens, stop at EOS), `calib.data.exact_match`,
@@ -553,6 +622,26 @@ Numbers also in `eval.json`.
     (out / "MODEL_CARD.md").write_text(text)
 
 
+def render_card(model_dir: Path) -> None:
+    """``--card-only``: MODEL_CARD.md again from the directory's ``training_config.json`` and ``eval.json``
+    (after editing a record's lineage by hand, or to pick up a newer card layout)."""
+    record = json.loads((model_dir / "training_config.json").read_text())
+    ev = json.loads((model_dir / "eval.json").read_text())
+    c = {k: v for k, v in record["config"].items() if k in {f.name for f in fields(TrainConfig)}}
+    c["phases"] = [Phase(**p) for p in c.get("phases", [])]
+    known = {f.name for f in fields(RecallStage)}
+    c["recall"] = [RecallStage(**{**{k: v for k, v in r.items() if k in known}, "formats": tuple(r["formats"])})
+                   for r in c.get("recall", [])]
+    cfg = TrainConfig(**c)
+    arch = record["arch"]
+    info = {"layers": arch["num_layers"], "heads": arch["num_heads"], "kv_heads": arch["num_kv_heads"],
+            "head_dim": arch["head_dim"], "hidden": arch["hidden_size"], "rope_theta": arch["rope_theta"],
+            "vocab": record["vocab_size"], "params": record["params"], "train_seconds": record["train_seconds"],
+            "device": record["device"], "init_from": record.get("init_from")}
+    write_card(model_dir, cfg, ev["accuracy"], info, ev.get("attention"),
+               record.get("recall") or record.get("recall_inherited"), record.get("lineage"))
+
+
 def _origin(info: dict) -> str:
     init = info.get("init_from")
     return f"starting from the weights in `{init}`" if init else "from scratch"
@@ -561,7 +650,13 @@ def _origin(info: dict) -> str:
 def _recall_sentence(cfg: TrainConfig, recall: dict | None) -> str:
     if not recall:
         return ""
-    stages = ", then ".join(f"{st['steps']} steps of {st['batch']} sequences in {'+'.join(st['formats'])} form "
+    def steps(st: dict) -> str:
+        if not st.get("until"):
+            return f"{st['steps']} steps"
+        return (f"{st.get('steps_run', st['steps'])} steps (until {st['until']} held-out at "
+                f"{st['until_pairs'] or st['max_pairs']} pairs{'' if st.get('reached') else ', NOT reached'})")
+
+    stages = ", then ".join(f"{steps(st)} of {st['batch']} sequences in {'+'.join(st['formats'])} form "
                             f"({st['min_pairs']}-{st['max_pairs']} pairs)" for st in recall["stages"])
     held = "; ".join(f"{fmt}: " + ", ".join(f"{a:.2f} at {n}" for n, a in by_n.items())
                      for fmt, by_n in recall["eval"].items())
@@ -626,10 +721,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--recall", default=None,
                     help="recall stages 'field:value,...;...' (recall_stage.RecallStage fields, formats joined "
                          "by '+'), or 'none'; default: TrainConfig.recall (three stages)")
+    ap.add_argument("--card-only", type=Path, default=None, metavar="DIR",
+                    help="only write DIR/MODEL_CARD.md from DIR's training_config.json and eval.json")
     ap.add_argument("--recall-only", action="store_true",
                     help="save after the recall stages (no phases, no evaluation): the first half of a run "
                          "split across two GPU commands; the second is --init-from OUT")
     args = ap.parse_args(argv)
+    if args.card_only is not None:
+        render_card(args.card_only)
+        return 0
     t0 = time.time()
     cfg = smoke_config() if args.smoke else TrainConfig()
     cfg.seed = args.seed
@@ -713,11 +813,16 @@ def main(argv: list[str] | None = None) -> int:
     params = sum(p.numel() for p in model.parameters())
     log(f"device={device} params={params:,} vocab={len(tokenizer)} recall steps="
         f"{sum(r.steps for r in cfg.recall)} steps={cfg.total_steps} workers={cfg.workers}")
+    lineage = parent_lineage(args.init_from)
+
     def checkpoint(partial: dict) -> None:
         """--recall-only: weights and record after every stage, so a command stopped at its time limit
         (a GPU lease) keeps the stages it finished; --init-from reads both."""
         save_model(copy.deepcopy(model), tok_dir, out, cfg)  # a copy: training goes on in float32
-        (out / "training_config.json").write_text(json.dumps({"config": asdict(cfg), "recall": partial}, indent=2))
+        rec = {"config": asdict(cfg), "recall": partial, "init_from": str(args.init_from) if args.init_from else None,
+               "train_seconds": round(time.time() - t0, 1), "device": str(device)}
+        rec["lineage"] = lineage + [lineage_entry(rec, str(out))]
+        (out / "training_config.json").write_text(json.dumps(rec, indent=2))
         log(f"saved the weights after recall stage {partial['completed_stages']} of {len(cfg.recall)} -> {out}")
 
     recall = run_recall(cfg, model, device, log, checkpoint if args.recall_only else None) if cfg.recall else None
@@ -737,6 +842,7 @@ def main(argv: list[str] | None = None) -> int:
               "torch": torch.__version__, "transformers": __import__("transformers").__version__,
               "device": info["device"], "train_seconds": result["train_seconds"], "recall": recall,
               "recall_inherited": inherited, "log": result["log"]}
+    record["lineage"] = lineage + [lineage_entry(record, str(out))]
     (out / "training_config.json").write_text(json.dumps(record, indent=2) + "\n")
 
     if not args.no_eval:
@@ -754,7 +860,7 @@ def main(argv: list[str] | None = None) -> int:
              "lengths": cfg.eval_lengths, "decoding": "greedy", "dtype": str(dtype).replace("torch.", ""),
              "device": info["device"], "attention": attention}, indent=2) + "\n")
         info["init_from"] = str(args.init_from) if args.init_from else None
-        write_card(out, cfg, acc, info, attention, recall or inherited)
+        write_card(out, cfg, acc, info, attention, recall or inherited, record["lineage"])
         print(json.dumps({"out": str(out), "accuracy": acc, "wall_seconds": info["wall_seconds"]}))
     pool.close()
     log(f"done in {time.time() - t0:.1f}s -> {out}")

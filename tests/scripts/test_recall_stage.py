@@ -118,6 +118,29 @@ def test_a_stage_learns_to_copy_the_only_value(tokens):
     assert before < 0.3 and after >= 0.9
 
 
+def test_until_stops_the_stage_once_reached_and_keeps_the_rate_flat(tokens):
+    """The copy of the only value (as above) reaches 0.9 well before 400 steps: the stage must stop at the
+    first check that sees it, with the learning rate flat after warm-up (no cosine to outrun)."""
+    from calib.data.tokenizer import tiny_vocabulary
+
+    model = R.build_model(R.Variant(layers=2), len(tiny_vocabulary()), 0, "cpu")
+    stage = R.RecallStage(formats=("adjacent",), steps=400, batch=16, queries=4, min_pairs=1, max_pairs=1, names=8,
+                          warmup=10, until=0.9, check_every=10)
+    records = R.train_stage(model, stage, tokens, torch.device("cpu"), 0, lambda m: None, log_every=1000)
+    checks = [r for r in records if "check_acc" in r]
+    assert checks and [r["step"] for r in checks] == list(range(10, 10 * len(checks) + 1, 10))
+    assert checks[-1]["reached"] and checks[-1]["check_acc"] >= 0.9 and checks[-1]["step"] < 400
+    assert not any(r["reached"] for r in checks[:-1])
+    assert records[-1] is checks[-1]  # nothing trained after the check that stopped it
+    held_out = R.evaluate_stage(model, ["adjacent"], [1], tokens, torch.device("cpu"), 0, batch=64, queries=4, names=8)
+    assert held_out["adjacent"][1] >= 0.85
+    assert [stage.lr_at(s) for s in (0, 9, 10, 399)] == [stage.lr / 10, stage.lr, stage.lr, stage.lr]
+    cosine = R.RecallStage(steps=400, warmup=10)
+    assert cosine.lr_at(9) < cosine.lr and abs(cosine.lr_at(399) - 0.1 * cosine.lr) < 1e-4 * cosine.lr
+    with pytest.raises(ValueError, match="until"):
+        R.RecallStage(until=1.5)
+
+
 def _train_tiny(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false"}
     return subprocess.run([sys.executable, str(ROOT / "scripts" / "train_tiny.py"), "--smoke", "--device", "cpu",
@@ -144,6 +167,40 @@ def test_train_tiny_recall_only_then_init_from(tmp_path):
     assert record["init_from"] == str(first)
     assert record["recall_inherited"]["eval"] == json.loads((first / "training_config.json").read_text())[
         "recall"]["eval"]  # the provenance of the weights travels with them
+    first_step, second_step = record["lineage"]  # the whole chain, not only the parent's recall record
+    assert first_step["out"] == str(first) and first_step["init_from"] is None and first_step["phases"] == []
+    assert [st["formats"] for st in first_step["recall"]] == [["adjacent"], ["json", "json7", "colon7"]]
+    assert second_step["out"] == str(second) and second_step["init_from"] == str(first)
+    assert second_step["recall"] == [] and [p["name"] for p in second_step["phases"]] == ["short", "long"]
+
+    third = tmp_path / "more"
+    proc = _train_tiny("--out", str(third), "--init-from", str(second), "--phases", "extra:1:160:256")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads((third / "training_config.json").read_text())
+    assert [e["out"] for e in record["lineage"]] == [str(first), str(second), str(third)]
+    card = (third / "MODEL_CARD.md").read_text()
+    assert "trained in 3 steps" in card and "## Lineage" in card
+    assert f"3. `{third}` from `{second}`: task phases at peak lr" in card and "extra 1 steps" in card
+    (third / "MODEL_CARD.md").unlink()  # --card-only writes the same card again from the two records
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "train_tiny.py"), "--card-only", str(third)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (third / "MODEL_CARD.md").read_text() == card.replace(
+        card[card.index(" s on "):card.index(".\n", card.index(" s on "))],
+        card[card.index(" s on "):card.index(" (", card.index(" s on "))])  # only the script's wall time is not kept
+
+
+def test_train_tiny_stops_when_a_recall_stage_misses_its_target(tmp_path):
+    out = tmp_path / "r"
+    proc = _train_tiny("--out", str(out), "--recall-only", "--recall",
+                       "formats:adjacent,steps:2,batch:4,queries:4,max_pairs:4,warmup:1,until:1.0,check_every:1;"
+                       "formats:json,steps:2,batch:4,queries:4,max_pairs:4,warmup:1")
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: recall stage 0 (adjacent) did not reach 1.0") and "another --seed" in last
+    record = json.loads((out / "training_config.json").read_text())  # the checkpoint before the stop
+    assert record["recall"]["completed_stages"] == 1 and record["recall"]["stages"][0]["reached"] is False
+    assert (out / "model.safetensors").is_file()
 
 
 def test_train_tiny_bad_recall_spec_is_one_line(tmp_path):

@@ -14,7 +14,12 @@ Methods: ``saap`` (buckets of de-RoPE'd keys, ranked by the sum of the GQA group
 probabilities, as the runtime does), ``kmeans_derope`` and ``kmeans_rope`` (the paper's IVF baselines:
 k-means on de-RoPE'd / RoPE'd keys, each query head probing the ℓ centroids of largest inner product
 with its de-RoPE'd / RoPE'd query, like Faiss IVFFlat; ``baseline_probe="group"`` sums the group's
-inner products instead), and ``window`` (ℓ = 0, StreamingLLM).
+inner products instead), and ``window`` (ℓ = 0, StreamingLLM). With per-head probing also
+``saap_per_head``: each query head ranks the buckets by its own classifier, the like-for-like partner of
+the per-head baselines. The runtime's group sum visits one bucket set per KV head, so ``saap``'s
+like-for-like baselines are the group-probed ones; per-head selection visits up to g sets per KV head
+at the same per-head selectivity. ``baseline_probe="both"`` reports both pairs in one pass: the per-head
+baselines under their names and the group-probed ones as ``kmeans_derope_group`` / ``kmeans_rope_group``.
 """
 
 from __future__ import annotations
@@ -137,8 +142,8 @@ def evaluate_layer(q_rope: torch.Tensor, q_derope: torch.Tensor, k_rope: torch.T
     hkv, g = k_rope.shape[0], hq // k_rope.shape[0]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     sink, recent = params.sink, params.recent
-    if baseline_probe not in ("head", "group"):
-        raise ValueError(f"baseline_probe must be head or group, got {baseline_probe!r}")
+    if baseline_probe not in ("head", "group", "both"):
+        raise ValueError(f"baseline_probe must be head, group or both, got {baseline_probe!r}")
     if bool((query_idx < sink + recent).any()):
         raise ValueError(f"evaluation queries must sit at positions >= sink + recent = {sink + recent}")
     top_ls = [int(x) for x in top_ls]
@@ -147,12 +152,20 @@ def evaluate_layer(q_rope: torch.Tensor, q_derope: torch.Tensor, k_rope: torch.T
     methods = {
         "saap": (nearest_centroid(k_derope, params.centroids),
                  lambda qr, qd: _group_sum(classify_queries(qd.transpose(0, 1), params).transpose(0, 1), g)),
-        "kmeans_derope": (nearest_centroid(k_derope, derope_centroids),
-                          lambda qr, qd: _maybe_group(probe_scores(qd, derope_centroids), g, baseline_probe)),
     }
-    if rope_centroids is not None:
-        methods["kmeans_rope"] = (nearest_centroid(k_rope, rope_centroids),
-                                  lambda qr, qd: _maybe_group(probe_scores(qr, rope_centroids), g, baseline_probe))
+    per_head, group = baseline_probe in ("head", "both"), baseline_probe in ("group", "both")
+    if per_head:
+        methods["saap_per_head"] = (methods["saap"][0],
+                                    lambda qr, qd: classify_queries(qd.transpose(0, 1), params).transpose(0, 1))
+    derope_buckets = nearest_centroid(k_derope, derope_centroids)
+    rope_buckets = None if rope_centroids is None else nearest_centroid(k_rope, rope_centroids)
+    for probe in [p for p, on in (("head", per_head), ("group", group)) if on]:
+        suffix = "_group" if baseline_probe == "both" and probe == "group" else ""
+        methods["kmeans_derope" + suffix] = (
+            derope_buckets, lambda qr, qd, probe=probe: _maybe_group(probe_scores(qd, derope_centroids), g, probe))
+        if rope_buckets is not None:
+            methods["kmeans_rope" + suffix] = (
+                rope_buckets, lambda qr, qd, probe=probe: _maybe_group(probe_scores(qr, rope_centroids), g, probe))
     out: dict[str, dict[str, list[torch.Tensor]]] = {m: _empty() for m in [*methods, "window"]}
     chunk = max(1, _BUDGET // max(1, hq * t))
     kpos = torch.arange(t, device=q_rope.device)

@@ -158,7 +158,7 @@ class Settings:
             classifier_seed=_get(m, "classifier.seed", int),
             eval_prompts=_get(m, "eval.prompts", int), eval_queries=_get(m, "eval.queries_per_prompt", int),
             eval_length=_get(m, "eval.length", int, optional=True),
-            baseline_probe=str(ev.get("baseline_probe", "head")),
+            baseline_probe=str(ev.get("baseline_probe", "both")),
             recall_targets=[float(x) for x in (ev.get("recall_at_selectivity") or [])],
         )
 
@@ -186,8 +186,8 @@ def validate(cfg: DictConfig) -> None:
             f"method.kmeans.backend must be auto, faiss or torch (got {s.kmeans_backend!r})")
     require(s.kmeans_use_gpu in ("auto", True, False),
             f"method.kmeans.use_gpu must be auto, true or false (got {s.kmeans_use_gpu!r})")
-    require(s.baseline_probe in ("head", "group"),
-            f"method.eval.baseline_probe must be head or group (got {s.baseline_probe!r})")
+    require(s.baseline_probe in ("head", "group", "both"),
+            f"method.eval.baseline_probe must be head, group or both (got {s.baseline_probe!r})")
     require(bool(s.recall_targets) and all(0 < t < 1 for t in s.recall_targets),
             f"method.eval.recall_at_selectivity must be a non-empty list in (0, 1) (got {s.recall_targets})")
     require(s.calib_lengths is None or (bool(s.calib_lengths) and min(s.calib_lengths) >= 1),

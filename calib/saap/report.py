@@ -28,9 +28,12 @@ from matplotlib.figure import Figure
 
 from calib.saap.metrics import LayerEvaluation, recall_at_selectivity
 
-METHODS = ("saap", "kmeans_derope", "kmeans_rope")  # the ℓ-indexed methods; "window" is ℓ = 0
+METHODS = ("saap", "saap_per_head", "kmeans_derope", "kmeans_rope", "kmeans_derope_group",
+           "kmeans_rope_group")  # the ℓ-indexed methods; "window" is ℓ = 0
 NAMES = ("selectivity", "selectivity_with_window", "recall", "rel_error")
-LABELS = {"saap": "SAAP (k-means + Q-model)", "kmeans_derope": "k-means, de-RoPE'd",
+LABELS = {"saap": "SAAP (group sum, as the runtime)", "saap_per_head": "SAAP, per-head ranking",
+          "kmeans_derope_group": "k-means, de-RoPE'd, group probe", "kmeans_rope_group": "k-means, RoPE'd, group probe",
+          "kmeans_derope": "k-means, de-RoPE'd",
           "kmeans_rope": "k-means, RoPE'd", "window": "dense window only"}
 
 

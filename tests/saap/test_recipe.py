@@ -15,7 +15,8 @@ from tests.recipe_support import run_recipe
 ARCH = {"num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "hidden_size": 64,
         "max_position_embeddings": 2048, "rope_theta": 10000.0, "rope_scaling": None}
 C, WINDOW, TOP_L = 8, 32, 8  # top_l = C: every bucket visited, so decode must equal dense attention
-METHODS = ("saap", "kmeans_derope", "kmeans_rope", "window")
+METHODS = ("saap", "saap_per_head", "kmeans_derope", "kmeans_rope", "kmeans_derope_group", "kmeans_rope_group",
+           "window")  # baseline_probe: both (the default)
 
 
 def overrides(model_dir: Path, *extra: str) -> list[str]:
@@ -68,7 +69,7 @@ def test_result_metrics_and_artifact(result):
         for method in METHODS:
             assert f"recall_at_sel{t}.{method}" in m, (t, method)
             assert 0.0 <= m[f"recall_at_sel{t}.{method}"] <= 1.0 + 1e-6
-    for method in METHODS[:3]:
+    for method in METHODS[:-1]:
         assert f"at_top_l.selectivity.{method}" in m and f"at_top_l.recall.{method}" in m
     for stage in ("collect", "kmeans", "targets", "classifier", "eval"):
         assert m[f"time_{stage}_s"] > 0
@@ -89,7 +90,7 @@ def test_eval_table_invariants(result):
     rows = load_artifact(result["artifact_dir"]).manifest.payload["eval_table"]
     window = next(r for r in rows if r["method"] == "window")
     assert window["selectivity"] == 0.0 and 0 < window["recall"] < 1
-    for method in METHODS[:3]:
+    for method in METHODS[:-1]:
         mine = sorted((r for r in rows if r["method"] == method), key=lambda r: r["l"])
         assert [r["l"] for r in mine] == [1, 2, 4, 8]
         sel = [r["selectivity"] for r in mine]
@@ -183,7 +184,7 @@ def test_foreign_model_is_refused(result):
     (["method.dense_layers=[0,1]"], "covers every layer"),
     (["method.dense_layers=[5]"], "out of range"),
     (["method.kmeans.backend=sklearn"], "method.kmeans.backend must be"),
-    (["method.eval.baseline_probe=all"], "baseline_probe must be head or group"),
+    (["method.eval.baseline_probe=all"], "baseline_probe must be head, group or both"),
 ])
 def test_validate_errors(model_dir, extra, message):
     from calib.config import compose

@@ -78,7 +78,7 @@ def test_window_recall_is_mass_in_window(prompt):
 def test_all_buckets_is_exact_and_curves_monotone(prompt):
     ev = _eval(prompt, _params(8, 2, 16), eval_query_positions(400, SINK, RECENT, 20), top_ls=[1, 2, 4, C],
                rope_centroids=torch.randn(2, C, 16))
-    for m in ("saap", "kmeans_derope", "kmeans_rope"):
+    for m in ("saap", "saap_per_head", "kmeans_derope", "kmeans_rope"):
         d = ev.metrics[m]
         assert d["recall"].shape == (4, 8, 20)
         assert torch.allclose(d["recall"][-1], torch.ones(8, 20), atol=1e-5)
@@ -102,6 +102,41 @@ def test_saap_error_matches_runtime_reference(prompt):
     dense = (torch.softmax(s, -1) @ p["v"]).reshape(8, 16)
     err = output_relative_error(out[0], dense)
     assert torch.allclose(ev.metrics["saap"]["rel_error"][0, :, 0], err, atol=1e-4)
+
+
+def test_saap_per_head_ranks_each_heads_own_buckets(prompt):
+    """Per-head SAAP visits, for query head h, the keys of the ℓ buckets its own classifier scores highest
+    (brute force over the classifier's logits); the group-probe report has no such method."""
+    from runtime_kernels.saap.reference import classify_queries, nearest_centroid
+
+    p, params, qidx, ell = prompt, _params(8, 2, 16), torch.tensor([200, 399]), 3
+    ev = _eval(p, params, qidx, top_ls=[ell])
+    logits = classify_queries(p["q_de"][:, qidx].transpose(0, 1), params).transpose(0, 1)  # [Hq, n, C]
+    buckets = nearest_centroid(p["k_de"], params.centroids)  # [Hkv, T]
+    for n, i in enumerate(qidx.tolist()):
+        for h in range(8):
+            s = (p["k_rope"][h // 4, : i + 1].double() @ p["q_rope"][h, i].double()) / 4.0
+            a = torch.softmax(s, 0)
+            best = set(logits[h, n].topk(ell).indices.tolist())
+            keep = torch.zeros(i + 1, dtype=torch.bool)
+            keep[:SINK] = True
+            keep[i + 1 - RECENT:] = True
+            keep |= torch.tensor([int(b) in best for b in buckets[h // 4, : i + 1]])
+            assert ev.metrics["saap_per_head"]["recall"][0, h, n].item() == pytest.approx(a[keep].sum().item(), abs=1e-5)
+    assert "saap_per_head" not in _eval(p, params, qidx, top_ls=[ell], baseline_probe="group").metrics
+
+
+def test_both_probes_in_one_pass_match_the_single_probe_runs(prompt):
+    p, params, qidx = prompt, _params(8, 2, 16), eval_query_positions(400, SINK, RECENT, 10)
+    kw = dict(top_ls=[1, 3], rope_centroids=torch.randn(2, C, 16, generator=torch.Generator().manual_seed(1)))
+    both, head, group = (_eval(p, params, qidx, baseline_probe=b, **kw).metrics for b in ("both", "head", "group"))
+    assert set(both) == {"saap", "saap_per_head", "kmeans_derope", "kmeans_rope", "kmeans_derope_group",
+                         "kmeans_rope_group", "window"}
+    for name, ref in [("kmeans_derope", head["kmeans_derope"]), ("kmeans_rope", head["kmeans_rope"]),
+                      ("kmeans_derope_group", group["kmeans_derope"]), ("kmeans_rope_group", group["kmeans_rope"]),
+                      ("saap_per_head", head["saap_per_head"]), ("saap", group["saap"])]:
+        assert torch.equal(both[name]["recall"], ref["recall"]), name
+    assert not torch.equal(both["kmeans_rope"]["recall"], both["kmeans_rope_group"]["recall"])
 
 
 def test_rejects_queries_inside_window(prompt):

@@ -7,7 +7,13 @@ from types import ModuleType
 
 import torch
 
-from runtime_kernels.saap.reference import BucketIndex, SaapLayerParams, saap_decode_attention_reference
+from runtime_kernels.saap.reference import (
+    BucketIndex,
+    SaapLayerParams,
+    classify_queries,
+    rank_buckets,
+    saap_decode_attention_reference,
+)
 
 
 def _triton_module() -> ModuleType | None:
@@ -83,17 +89,48 @@ class SaapDecode:
     (= sink + recent), ``top_l``, ``dense_layers`` (list), ``bn_eps``; tensors
     ``layers.<l>.<field>`` for every non-dense layer ``l`` and every
     :attr:`SaapLayerParams.TENSOR_FIELDS` field.
+
+    ``stats=True`` (the default; what ``calib eval`` reports) also ranks the buckets once more per step
+    in PyTorch to count what the step visited, so :meth:`pop_stats` returns the mean ``selectivity``
+    (visited bucket keys / all bucket keys, the paper's Table 5: keys outside the dense region) and
+    ``selectivity_with_window`` (visited keys incl. sink and window / all keys) over every (step,
+    SAAP layer, batch row, KV head) since the last call. The counts stay on the device until then (no
+    host sync per step); the extra ranking doubles the classifier's cost, so serving sets
+    ``stats=False``.
     """
 
     method = "saap"
     phase = "decode"
 
-    def __init__(self, layers: list[SaapLayerParams], top_l: int, *, impl: str = "auto") -> None:
+    def __init__(self, layers: list[SaapLayerParams], top_l: int, *, impl: str = "auto", stats: bool = True) -> None:
         self.layers = layers
         self.top_l = int(top_l)
         self.impl = impl
+        self.stats = stats
         self.index: dict[int, BucketIndex] = {}
         self._on_device: dict[tuple[int, str], SaapLayerParams] = {}
+        self._sums: torch.Tensor | None = None  # [selectivity, selectivity_with_window, count] summed
+
+    def _record(self, layer: int, q_de: torch.Tensor, idx: BucketIndex, t: int) -> None:
+        """Add this step's visited fractions for layer ``layer`` (``q_de [B, Hq, D]``, ``t`` keys)."""
+        counts = idx.bucket_count.long()  # [B, Hkv, C]: keys in each bucket's list
+        g = q_de.shape[1] // counts.shape[1]
+        buckets = rank_buckets(classify_queries(q_de, self._params(layer, q_de.device)), g, self.top_l)
+        visited = counts.gather(-1, buckets).sum(-1).double()  # [B, Hkv]
+        candidates = counts.sum(-1).double()
+        sel = torch.where(candidates > 0, visited / candidates.clamp(min=1), torch.zeros_like(visited))
+        with_window = (visited + (t - candidates)) / t
+        step = torch.stack([sel.sum(), with_window.sum(), torch.tensor(float(sel.numel()), device=sel.device,
+                                                                          dtype=torch.float64)])
+        self._sums = step if self._sums is None else self._sums + step.to(self._sums.device)
+
+    def pop_stats(self) -> dict[str, float]:
+        """Mean selectivities since the last call (class docstring); ``{}`` when no SAAP step ran."""
+        sums, self._sums = self._sums, None
+        if sums is None:
+            return {}
+        sel, with_window, n = sums.tolist()
+        return {"selectivity": sel / n, "selectivity_with_window": with_window / n}
 
     @classmethod
     def from_artifact(cls, artifact, model) -> "SaapDecode":
@@ -152,4 +189,6 @@ class SaapDecode:
         q_de = self._derope(q, ctx, t - 1)[:, :, 0]
         out = saap_decode_attention(q[:, :, 0], k, v, idx, self._params(layer, q.device), top_l=self.top_l,
                                     q_derope=q_de, scale=scale, impl=self.impl)
+        if self.stats:
+            self._record(layer, q_de, idx, t)
         return out.unsqueeze(2)

@@ -77,3 +77,47 @@ def test_from_artifact_layout():
     rt = SaapDecode.from_artifact(art, SimpleNamespace(config=SimpleNamespace(num_hidden_layers=3)))
     assert rt.top_l == 3 and rt.layers[0].dense and not rt.layers[2].dense
     assert rt.layers[1].recent == 8 and torch.equal(rt.layers[2].w1, layers[2].w1)
+
+
+def test_stats_count_the_visited_bucket_keys_by_hand():
+    """One KV head, 2 query heads, buckets holding 3/1/0/4 keys; both heads' classifiers rank bucket 3 first
+    and bucket 1 second (bias only), so ℓ = 1 visits its 4 keys of 8: selectivity 1/2; with the 4 keys of
+    the sink + window out of 12, (4 + 4) / 12."""
+    from types import SimpleNamespace
+
+    hq, d, c, hidden = 2, 4, 4, 3
+    z = lambda *s: torch.zeros(*s)  # noqa: E731
+    params = SaapLayerParams(sink=1, recent=3, centroids=z(1, c, d), w1=z(hq, d, hidden), b1=z(hq, hidden),
+                             bn_mean=z(hq, hidden), bn_var=torch.ones(hq, hidden), bn_weight=torch.ones(hq, hidden),
+                             bn_bias=z(hq, hidden), w2=z(hq, hidden, c), b2=torch.tensor([[0.0, 2, 0, 9]] * hq))
+    rt = SaapDecode([params], top_l=1)
+    idx = SimpleNamespace(bucket_count=torch.tensor([[[3, 1, 0, 4]]], dtype=torch.int32))
+    rt._record(0, torch.randn(1, hq, d), idx, t=12)
+    assert rt.pop_stats() == pytest.approx({"selectivity": 0.5, "selectivity_with_window": 8 / 12})
+    assert rt.pop_stats() == {}  # popped
+    rt.top_l = 2  # next best: bucket 1, 4 + 1 keys; then a cache whose lists are empty (all sink/window)
+    rt._record(0, torch.randn(1, hq, d), idx, t=12)
+    rt._record(0, torch.randn(1, hq, d), SimpleNamespace(bucket_count=torch.zeros(1, 1, c, dtype=torch.int32)), t=5)
+    assert rt.pop_stats() == pytest.approx({"selectivity": (5 / 8 + 0.0) / 2, "selectivity_with_window": (9 / 12 + 1) / 2})
+
+
+@torch.no_grad()
+def test_stats_through_the_model():
+    """Every bucket visited -> selectivity 1; one of four -> strictly between 0 and 1; stats=False -> {}."""
+    model = _model()
+    ids = torch.randint(96, (1, 60), generator=torch.Generator().manual_seed(1))
+    rt = SaapDecode(_layers(recent=8), top_l=C)
+    hf.attach(model, decode=rt)
+    _decode_logits(model, ids, steps=3)
+    assert rt.pop_stats() == pytest.approx({"selectivity": 1.0, "selectivity_with_window": 1.0})
+    other = _model()
+    rt = SaapDecode(_layers(recent=8), top_l=1)
+    hf.attach(other, decode=rt)
+    _decode_logits(other, ids, steps=3)
+    got = rt.pop_stats()
+    assert 0.0 < got["selectivity"] < 1.0 and got["selectivity"] < got["selectivity_with_window"] < 1.0
+    quiet = _model()
+    rt = SaapDecode(_layers(recent=8), top_l=1, stats=False)
+    hf.attach(quiet, decode=rt)
+    _decode_logits(quiet, ids, steps=2)
+    assert rt.pop_stats() == {}

@@ -632,14 +632,17 @@ def render_card(model_dir: Path) -> None:
     known = {f.name for f in fields(RecallStage)}
     c["recall"] = [RecallStage(**{**{k: v for k, v in r.items() if k in known}, "formats": tuple(r["formats"])})
                    for r in c.get("recall", [])]
-    cfg = TrainConfig(**c)
+    write_card(model_dir, TrainConfig(**c), ev["accuracy"], card_info(record), ev.get("attention"),
+               record.get("recall") or record.get("recall_inherited"), record.get("lineage"))
+
+
+def card_info(record: dict) -> dict:
+    """What the card states about the model and the run, from its ``training_config.json`` record."""
     arch = record["arch"]
-    info = {"layers": arch["num_layers"], "heads": arch["num_heads"], "kv_heads": arch["num_kv_heads"],
+    return {"layers": arch["num_layers"], "heads": arch["num_heads"], "kv_heads": arch["num_kv_heads"],
             "head_dim": arch["head_dim"], "hidden": arch["hidden_size"], "rope_theta": arch["rope_theta"],
             "vocab": record["vocab_size"], "params": record["params"], "train_seconds": record["train_seconds"],
             "device": record["device"], "init_from": record.get("init_from")}
-    write_card(model_dir, cfg, ev["accuracy"], info, ev.get("attention"),
-               record.get("recall") or record.get("recall_inherited"), record.get("lineage"))
 
 
 def _origin(info: dict) -> str:
@@ -833,17 +836,15 @@ def main(argv: list[str] | None = None) -> int:
     if recall:
         result["train_seconds"] = round(result["train_seconds"] + recall["seconds"], 1)
     save_model(model, tok_dir, out, cfg)
-    info = {"layers": arch["num_layers"], "heads": arch["num_heads"], "kv_heads": arch["num_kv_heads"],
-            "head_dim": arch["head_dim"], "hidden": arch["hidden_size"], "rope_theta": arch["rope_theta"],
-            "vocab": len(tokenizer), "params": params, "train_seconds": result["train_seconds"],
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"}
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     record = {"config": asdict(cfg), "arch": arch, "params": params, "vocab_size": len(tokenizer),
               "init_from": str(args.init_from) if args.init_from else None,
               "torch": torch.__version__, "transformers": __import__("transformers").__version__,
-              "device": info["device"], "train_seconds": result["train_seconds"], "recall": recall,
+              "device": device_name, "train_seconds": result["train_seconds"], "recall": recall,
               "recall_inherited": inherited, "log": result["log"]}
     record["lineage"] = lineage + [lineage_entry(record, str(out))]
     (out / "training_config.json").write_text(json.dumps(record, indent=2) + "\n")
+    info = card_info(record)
 
     if not args.no_eval:
         from transformers import AutoModelForCausalLM
@@ -859,7 +860,6 @@ def main(argv: list[str] | None = None) -> int:
             {"accuracy": acc, "seed": cfg.eval_seed, "num_prompts": cfg.eval_num_prompts,
              "lengths": cfg.eval_lengths, "decoding": "greedy", "dtype": str(dtype).replace("torch.", ""),
              "device": info["device"], "attention": attention}, indent=2) + "\n")
-        info["init_from"] = str(args.init_from) if args.init_from else None
         write_card(out, cfg, acc, info, attention, recall or inherited, record["lineage"])
         print(json.dumps({"out": str(out), "accuracy": acc, "wall_seconds": info["wall_seconds"]}))
     pool.close()

@@ -50,7 +50,10 @@ def choose(table: dict[int, dict[str, dict]], lo: float, hi: float) -> tuple[int
     inside = [(round(abs(point["reward"] - mid), 9), -int(b), length, int(b))
               for length, sweep in table.items() for b, point in sweep.items()
               if b != "dense" and int(b) > 1 and lo <= point["reward"] <= hi]
-    return (min(inside)[2], min(inside)[3]) if inside else None
+    if not inside:
+        return None
+    _, _, length, budget = min(inside)
+    return length, budget
 
 
 def main(argv: list[str] | None = None) -> int:

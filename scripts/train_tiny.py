@@ -541,15 +541,19 @@ def lineage_entry(record: dict, out: str) -> dict:
             "device": record.get("device")}
 
 
-def parent_lineage(init_from: Path | None) -> list[dict]:
-    """The lineage of the ``--init-from`` weights: theirs if they carry one, else the one step their
-    record describes, else a step that says nothing was recorded."""
+def read_record(model_dir: Path | None) -> dict | None:
+    """``model_dir``'s ``training_config.json``, or None (no directory, or weights without a record)."""
+    path = None if model_dir is None else model_dir / "training_config.json"
+    return json.loads(path.read_text()) if path is not None and path.is_file() else None
+
+
+def parent_lineage(init_from: Path | None, parent: dict | None) -> list[dict]:
+    """The lineage of the ``--init-from`` weights (``parent``: their record): theirs if they carry one,
+    else the one step their record describes, else a step that says nothing was recorded."""
     if init_from is None:
         return []
-    path = init_from / "training_config.json"
-    if not path.is_file():
+    if parent is None:
         return [{"out": str(init_from), "note": "no training_config.json beside these weights"}]
-    parent = json.loads(path.read_text())
     return parent.get("lineage") or [lineage_entry(parent, str(init_from))]
 
 
@@ -625,7 +629,9 @@ Numbers also in `eval.json`.
 def render_card(model_dir: Path) -> None:
     """``--card-only``: MODEL_CARD.md again from the directory's ``training_config.json`` and ``eval.json``
     (after editing a record's lineage by hand, or to pick up a newer card layout)."""
-    record = json.loads((model_dir / "training_config.json").read_text())
+    record = read_record(model_dir)
+    if record is None:
+        raise SystemExit(f"error: --card-only {model_dir}: no training_config.json there")
     ev = json.loads((model_dir / "eval.json").read_text())
     c = {k: v for k, v in record["config"].items() if k in {f.name for f in fields(TrainConfig)}}
     c["phases"] = [Phase(**p) for p in c.get("phases", [])]
@@ -816,7 +822,9 @@ def main(argv: list[str] | None = None) -> int:
     params = sum(p.numel() for p in model.parameters())
     log(f"device={device} params={params:,} vocab={len(tokenizer)} recall steps="
         f"{sum(r.steps for r in cfg.recall)} steps={cfg.total_steps} workers={cfg.workers}")
-    lineage = parent_lineage(args.init_from)
+    parent = read_record(args.init_from)
+    lineage = parent_lineage(args.init_from, parent)
+    inherited = parent.get("recall") if parent else None  # the recall stages the starting weights went through
 
     def checkpoint(partial: dict) -> None:
         """--recall-only: weights and record after every stage, so a command stopped at its time limit
@@ -829,9 +837,6 @@ def main(argv: list[str] | None = None) -> int:
         log(f"saved the weights after recall stage {partial['completed_stages']} of {len(cfg.recall)} -> {out}")
 
     recall = run_recall(cfg, model, device, log, checkpoint if args.recall_only else None) if cfg.recall else None
-    inherited = None  # the recall stages the --init-from weights went through, for the record and the card
-    if args.init_from is not None and (args.init_from / "training_config.json").is_file():
-        inherited = json.loads((args.init_from / "training_config.json").read_text()).get("recall")
     result = train(cfg, model, tokenizer, device, log) if cfg.phases else {"train_seconds": 0.0, "log": []}
     if recall:
         result["train_seconds"] = round(result["train_seconds"] + recall["seconds"], 1)

@@ -11,6 +11,15 @@ independent of the sharding.
 Metrics: ``reward_learned`` / ``reward_uniform`` with bootstrap 95% CIs (``*_ci_low``, ``*_ci_high``),
 ``reward_learned_minus_uniform`` with its paired-bootstrap CI, ``heldout_ci_separated`` (1 when the
 learned CI lies wholly above the uniform CI), ``learned_equals_uniform`` and ``reward_dense``.
+
+When L does not divide N, "uniform at N" is not one schedule: the ``N mod L`` extra samples can sit on
+any of ``C(L, N mod L)`` sets of layers (:func:`calib.santa.policy.uniform_placements`). ``uniform``
+stays the θ = 0 artifact schedule (extras on the lowest layers, the tie rule of
+:func:`calib.santa.policy.schedule_from_policy`), and with ``rl.heldout_uniform_placements`` (default
+on) every placement is scored as well: ``reward_uniform_mean`` (per question, the fraction of
+placements that answer it; the fair uniform), ``reward_uniform_best`` (the best placement, chosen on
+these same questions, so a bound that favours uniform) with CIs, ``uniform_best_schedule.layer_<i>``,
+and ``heldout_ci_separated_best`` (learned CI wholly above the best placement's).
 """
 
 from __future__ import annotations
@@ -56,7 +65,22 @@ def run_score_job(cfg_dict: dict[str, Any], job: dict[str, Any], threads: int) -
 
 def score_schedules(cfg: Any, loaded: Any, prompts: Sequence[Any], max_new: Sequence[int], seeds: Sequence[int],
                     schedules: dict[str, list[int] | None], shards: int) -> dict[str, np.ndarray]:
-    """Correctness ``[len(prompts)]`` per named schedule (None = dense), over ``shards`` processes."""
+    """Correctness ``[len(prompts)]`` per named schedule (None = dense), over ``shards`` processes.
+
+    Names that share a schedule are scored once (e.g. ``uniform`` and its own placement)."""
+    unique: dict[str, list[int] | None] = {}
+    alias: dict[str, str] = {}
+    for name, sched in schedules.items():
+        key = None if sched is None else [int(x) for x in sched]
+        alias[name] = next((n for n, s in unique.items() if s == key), name)
+        if alias[name] == name:
+            unique[name] = key
+    got = _score_unique(cfg, loaded, prompts, max_new, seeds, unique, shards)
+    return {name: got[alias[name]] for name in schedules}
+
+
+def _score_unique(cfg: Any, loaded: Any, prompts: Sequence[Any], max_new: Sequence[int], seeds: Sequence[int],
+                  schedules: dict[str, list[int] | None], shards: int) -> dict[str, np.ndarray]:
     from calib.config import to_container
     from calib.santa.local_worker import last_json, start_child
     from calib.santa.reward import RewardSettings, score_schedule
@@ -108,6 +132,10 @@ def heldout_comparison(cfg: Any, loaded: Any, learned: np.ndarray, uniform: np.n
     schedules: dict[str, list[int] | None] = {"learned": [int(x) for x in learned]}
     if not same:
         schedules["uniform"] = [int(x) for x in uniform]
+    placements = uniform_variants(len(uniform), int(np.sum(uniform))) \
+        if bool(cfg.rl.get("heldout_uniform_placements", True)) else {}
+    if len(placements) > 1:
+        schedules.update(placements)
     if cfg.method.reward.get("heldout_dense", True):
         schedules["dense"] = None
     got = score_schedules(cfg, loaded, prompts, max_new, question_seeds(seed, len(prompts)), schedules, shards)
@@ -121,4 +149,30 @@ def heldout_comparison(cfg: Any, loaded: Any, learned: np.ndarray, uniform: np.n
            "heldout_questions": float(len(prompts))}
     if "dense" in got:
         out["reward_dense"] = float(got["dense"].mean())
+    if len(placements) > 1:
+        summary = placement_summary(got, placements, resamples=resamples, seed=seed)
+        out.update(summary)
+        out["heldout_ci_separated_best"] = float(ci_l.low > summary["reward_uniform_best_ci_high"])
+    return out
+
+
+def uniform_variants(num_layers: int, budget: int) -> dict[str, list[int]]:
+    """Every uniform placement at ``budget`` by name (``uniform_placement:<s_0>-<s_1>-...``)."""
+    from calib.santa.policy import uniform_placements
+
+    return {"uniform_placement:" + "-".join(str(int(x)) for x in s): [int(x) for x in s]
+            for s in uniform_placements(num_layers, budget)}
+
+
+def placement_summary(got: dict[str, np.ndarray], placements: dict[str, list[int]], *, resamples: int,
+                      seed: int) -> dict[str, float]:
+    """``reward_uniform_mean`` / ``reward_uniform_best`` (+ CIs) and the best placement's schedule."""
+    from calib.stats import bootstrap_mean_ci
+
+    scores = np.stack([np.asarray(got[name], dtype=np.float64) for name in placements])  # [P, n]
+    best = int(np.argmax(scores.mean(axis=1)))  # first placement on ties
+    out = {**_ci_metrics("reward_uniform_mean", bootstrap_mean_ci(scores.mean(axis=0), resamples=resamples, seed=seed)),
+           **_ci_metrics("reward_uniform_best", bootstrap_mean_ci(scores[best], resamples=resamples, seed=seed)),
+           "uniform_placements": float(len(placements))}
+    out.update({f"uniform_best_schedule.layer_{i}": float(x) for i, x in enumerate(list(placements.values())[best])})
     return out

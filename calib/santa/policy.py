@@ -120,3 +120,26 @@ def schedule_from_policy(theta: np.ndarray, budget: int) -> np.ndarray:
         slack = np.where(s > 1, quota - s, np.inf)
         s[int(np.argmin(slack))] -= 1
     return s
+
+
+def uniform_placements(num_layers: int, budget: int) -> list[np.ndarray]:
+    """Every as-uniform-as-possible integer schedule: each layer ``floor(N/L)`` or ``ceil(N/L)``, sum N.
+
+    When ``L`` divides ``N`` this is the one uniform schedule; otherwise the ``r = N mod L`` extra
+    samples can sit on any ``r`` layers, ``C(L, r)`` placements, and :func:`schedule_from_policy` at
+    ``theta = 0`` picks one of them (the lowest layer indices, its tie rule). A fair "uniform at N"
+    for a budget that L does not divide is then the mean over placements (each equally uniform), and
+    a strict one is the best placement. In lexicographic order of the extra layers' indices;
+    ``schedule_from_policy(zeros, N)`` is the first. Requires ``N >= L``.
+    """
+    from itertools import combinations
+
+    if budget < num_layers:
+        raise ValueError(f"budget {budget} < {num_layers} layers: cannot give every layer at least one sample")
+    base, extra = divmod(int(budget), int(num_layers))
+    out = []
+    for chosen in combinations(range(num_layers), extra):
+        s = np.full(num_layers, base, dtype=np.int64)
+        s[list(chosen)] += 1
+        out.append(s)
+    return out

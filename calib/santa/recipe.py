@@ -59,11 +59,14 @@ def validate(cfg: DictConfig) -> None:
 
 
 def default_rl_dir(run_id: str) -> Path:
-    """``<hydra output dir>/rl`` under Hydra, else ``artifacts/rl/<run_id>``."""
+    """``<hydra output dir>/rl-<run_id>`` under Hydra, else ``artifacts/rl/<run_id>``.
+
+    The run id is in the name because Hydra's output dir is per second: two runs started in the same
+    second share it, and one ``rl/`` would make the second refuse the first's directory."""
     try:
         from hydra.core.hydra_config import HydraConfig
 
-        return Path(HydraConfig.get().runtime.output_dir).resolve() / "rl"
+        return Path(HydraConfig.get().runtime.output_dir).resolve() / f"rl-{run_id}"
     except (ImportError, ValueError):
         from calib.paths import artifacts_dir
 

@@ -258,6 +258,42 @@ def test_uniform_sweep_command(model_dir, capsys):
     assert main(["sweep=1", *args, "rl.workers=0"]) == 2
 
 
+def test_uniform_sweep_totals_score_every_placement(model_dir, capsys, monkeypatch):
+    """sweep_total=3 on 2 layers: N3 is theta=0's [2, 1]; both placements scored; N3:mean is their mean."""
+    import calib.santa.heldout as heldout
+    from calib.santa.reward import main
+
+    scored: list[dict] = []
+    real = heldout._score_unique
+
+    def spy(cfg, loaded, prompts, max_new, seeds, schedules, shards):
+        scored.append(dict(schedules))
+        return real(cfg, loaded, prompts, max_new, seeds, schedules, shards)
+
+    monkeypatch.setattr(heldout, "_score_unique", spy)
+    args = overrides(model_dir, "rl.heldout_questions=6", "method.reward.heldout_dense=false")[1:]
+    assert main(["sweep=1", "sweep_total=3", *args]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["uniform_reward"]
+    assert set(got) == {"1", "N3", "N3:2-1", "N3:1-2", "N3:mean"}
+    assert got["N3"]["schedule"] == got["N3:2-1"]["schedule"] == [2, 1] and got["N3:1-2"]["schedule"] == [1, 2]
+    assert got["N3"]["reward"] == got["N3:2-1"]["reward"]
+    assert got["N3:mean"]["reward"] == pytest.approx((got["N3:2-1"]["reward"] + got["N3:1-2"]["reward"]) / 2)
+    assert sorted(map(tuple, scored[0].values())) == [(1, 1), (1, 2), (2, 1)]  # [2, 1] scored once
+    assert main(["sweep_total=1", *args]) == 2  # below one sample per layer
+
+
+def test_placement_summary_hand_worked():
+    from calib.santa.heldout import placement_summary
+
+    got = {"a": np.array([1, 0, 0, 1]), "b": np.array([1, 1, 1, 0]), "c": np.array([0, 0, 0, 0])}
+    places = {"a": [2, 1, 1], "b": [1, 2, 1], "c": [1, 1, 2]}
+    out = placement_summary(got, places, resamples=200, seed=0)
+    assert out["reward_uniform_mean"] == pytest.approx((2 + 3 + 0) / 12)
+    assert out["reward_uniform_best"] == pytest.approx(0.75) and out["uniform_placements"] == 3
+    assert [out[f"uniform_best_schedule.layer_{i}"] for i in range(3)] == [1, 2, 1]
+    assert out["reward_uniform_best_ci_low"] <= 0.75 <= out["reward_uniform_best_ci_high"]
+
+
 # ------------------------------------------------------------------------------ validation
 
 
@@ -285,3 +321,33 @@ def test_validate_accepts_defaults(model_dir):
 
     validate(compose(["+method=santa"]))
     validate(_compose(model_dir, "method.tiling=none", "method.estimator=iid", "rl.budget=5"))
+
+
+def test_heldout_comparison_scores_every_uniform_placement(model_dir, monkeypatch):
+    """N = 3 on 2 layers: uniform = theta=0's [2, 1]; the other placement [1, 2] is scored too, and the
+    best-placement metrics say whether learned beats even the luckiest uniform."""
+    import calib.santa.heldout as heldout
+
+    correct = {(2, 1): [1, 0, 0, 0, 1, 0], (1, 2): [1, 1, 1, 0, 1, 0], (1, 1): [0] * 6}
+    seen: list[dict] = []
+
+    def fake(cfg, loaded, prompts, max_new, seeds, schedules, shards):
+        seen.append(dict(schedules))
+        learned = [1, 1, 1, 1, 1, 1]
+        return {name: np.array(learned if name == "learned" else correct[tuple(s)], dtype=bool)
+                for name, s in schedules.items()}
+
+    from calib.models import load_model
+
+    monkeypatch.setattr(heldout, "score_schedules", fake)
+    cfg = _compose(model_dir, "method.reward.heldout_dense=false")
+    loaded = load_model(cfg.model, device="cpu")
+    out = heldout.heldout_comparison(cfg, loaded, np.array([1, 2]), np.array([2, 1]), 6, shards=1)
+    assert set(seen[0]) == {"learned", "uniform", "uniform_placement:2-1", "uniform_placement:1-2"}
+    assert out["reward_uniform"] == pytest.approx(2 / 6) and out["reward_uniform_mean"] == pytest.approx(6 / 12)
+    assert out["reward_uniform_best"] == pytest.approx(4 / 6) and out["uniform_placements"] == 2
+    assert (out["uniform_best_schedule.layer_0"], out["uniform_best_schedule.layer_1"]) == (1, 2)
+    assert out["heldout_ci_separated_best"] == float(out["reward_learned_ci_low"] > out["reward_uniform_best_ci_high"])
+    cfg = _compose(model_dir, "method.reward.heldout_dense=false", "rl.heldout_uniform_placements=false")
+    out = heldout.heldout_comparison(cfg, loaded, np.array([1, 2]), np.array([2, 1]), 6, shards=1)
+    assert set(seen[1]) == {"learned", "uniform"} and "reward_uniform_best" not in out

@@ -18,6 +18,7 @@ from calib.santa.policy import (
     reinforce_update,
     sample_schedule,
     schedule_from_policy,
+    uniform_placements,
     softmax,
 )
 
@@ -173,3 +174,19 @@ def test_schedule_from_policy_properties(theta, extra):
         rem = quota - floor
         if bumped.any() and (~bumped).any():
             assert rem[bumped].min() >= rem[~bumped].max()
+
+
+@pytest.mark.parametrize("layers, budget, count", [(4, 8, 1), (4, 5, 4), (4, 6, 6), (4, 7, 4), (3, 3, 1), (5, 12, 10)])
+def test_uniform_placements_are_every_floor_ceil_schedule(layers, budget, count):
+    got = uniform_placements(layers, budget)
+    assert len(got) == count == math.comb(layers, budget % layers)
+    assert len({tuple(s) for s in got}) == count
+    for s in got:
+        assert s.sum() == budget and set(s.tolist()) <= {budget // layers, -(-budget // layers)}
+    assert np.array_equal(got[0], schedule_from_policy(np.zeros(layers), budget))  # theta = 0's own placement
+
+
+def test_uniform_placements_need_one_sample_per_layer():
+    with pytest.raises(ValueError, match="at least one sample"):
+        uniform_placements(4, 3)
+

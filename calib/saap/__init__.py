@@ -13,7 +13,9 @@ Recipe, per non-dense layer (layer 0 stays dense), with ``W = window``, ``recent
    bucket candidates at the end of the prompt) -> :func:`fit_kmeans_heads` ``[Hkv, C, D]``;
 2. pass 2, per prompt while its q/k are in memory: ``kb = assign(k_derope, centroids)``,
    ``pos, is_lr = select_training_queries(q_rope, k_rope, n, long_range)``,
-   ``targets = kl_targets(q_rope, k_rope, kb, pos, C)``; keep ``q_derope`` at ``pos`` and ``targets``;
+   ``targets = kl_targets(q_rope, k_rope, kb, pos, C)``; keep ``q_derope`` at ``pos`` and ``targets``
+   (:func:`prompt_training_rows` does both, and with a teacher-forced gold answer appended adds its
+   decode positions, :func:`answer_query_positions`, to every head's rows);
    held-out prompts: :func:`evaluate_layer` (needs RoPE'd-key centroids for the ``kmeans_rope`` baseline);
 3. :func:`fit_query_classifiers` on the kept rows (``prompt_index`` for one-prompt batches), then
    ``model.layer_params(centroids, sink=..., recent=...)`` is the runtime's ``SaapLayerParams``.
@@ -32,8 +34,11 @@ from calib.saap.metrics import (
     selectivity,
 )
 from calib.saap.targets import (
+    PromptRows,
+    answer_query_positions,
     kl_targets,
     long_range_query_mask,
+    prompt_training_rows,
     sample_queries,
     select_training_queries,
     top1_key_distance,
@@ -42,6 +47,8 @@ from calib.saap.targets import (
 __all__ = [
     "BatchedQueryClassifier",
     "LayerEvaluation",
+    "PromptRows",
+    "answer_query_positions",
     "assign",
     "attention_recall",
     "eval_query_positions",
@@ -56,6 +63,7 @@ __all__ = [
     "long_range_query_mask",
     "output_relative_error",
     "probe_top_l_by_inner_product",
+    "prompt_training_rows",
     "recall_at_selectivity",
     "sample_queries",
     "select_training_queries",

@@ -25,7 +25,9 @@ Stages (each timed with ``ctx.timer``, logged as ``time_<stage>_s``):
    chosen, long-range ones first (top-1 key, sink excluded, causally, more than ``long_range`` back;
    ``classifier.query_candidates`` random positions tested), and their rows of ``A·H_k`` (sink
    excluded, renormalized, not causal unless ``causal_targets``) are computed. Only the de-RoPE'd
-   queries ``[Hq, n, D]`` and targets ``[Hq, n, C]`` leave the callback (to CPU).
+   queries ``[Hq, n, D]`` and targets ``[Hq, n, C]`` leave the callback (to CPU). With
+   ``classifier.teacher_forced_answer`` (default on) the pass runs on each prompt followed by its gold
+   answer's tokens and adds the answer positions to every head's rows (below).
 5. ``classifier`` — per non-dense layer all query heads train at once (batched weights, Adam, each
    batch from one prompt unless ``batch_from_one_prompt`` is false), with a progress bar; the loss
    curve (mean over heads, per step) and a figure of every head's curve go to MLflow.
@@ -37,6 +39,26 @@ Stages (each timed with ``ctx.timer``, logged as ``time_<stage>_s``):
    plots: :mod:`calib.saap.report`. Headline metrics: ``recall_at_sel<t>.<method>`` for every target
    of ``eval.recall_at_selectivity`` (MLflow forbids ``@`` in metric names), ``at_top_l.*``,
    ``window.*``, k-means imbalance, classifier loss, stage times.
+
+Answer-aware calibration (``method.classifier.teacher_forced_answer``, default true). The paper trains
+the classifiers only on long-range queries sampled across the prompt (papers/saap.txt §4 "Query
+assignment function", §5 and App. A: queries whose top-1 key is more than 1024 tokens back; App. E.1
+ablates it), and our calibration prompts end at the question. The queries that matter most at decode,
+those that emit the answer (copying the needle's digits one by one, induction-like), never occur in
+them: niah_single on the tiny model collapsed (0.98 -> 0.10 at ℓ=8) because the classifiers did not
+rank the needle's buckets for those queries. With the option on, the targets/classifier pass feeds
+``prompt ids + answer ids`` (:func:`answer_token_ids`: ``Prompt.answer`` tokenized as the model emits it
+after the prompt, the separator of the synthetic tasks' completions) and every head gets, *in addition*
+to its ``queries_per_prompt`` sampled rows (not counted in them), the ``m`` decode positions
+``[T, T + m)`` (:func:`calib.saap.targets.answer_query_positions`): the query of answer token ``j``
+predicts token ``j + 1`` and the last one the stop token, while the last prompt position ``T - 1`` is a
+prefill query, attended densely by the runtime, so it is not added. Their targets are causal (a
+decode query sees only its past). The sampled rows are drawn and computed on the prompt part alone,
+so they are those of the option off (same seed). K-means is unchanged: it runs on the collected prompt
+keys, because the runtime builds its bucket index from the prompt's keys at prefill, and the few
+answer keys are appended at decode where they sit in the dense window. Off = the paper's selection.
+Measured on tiny (ℓ=8, 20 held-out prompts per task): niah_single 0.20 -> 0.50 at 4096 tokens and
+0.00 -> 0.60 at 8192 (dense 1.00 / 0.95), kv_retrieval unchanged, ``recall_at_sel*`` within ±0.003.
 
 Artifact (what :meth:`runtime_kernels.saap.SaapDecode.from_artifact` reads): hyperparameters ``sink``,
 ``window``, ``top_l``, ``dense_layers``, ``bn_eps`` (plus every calibration setting), and per non-dense
@@ -121,6 +143,7 @@ class Settings:
     queries_per_prompt: int
     query_candidates: int | None
     batch_from_one_prompt: bool
+    teacher_forced_answer: bool
     classifier_seed: int
     eval_prompts: int
     eval_queries: int
@@ -155,6 +178,7 @@ class Settings:
             queries_per_prompt=_get(m, "classifier.queries_per_prompt", int),
             query_candidates=_get(m, "classifier.query_candidates", int, optional=True),
             batch_from_one_prompt=_get(m, "classifier.batch_from_one_prompt", bool),
+            teacher_forced_answer=_get(m, "classifier.teacher_forced_answer", bool),
             classifier_seed=_get(m, "classifier.seed", int),
             eval_prompts=_get(m, "eval.prompts", int), eval_queries=_get(m, "eval.queries_per_prompt", int),
             eval_length=_get(m, "eval.length", int, optional=True),
@@ -320,6 +344,34 @@ def derope_capture(model: Any, cap: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return derope(cap.q_post, cos, sin, torch.float32), derope(cap.k_post, cos, sin, torch.float32)
 
 
+_OPENERS = "\"'([{"
+
+
+def answer_token_ids(tokenizer: Any, prompt: Any) -> list[int]:
+    """``prompt.answer`` (the gold answer) as the tokens the model emits after ``prompt.input_ids``.
+
+    The synthetic tasks' completions are the answer after one space (``" 1234567"`` after "... is"),
+    or with no separator when the prompt already ends with whitespace or an opening quote/bracket (the
+    kv_retrieval prefix ``"key": "``); ``scripts/train_tiny.py`` tokenizes exactly that completion
+    alone (no BOS), and greedy decoding appends tokens one by one, so this is what the model sees.
+    Empty answers give no tokens.
+    """
+    answer, text = str(prompt.answer), str(prompt.text)
+    if not answer:
+        return []
+    sep = "" if not text or text[-1].isspace() or text[-1] in _OPENERS else " "
+    return list(tokenizer(sep + answer, add_special_tokens=False)["input_ids"])
+
+
+def calibration_sequences(tokenizer: Any, prompts: Sequence[Any], teacher_forced_answer: bool
+                          ) -> tuple[list[list[int]], list[int]]:
+    """Token ids of the targets/classifier pass and each prompt's length (where the answer starts)."""
+    lengths = [len(p.input_ids) for p in prompts]
+    if not teacher_forced_answer:
+        return [list(p.input_ids) for p in prompts], lengths
+    return [list(p.input_ids) + answer_token_ids(tokenizer, p) for p in prompts], lengths
+
+
 @dataclass
 class TrainingRows:
     """One layer's classifier data: rows of all prompts (CPU)."""
@@ -328,6 +380,8 @@ class TrainingRows:
     targets: list[torch.Tensor]  # [Hq, n_p, C] rows of A·H_k
     long_range: list[torch.Tensor]  # [Hq, n_p] bool
     prompt: list[int]
+    answer: list[torch.Tensor] = dataclasses.field(default_factory=list)  # [Hq, n_p] bool: answer rows
+    positions: list[torch.Tensor] = dataclasses.field(default_factory=list)  # [Hq, n_p] query positions
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(x [Hq, N, D], targets [Hq, N, C], prompt_index [N])``."""
@@ -337,12 +391,14 @@ class TrainingRows:
 
 def training_rows(loaded: Any, prompts: Sequence[Any], centroids: dict[int, torch.Tensor], s: Settings,
                   seed: int) -> dict[int, TrainingRows]:
-    """The second pass: per non-dense layer the sampled queries and their ``A·H_k`` rows."""
+    """The second pass: per non-dense layer the sampled queries (plus, with ``teacher_forced_answer``,
+    the answer positions) and their ``A·H_k`` rows."""
     from calib.collect import run_layer_callbacks
     from calib.collect.sampling import sample_generator
     from calib.saap.kmeans import assign
-    from calib.saap.targets import kl_targets, select_training_queries
+    from calib.saap.targets import prompt_training_rows
 
+    sequences, prompt_lens = calibration_sequences(loaded.tokenizer, prompts, s.teacher_forced_answer)
     rows = {l: TrainingRows([], [], [], []) for l in centroids}
     scales = layer_scales(loaded.model)
     on_device = {l: c.to(loaded.device) for l, c in centroids.items()}
@@ -352,20 +408,23 @@ def training_rows(loaded: Any, prompts: Sequence[Any], centroids: dict[int, torc
             return
         qr, kr = cap.q_post.float(), cap.k_post.float()
         qd, kd = derope_capture(loaded.model, cap)
-        pool = cap.num_tokens - max(s.sink, 1)
+        prompt_len = prompt_lens[cap.prompt_index]
+        pool = prompt_len - max(s.sink, 1)
         n = min(s.queries_per_prompt, pool if s.query_candidates is None else min(pool, s.query_candidates))
         gen = sample_generator(seed, cap.prompt_index, cap.layer, "saap-queries")
-        pos, is_lr = select_training_queries(qr, kr, n, s.long_range, sink=s.sink, causal=s.causal_top1,
-                                             candidates=s.query_candidates, scale=scales[cap.layer], generator=gen)
         kb = assign(kd, on_device[cap.layer])  # [Hkv, T]
-        tgt = kl_targets(qr, kr, kb, pos, s.clusters, causal=s.causal_targets, sink=s.sink, scale=scales[cap.layer])
+        pr = prompt_training_rows(qr, kr, kb, n, s.long_range, s.clusters, prompt_len=prompt_len, sink=s.sink,
+                                  causal_top1=s.causal_top1, causal_targets=s.causal_targets,
+                                  candidates=s.query_candidates, scale=scales[cap.layer], generator=gen)
         r = rows[cap.layer]
-        r.x.append(qd.gather(1, pos.unsqueeze(-1).expand(-1, -1, qd.shape[-1])).cpu())
-        r.targets.append(tgt.cpu())
-        r.long_range.append(is_lr.cpu())
+        r.x.append(qd.gather(1, pr.positions.unsqueeze(-1).expand(-1, -1, qd.shape[-1])).cpu())
+        r.targets.append(pr.targets.cpu())
+        r.long_range.append(pr.long_range.cpu())
+        r.answer.append(pr.answer.cpu())
+        r.positions.append(pr.positions.cpu())
         r.prompt.append(cap.prompt_index)
 
-    run_layer_callbacks(loaded, [p.input_ids for p in prompts], on_layer, layers=sorted(rows), desc="saap targets")
+    run_layer_callbacks(loaded, sequences, on_layer, layers=sorted(rows), desc="saap targets")
     return rows
 
 
@@ -456,9 +515,11 @@ def calibrate(cfg: DictConfig, ctx: Any) -> Any:
         report.log_report(table, curves, str(cfg.model.name),
                           {"layers": layers, "recall_targets": s.recall_targets, "recall_per_layer": per_layer})
     lr_by_layer = {l: float(torch.cat(r.long_range, 1).float().mean()) for l, r in rows.items()}
+    answer_rows = {l: int(sum(int(a[0].sum()) for a in r.answer)) for l, r in rows.items()}
     metrics.update({
         "kmeans_imbalance": sum(balance.values()) / len(balance),
         "train_long_range_fraction": sum(lr_by_layer.values()) / len(lr_by_layer),
+        "train_answer_rows": sum(answer_rows.values()) / len(answer_rows),
         "classifier_loss_first": float(torch.stack([c[: max(1, len(c) // 20)].mean() for c in curves.values()]).mean()),
         "classifier_loss_last": float(torch.stack([c[-max(1, len(c) // 20):].mean() for c in curves.values()]).mean()),
         **{f"time_{k}_s": v for k, v in ctx.timer.seconds.items()},
@@ -468,6 +529,7 @@ def calibrate(cfg: DictConfig, ctx: Any) -> Any:
                "kmeans_imbalance": {str(l): v for l, v in balance.items()},
                "training_rows": {str(l): int(sum(x.shape[1] for x in r.x)) for l, r in rows.items()},
                "train_long_range_fraction": {str(l): v for l, v in lr_by_layer.items()},
+               "train_answer_rows": {str(l): v for l, v in answer_rows.items()},
                "collected_set": collected.content_hash, "eval_length": eval_length, "eval_prompts": len(held_out)}
     return _output(cfg, s, loaded, params, calib_prompts, held_out, calib_lengths, metrics, payload,
                    keys_per_prompt(s, len(calib_prompts)))
@@ -489,6 +551,7 @@ def hyperparameters(s: Settings, keys: int, calib_lengths: list[int], eval_lengt
             "classifier": {"hidden": s.hidden, "lr": s.lr, "steps": s.steps, "batch": s.batch,
                            "queries_per_prompt": s.queries_per_prompt, "query_candidates": s.query_candidates,
                            "batch_from_one_prompt": s.batch_from_one_prompt, "seed": s.classifier_seed,
+                           "teacher_forced_answer": s.teacher_forced_answer,
                            "optimizer": "adam", "batch_norm": True, "loss": "KL(A·H_k || softmax f_q(q))"},
             "prompts": s.prompts, "calib_lengths": calib_lengths, "eval_length": eval_length,
             "eval_prompts": s.eval_prompts, "baseline_probe": s.baseline_probe}

@@ -10,6 +10,14 @@ Only long-range queries are kept: the query's top-1 key (sink excluded) lies mor
 tokens before it. The top-1 is taken over the keys the query sees at decode (``j ≤ i``, ``causal=True``
 by default): a decode query never sees the future, so "its best key is far back" is about its past.
 
+Answer-aware rows (:func:`prompt_training_rows`, ``method.classifier.teacher_forced_answer``): the
+sequence may be the prompt followed by its gold answer's tokens (teacher forcing). The sampled
+queries and their targets then come from the prompt part only, exactly as without the answer, and
+the **answer positions** ``[T, T + m)`` are added for every head: the queries the decode runtime
+actually sees while it emits the answer (the query of answer token ``j`` predicts token ``j + 1``, the
+last one predicts the stop token). Their targets are causal (a decode query sees only its past),
+whatever ``causal_targets`` says for the prompt's rows.
+
 Everything runs on one prompt's tensors, chunked over queries (memory ``O(chunk · T)`` per head), so
 the recipe calls it inside the collection pass and keeps only the sampled queries and their targets.
 GQA layout: query head ``h`` reads KV head ``h // (Hq // Hkv)``.
@@ -18,6 +26,7 @@ GQA layout: query head ``h`` reads KV head ``h // (Hq // Hkv)``.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -148,3 +157,62 @@ def kl_targets(q_rope: torch.Tensor, k_rope: torch.Tensor, key_bucket: torch.Ten
         tgt = torch.zeros(hq, qi.shape[1], C, dtype=torch.float32, device=q_rope.device)
         out[:, start:start + chunk] = tgt.scatter_add_(-1, bucket.unsqueeze(1).expand_as(p), p)
     return out
+
+
+def answer_query_positions(prompt_len: int, answer_len: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Decode-time query positions of a teacher-forced answer: ``[prompt_len, prompt_len + answer_len)``.
+
+    The runtime prefills the prompt densely; the logits of the last prompt position (``prompt_len - 1``,
+    a prefill query) give answer token 0. Each later step feeds the token just emitted, so answer token
+    ``j`` sits at position ``prompt_len + j`` and its query (sparse decode attention) predicts token
+    ``j + 1``; the last answer token's query predicts the stop token. These ``answer_len`` positions are
+    all the decode queries that produce the gold answer and its end.
+    """
+    return torch.arange(prompt_len, prompt_len + answer_len, device=device)
+
+
+@dataclass
+class PromptRows:
+    """One prompt's classifier rows: per head ``n`` sampled rows, then the ``m`` answer rows."""
+
+    positions: torch.Tensor  # [Hq, n + m] int64
+    long_range: torch.Tensor  # [Hq, n + m] bool: top-1 key (causal, sink excluded) > long_range back
+    answer: torch.Tensor  # [Hq, n + m] bool: the row is a teacher-forced answer position
+    targets: torch.Tensor  # [Hq, n + m, C] rows of A·H_k
+
+
+def prompt_training_rows(q_rope: torch.Tensor, k_rope: torch.Tensor, key_bucket: torch.Tensor, n: int,
+                         long_range: int, C: int, *, prompt_len: int | None = None, sink: int = 1,
+                         causal_top1: bool = True, causal_targets: bool = False, candidates: int | None = None,
+                         scale: float | None = None, generator: torch.Generator | None = None) -> PromptRows:
+    """Training queries and targets of one (possibly teacher-forced) sequence.
+
+    ``q_rope [Hq, T, D]``, ``k_rope [Hkv, T, D]``, ``key_bucket [Hkv, T]`` cover the whole sequence;
+    ``prompt_len`` (default ``T``) is where the prompt ends and the appended answer begins.
+
+    * ``n`` sampled rows per head: :func:`select_training_queries` and :func:`kl_targets` on the prompt
+      part ``[:prompt_len]`` only, so positions (same ``generator`` state) and targets are those of
+      the prompt alone.
+    * ``m = T - prompt_len`` answer rows, the same positions for every head
+      (:func:`answer_query_positions`), added on top of the ``n`` (not counted in them): causal
+      targets over all ``T`` keys, the attention the decode step computes.
+    """
+    hq, t, _ = q_rope.shape
+    prompt_len = t if prompt_len is None else int(prompt_len)
+    if not 0 < prompt_len <= t:
+        raise ValueError(f"prompt_len={prompt_len} outside (0, {t}]")
+    qp, kp = q_rope[:, :prompt_len], k_rope[:, :prompt_len]
+    pos, is_lr = select_training_queries(qp, kp, n, long_range, sink=sink, causal=causal_top1,
+                                         candidates=candidates, scale=scale, generator=generator)
+    pos = pos.to(q_rope.device)
+    tgt = kl_targets(qp, kp, key_bucket[:, :prompt_len], pos, C, causal=causal_targets, sink=sink, scale=scale)
+    is_answer = torch.zeros_like(is_lr)
+    if prompt_len < t:
+        apos = answer_query_positions(prompt_len, t - prompt_len, q_rope.device)
+        a_lr = top1_key_distance(q_rope, k_rope, positions=apos, sink=sink, causal=True, scale=scale) > long_range
+        a_tgt = kl_targets(q_rope, k_rope, key_bucket, apos, C, causal=True, sink=sink, scale=scale)
+        pos = torch.cat([pos, apos.expand(hq, -1)], 1)
+        is_lr = torch.cat([is_lr, a_lr.to(is_lr.device)], 1)
+        is_answer = torch.cat([is_answer, torch.ones_like(a_lr, device=is_answer.device)], 1)
+        tgt = torch.cat([tgt, a_tgt], 1)
+    return PromptRows(pos, is_lr, is_answer, tgt)

@@ -17,8 +17,7 @@ Methods:
 * ``saap`` (ℓ = 16, 32, 64): C = 1024 balanced buckets (a random balanced assignment: each bucket holds
   ``N_s / C`` keys), window 1 + 2047, the classifier (2-layer MLP D -> 1024 -> C per query head, bf16
   weights, 75.5 MB) included. Stage variants at ℓ = 32 show where the time goes: ``saap-cls`` (classifier
-  logits only), ``saap-nocls`` (ranking from fixed logits + attention + merge), ``saap-attn`` (attention +
-  merge on fixed buckets).
+  and ranking: ``saap_select_buckets_triton``), ``saap-attn`` (attention + merge on fixed buckets).
 * ``santa-prop`` (S = 128, 256) and ``santa-flash`` (S = 1024, 2048), tile 256, through
   ``runtime_kernels.santa.api.santa_decode_attention`` (eager: validation and offset drawing included);
   the graphed column captures the backend forward (``santa_decode_forward``) with offsets drawn once,
@@ -100,12 +99,12 @@ class Row:
 class Timer:
     """benchutil.cuda_time on CUDA (cold L2, medians); a wall-clock median on CPU (``--smoke`` only)."""
 
-    def __init__(self, cuda: bool, warmup: int, repeats: int) -> None:
-        self.cuda, self.warmup, self.repeats = cuda, warmup, repeats
+    def __init__(self, cuda: bool, warmup: int, repeats: int, flush: str = "read") -> None:
+        self.cuda, self.warmup, self.repeats, self.flush = cuda, warmup, repeats, flush
 
     def eager(self, fn: Callable[[], object]) -> float:
         if self.cuda:
-            return cuda_time(fn, warmup=self.warmup, repeats=self.repeats).median_ms * 1e3
+            return cuda_time(fn, warmup=self.warmup, repeats=self.repeats, flush=self.flush).median_ms * 1e3
         fn()
         times = []
         for _ in range(max(1, min(self.repeats, 2))):
@@ -217,10 +216,8 @@ def bench_saap(timer: Timer, sh: Shapes, q, k, v, b: int, t: int, floor: float, 
         variants = [("saap", full, nb["kv"] + nb["index"] + nb["weights"])]
         if top_l == sh.top_ls[len(sh.top_ls) // 2]:
             variants += [
-                ("saap-cls", lambda: saap_triton.saap_classifier_logits_triton(qd, params), nb["weights"]),
-                ("saap-nocls", lambda top_l=top_l: saap_triton.saap_sparse_attention_triton(
-                    q, k, v, index, saap_triton.saap_rank_buckets_triton(logits, group, top_l), lo, hi,
-                    sh.d ** -0.5), nb["kv"] + nb["index"]),
+                ("saap-cls", lambda top_l=top_l: saap_triton.saap_select_buckets_triton(qd, params, group, top_l),
+                 nb["weights"]),  # classifier + ranking (the GEMV path sums its partial logits in the ranking)
                 ("saap-attn", lambda sel=sel: saap_triton.saap_sparse_attention_triton(
                     q, k, v, index, sel, lo, hi, sh.d ** -0.5), nb["kv"] + nb["index"]),
             ]
@@ -356,6 +353,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--methods", nargs="+", default=["saap", "santa"], choices=["saap", "santa"])
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--flush", choices=["read", "write"], default="read",
+                   help="cold-L2 flush before each timed call (benchutil: a write leaves dirty lines)")
     p.add_argument("--json", type=Path, default=None, help="write all rows here")
     p.add_argument("--saap-variants", nargs="*", default=None, metavar="NAME",
                    help=f"time named SAAP configs side by side instead of the full table (B 1 8 x T 8192 131072, "
@@ -388,6 +387,25 @@ SAAP_VARIANTS: dict[str, dict[str, int]] = {
     "cls-h128-n128-w8": {"cls_fused": 1, "cls_block_h": 128, "cls_block_n": 128, "cls_warps": 8},
     "cls-h64-n256-w8": {"cls_fused": 1, "cls_block_h": 64, "cls_block_n": 256, "cls_warps": 8},
     "cls-nsplit2": {"cls_fused": 1, "cls_n_split": 2},
+    "tc-cls": {"cls_gemv_max_b": 0},  # the tensor-core classifier at B = 1 too (the previous default)
+    "gemv-n128": {"gemv_block_n": 128},
+    "gemv-ks2": {"gemv_k_split": 2},
+    "gemv-ks8": {"gemv_k_split": 8},
+    "gemv-k32": {"gemv_block_k": 32},
+    "gemv-w8": {"gemv_warps": 8},
+    "gemv-b8": {"cls_gemv_max_b": 8},  # the GEMV classifier at B = 8 as well
+    # whole weight rows per program (2 KB contiguous each), layer 2 split into k chunks of rows
+    "rows-k8-ks16": {"gemv_block_n": 1024, "gemv_block_k": 8, "gemv_k_split": 16, "gemv_warps": 8},
+    "rows-k16-ks16": {"gemv_block_n": 1024, "gemv_block_k": 16, "gemv_k_split": 16, "gemv_warps": 8},
+    "rows-k8-ks8": {"gemv_block_n": 1024, "gemv_block_k": 8, "gemv_k_split": 8, "gemv_warps": 8},
+    "rows-k8-ks32": {"gemv_block_n": 1024, "gemv_block_k": 8, "gemv_k_split": 32, "gemv_warps": 8},
+    "rows-k4-ks32-w4": {"gemv_block_n": 1024, "gemv_block_k": 4, "gemv_k_split": 32, "gemv_warps": 4},
+    "n256-k32-ks8": {"gemv_block_n": 256, "gemv_block_k": 32, "gemv_k_split": 8, "gemv_warps": 8},
+    "n128-l1n128": {"gemv_block_n": 128, "gemv1_block_n": 128},
+    "n128-rank8": {"gemv_block_n": 128, "rank_warps": 8},
+    "n128-rank16": {"gemv_block_n": 128, "rank_warps": 16},
+    "prefetch-v": {"attn_prefetch_v": 1},
+    "prefetch-v-overlap": {"attn_prefetch_v": 1, "overlap_window": 1},
     "attn-bn32": {"block_n": 32, "min_win_steps": 2, "max_win_tiles": 64},
     "attn-w8": {"attn_warps": 8},
     "win-big": {"min_win_steps": 4, "max_win_tiles": 16, "attn_stages": 3},
@@ -409,7 +427,7 @@ def bench_saap_variants(args: argparse.Namespace, names: list[str]) -> None:
     lengths = tuple(args.lengths) if args.lengths else sh.lengths
     top_l = _pick(sh.top_ls, 32, len(sh.top_ls) // 2)
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-    timer = Timer(cuda, args.warmup if cuda else 1, args.repeats)
+    timer = Timer(cuda, args.warmup if cuda else 1, args.repeats, args.flush)
     base = triton_config.CONFIG
     results: list[tuple[str, int, int, float, float, float | None]] = []
     for b in batches:
@@ -422,7 +440,7 @@ def bench_saap_variants(args: argparse.Namespace, names: list[str]) -> None:
                 triton_config.CONFIG = replace(base, **SAAP_VARIANTS[name])
                 full = lambda: saap_triton.saap_decode_attention_triton(  # noqa: E731
                     q, qd, k, v, index, params, top_l=top_l, scale=None)
-                cls = lambda: saap_triton.saap_classifier_logits_triton(qd, params)  # noqa: E731
+                cls = lambda: saap_triton.saap_select_buckets_triton(qd, params, sh.hq // sh.hkv, top_l)  # noqa: E731
                 times = []
                 for fn in (full, cls):
                     graph, _ = timer.graphed(fn)
@@ -449,7 +467,7 @@ def run(args: argparse.Namespace) -> tuple[list[Row], Shapes]:
     sh = Shapes(**{**asdict(base), **({"batches": tuple(args.batches)} if args.batches else {}),
                    **({"lengths": tuple(args.lengths)} if args.lengths else {})})
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-    timer = Timer(cuda, args.warmup if cuda else 1, args.repeats)
+    timer = Timer(cuda, args.warmup if cuda else 1, args.repeats, args.flush)
     torch.manual_seed(0)
     _print_header(cuda)
     apply_saap_config(args.saap_config)

@@ -2,7 +2,13 @@
 
 Method (SANTA paper App. R; the device notes): CUDA events around the timed call only, warm-up calls
 first (compilation, autotuning and handle creation stay out), a cold L2 before every timed call (a
-write over a buffer larger than the H200's 50 MB L2, outside the events), the median over repeats.
+read of a buffer larger than the H200's 50 MB L2, outside the events), the median over repeats.
+
+The flush *reads* (since 2026-11-21 13:30; before, it wrote the buffer): a written flush leaves the L2
+full of dirty lines, and their write-back then happens inside the timed call, as extra HBM traffic of
+up to the L2 size (~50 MB; 12 µs at 4.2 TB/s) charged to whichever kernel runs next. That is no cost of
+the kernel, and it weighs most on the calls that read least (a 76 MB classifier stream, a sparse
+step), so a read flush gives both a cold L2 and an honest clock. ``flush="write"`` keeps the old one.
 Inputs are random, never zeros. ``floor_ms`` gives the bandwidth floor printed beside every time.
 """
 
@@ -28,20 +34,27 @@ class Timing:
     repeats: int
 
 
-def cuda_time(fn: Callable[[], object], *, warmup: int = 5, repeats: int = 30, cold_l2: bool = True) -> Timing:
+def cuda_time(fn: Callable[[], object], *, warmup: int = 5, repeats: int = 30, cold_l2: bool = True,
+              flush: str = "read") -> Timing:
     """Median device time of ``fn()`` with CUDA events, after ``warmup`` untimed calls.
 
-    With ``cold_l2`` a 256 MiB buffer is overwritten before each timed call (outside the events), so no
-    call reads its inputs from the previous call's L2.
+    With ``cold_l2`` a 256 MiB buffer is read (``flush="read"``: the L2 is left holding its clean lines)
+    or overwritten (``"write"``: dirty lines, see the module docstring) before each timed call, outside
+    the events, so no call reads its inputs from the previous call's L2.
     """
-    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda") if cold_l2 else None
+    if flush not in ("read", "write"):
+        raise ValueError(f"flush must be 'read' or 'write', got {flush!r}")
+    buf = torch.ones(L2_FLUSH_BYTES // 4, dtype=torch.float32, device="cuda") if cold_l2 else None
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     times: list[float] = []
     for _ in range(repeats):
-        if flush is not None:
-            flush.fill_(1)
+        if buf is not None:
+            if flush == "read":
+                buf.amax()
+            else:
+                buf.fill_(1.0)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()

@@ -24,6 +24,10 @@ A dense layer (``params.dense``) is steps 3-4 with the whole cache as the window
 Performance model (Llama-3.1-8B: Hq = 32, Hkv = 8, D = 128, bf16 K/V and classifier weights, C = 1024,
 hidden 1024, window 1 + 2047, balanced buckets of ``N_s / C`` keys, ``N_vis = 2048 + ℓ · N_s / C``):
 
+* classifier, B ≤ ``cls_gemv_max_b`` (2): two GEMV launches on CUDA cores (float32 FMA; layer 2 in 4
+  hidden chunks whose partial logits the ranking sums), no 64-row tensor-core padding: measured 43 µs
+  with the ranking at 128k B=1 (1.8 TB/s; H200 2026-11-21, read-flushed L2), 5 µs under the tensor-core
+  path. Still far from the weight stream's ~18 µs: the open item of issue 8.
 * classifier: ``Hq · (D·Hd + Hd·C) · 2 B`` = 75.5 MB of weights per call whatever B (≤ 16). First
   version (two launches, 256 programs streaming K = 1024): measured 46 µs (1.65 TB/s). Fused: 512
   programs (2 resident per SM: 244 registers, 80 KB smem at 3 stages), each 16 KB of w1 then 8 steps of
@@ -73,9 +77,10 @@ from runtime_kernels.saap.reference import (
     saap_decode_attention_reference,
     searchable_range,
 )
-from runtime_kernels.saap.triton_classifier import (  # noqa: F401 (public API of this module too)
+from runtime_kernels.saap.triton_classifier import (  # public API of this module too (__all__)
     saap_classifier_logits_triton,
     saap_rank_buckets_triton,
+    saap_select_buckets_triton,
 )
 from runtime_kernels.saap import triton_config as _tc
 from runtime_kernels.saap.triton_config import ROWS as _ROWS, buffer as _buffer, pow2 as _pow2
@@ -111,7 +116,7 @@ def _partial_kernel(
     sq_b, sq_h, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
     sst_b, sst_h, sst_c, scn_b, scn_h, scn_c, ssl_b, ssl_h, ssl_s,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, F32: tl.constexpr,
+    BLOCK_N: tl.constexpr, F32: tl.constexpr, PREFETCH_V: tl.constexpr,
 ):
     """One partial softmax ``(o [G, D], m [G], l [G])`` of the query heads of one (batch, KV head).
 
@@ -166,6 +171,9 @@ def _partial_kernel(
             pos = tl.where(is_bkt, pos_b, pos_w)
             kt = tl.load(k_base + pos[None, :] * sk_t + offs_d[:, None] * sk_d,
                          mask=k_ok[None, :] & d_ok[:, None], other=0.0)  # [D_PAD, BLOCK_N]
+            if PREFETCH_V:  # issue the V gather with K's: one memory round trip per step instead of two
+                v = tl.load(v_base + pos[:, None] * sv_t + offs_d[None, :] * sv_d,
+                            mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, D_PAD]
             s = _mma(q, kt, F32) * qk_scale  # [G_PAD, BLOCK_N], log2 units
             s = tl.where(k_ok[None, :], s, -float("inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -173,8 +181,9 @@ def _partial_kernel(
             alpha = tl.exp2(m_i - m_safe)
             pr = tl.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(pr, 1)
-            v = tl.load(v_base + pos[:, None] * sv_t + offs_d[None, :] * sv_d,
-                        mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, D_PAD]
+            if not PREFETCH_V:
+                v = tl.load(v_base + pos[:, None] * sv_t + offs_d[None, :] * sv_d,
+                            mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, D_PAD]
             acc = acc * alpha[:, None] + _mma(pr.to(v.dtype), v, F32)
             m_i = m_new
     row = (pid.to(tl.int64) * n_part + p) * G + offs_g  # [G_PAD] partial row index
@@ -310,6 +319,7 @@ def _launch_partials(pl: _Partials, state: BucketIndex | None, buckets: torch.Te
         pl.n_per, pl.scale * LOG2E, *q.stride(), *k_cache.stride(), *v_cache.stride(), *start.stride(),
         *count.stride(), *slots.stride(),
         G=g, G_PAD=max(_ROWS, _pow2(g)), D=d, D_PAD=_pow2(d), BLOCK_N=_tc.CONFIG.block_n, F32=f32,
+        PREFETCH_V=bool(_tc.CONFIG.attn_prefetch_v),
         num_warps=_tc.CONFIG.attn_warps, num_stages=_tc.CONFIG.attn_stages,
     )
 
@@ -342,6 +352,9 @@ def saap_sparse_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     return _merge(pl)
 
 
+__all__ = ["saap_classifier_logits_triton", "saap_decode_attention_triton", "saap_rank_buckets_triton",
+           "saap_select_buckets_triton", "saap_sparse_attention_triton"]
+
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
@@ -367,8 +380,7 @@ def _sparse_step(q: torch.Tensor, q_derope: torch.Tensor, k_cache: torch.Tensor,
         side.wait_stream(main)
         with torch.cuda.stream(side):
             _launch_partials(pl, None, None, True, False)
-    logits = saap_classifier_logits_triton(q_derope, params)
-    buckets = saap_rank_buckets_triton(logits, q.shape[1] // hkv, top_l)
+    buckets = saap_select_buckets_triton(q_derope, params, q.shape[1] // hkv, top_l)
     _launch_partials(pl, state, buckets, not overlap, True)
     if overlap:
         main.wait_stream(side)

@@ -239,13 +239,69 @@ def _mlp_fused_kernel(
 
 
 @triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, bias_ptr, mean_ptr, var_ptr, gamma_ptr, beta_ptr, out_ptr,
+    n_rows, n_heads, K, N, k_chunk, eps, sx_b, sx_h, sx_k, sw_h, sw_k, sw_n,
+    FIRST: tl.constexpr, R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One classifier layer of query head ``h`` for ``n_rows <= R`` batch rows on CUDA cores (small-batch
+    decode: a weight-streaming GEMV, no tensor-core padding to 64 rows).
+
+    ``y[b, n] = Σ_k x[b, h, k] · w[h, k, n]`` over ``k ∈ [ks·k_chunk, min(K, (ks+1)·k_chunk))``, float32
+    products and accumulation (the weights upcast; ~1e-7 relative, like the reference's float32 matmul).
+    Products are accumulated per (row, k lane, column) and reduced over k once at the end.
+    ``FIRST`` (layer 1, one k chunk): ``+ b1``, batch-norm (eval), ReLU -> ``out [B, H, N]`` float32.
+    Else (layer 2, split-K): the partial logits of chunk ``ks`` -> ``out [KS, B, H, N]`` float32; the
+    ranking kernel sums the chunks in order and adds ``b2``.
+    w: [H, K, N] (unit stride on N for coalesced rows); x: [B, H, K] (strides ``sx_*``).
+    Grid: (H, cdiv(N, BLOCK_N), KS).
+    """
+    h = tl.program_id(0)
+    ks = tl.program_id(2)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, R)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok = offs_n < N
+    r_ok = offs_r < n_rows
+    k_lo = ks * k_chunk
+    k_hi = tl.minimum(K, k_lo + k_chunk)
+    w_head = w_ptr + h.to(tl.int64) * sw_h + offs_n[None, :] * sw_n
+    x_rows = x_ptr + offs_r.to(tl.int64)[:, None] * sx_b + h * sx_h
+    acc = tl.zeros([R, BLOCK_K, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        kk = k0 + offs_k
+        k_ok = kk < k_hi
+        w = tl.load(w_head + kk[:, None] * sw_k, mask=k_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+        x = tl.load(x_rows + kk[None, :] * sx_k, mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        acc += x[:, :, None] * w[None, :, :]
+    y = tl.sum(acc, 1)  # [R, BLOCK_N]
+    if FIRST:
+        vec = h * N + offs_n
+        bias = tl.load(bias_ptr + vec, mask=n_ok, other=0.0).to(tl.float32)
+        mean = tl.load(mean_ptr + vec, mask=n_ok, other=0.0).to(tl.float32)
+        var = tl.load(var_ptr + vec, mask=n_ok, other=1.0).to(tl.float32)
+        gamma = tl.load(gamma_ptr + vec, mask=n_ok, other=0.0).to(tl.float32)
+        beta = tl.load(beta_ptr + vec, mask=n_ok, other=0.0).to(tl.float32)
+        inv = 1.0 / tl.sqrt(var + eps)
+        y = tl.maximum((y + bias[None, :] - mean[None, :]) * (inv * gamma)[None, :] + beta[None, :], 0.0)
+        rows = offs_r.to(tl.int64)
+    else:
+        rows = ks.to(tl.int64) * n_rows + offs_r
+    out = out_ptr + (rows[:, None] * n_heads + h) * N + offs_n[None, :]
+    tl.store(out, y, mask=r_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
 def _rank_kernel(
-    logits_ptr, sel_ptr, n_kv, C, L, sl_b, sl_h, sl_c,
-    G: tl.constexpr, G_PAD: tl.constexpr, C_PAD: tl.constexpr, K_PAD: tl.constexpr,
+    logits_ptr, bias_ptr, sel_ptr, n_kv, C, L, sl_b, sl_h, sl_c, sl_p,
+    G: tl.constexpr, G_PAD: tl.constexpr, C_PAD: tl.constexpr, K_PAD: tl.constexpr, N_PART: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     """Top-ℓ buckets of one (batch, KV head): ``sel[b, h, :L]`` (int32, best first; ties: lower bucket).
 
-    logits: [B, Hq, C] float32 (query heads ``h*G .. h*G+G-1`` of KV head ``h``); sel: [B, Hkv, L]
+    logits: [N_PART, B, Hq, C] float32 (query heads ``h*G .. h*G+G-1`` of KV head ``h``), summed over the
+    ``N_PART`` split-K chunks in order (stride ``sl_p``) plus ``bias [Hq, C]`` when ``HAS_BIAS`` (the GEMV
+    classifier's partial logits; a plain logits tensor is ``N_PART = 1``, no bias); sel: [B, Hkv, L]
     contiguous. Score of bucket c = Σ_g softmax(logits[b, h*G+g])[c] (>= 0, so its float bits order like
     the value): key = bits << 32 | (C_PAD - 1 - c), bitonic top-K_PAD, the first L kept.
     """
@@ -256,8 +312,14 @@ def _rank_kernel(
     offs_c = tl.arange(0, C_PAD)
     g_ok = offs_g < G
     c_ok = offs_c < C
+    ok = g_ok[:, None] & c_ok[None, :]
     ptrs = logits_ptr + b.to(tl.int64) * sl_b + (h * G + offs_g)[:, None] * sl_h + offs_c[None, :] * sl_c
-    x = tl.load(ptrs, mask=g_ok[:, None] & c_ok[None, :], other=-float("inf"))
+    x = tl.load(ptrs, mask=ok, other=0.0)
+    for part in tl.static_range(1, N_PART):
+        x += tl.load(ptrs + part * sl_p, mask=ok, other=0.0)
+    if HAS_BIAS:
+        x += tl.load(bias_ptr + (h * G + offs_g)[:, None] * C + offs_c[None, :], mask=ok, other=0.0).to(tl.float32)
+    x = tl.where(ok, x, -float("inf"))
     row_max = tl.where(g_ok, tl.max(x, 1), 0.0)
     e = tl.exp(x - row_max[:, None])  # padded rows and columns: exp(-inf) = 0
     den = tl.where(g_ok, tl.sum(e, 1), 1.0)
@@ -318,14 +380,70 @@ def _mlp_fused(q_derope: torch.Tensor, p: SaapLayerParams, logits: torch.Tensor)
     )
 
 
+def _use_gemv(b: int) -> bool:
+    return b <= _tc.CONFIG.cls_gemv_max_b
+
+
+def _gemv_partials(q_derope: torch.Tensor, p: SaapLayerParams) -> torch.Tensor:
+    """The GEMV classifier (two launches of :func:`_gemv_kernel`): partial logits ``[KS, B, Hq, C]``
+    float32 without ``b2`` (their in-order sum plus ``b2`` is the logits)."""
+    b, hq, d = q_derope.shape
+    hd, c = p.w2.shape[1], p.w2.shape[2]
+    cfg = _tc.CONFIG
+    rows = _pow2(b)
+    hidden = _buffer((b, hq, hd), torch.float32, q_derope.device)
+    _gemv_kernel[(hq, triton.cdiv(hd, cfg.gemv1_block_n), 1)](
+        q_derope, p.w1, *(t.contiguous() for t in (p.b1, p.bn_mean, p.bn_var, p.bn_weight, p.bn_bias)), hidden,
+        b, hq, d, hd, d, float(p.bn_eps), *q_derope.stride(), *p.w1.stride(),
+        FIRST=True, R=rows, BLOCK_K=min(cfg.gemv_block_k, _pow2(d)), BLOCK_N=cfg.gemv1_block_n,
+        num_warps=cfg.gemv_warps,
+    )
+    k_chunk = triton.cdiv(triton.cdiv(hd, max(1, cfg.gemv_k_split)), cfg.gemv_block_k) * cfg.gemv_block_k
+    n_ks = triton.cdiv(hd, k_chunk)
+    part = _buffer((n_ks, b, hq, c), torch.float32, q_derope.device)
+    _gemv_kernel[(hq, triton.cdiv(c, cfg.gemv_block_n), n_ks)](
+        hidden, p.w2, hidden, hidden, hidden, hidden, hidden, part,
+        b, hq, hd, c, k_chunk, 0.0, *hidden.stride(), *p.w2.stride(),
+        FIRST=False, R=rows, BLOCK_K=cfg.gemv_block_k, BLOCK_N=cfg.gemv_block_n, num_warps=cfg.gemv_warps,
+    )
+    return part
+
+
+def _check_device(q_derope: torch.Tensor, p: SaapLayerParams) -> None:
+    if p.w1.device != q_derope.device:
+        raise ValueError(f"classifier weights on {p.w1.device}, query on {q_derope.device}")
+
+
+def saap_select_buckets_triton(q_derope: torch.Tensor, params: SaapLayerParams, group: int, top_l: int
+                               ) -> torch.Tensor:
+    """Classifier + ranking of one decode step: ``[B, Hkv, min(ℓ, C)]`` int32 bucket ids, best first.
+
+    ``B <= CONFIG.cls_gemv_max_b``: the GEMV classifier, whose split-K partial logits (and ``b2``) the
+    ranking kernel sums itself (no logits round trip); else :func:`saap_classifier_logits_triton` then
+    :func:`saap_rank_buckets_triton`. Same buckets as :func:`reference.rank_buckets` on
+    :func:`reference.classify_queries` (up to float32 rounding at exact near-ties)."""
+    _check_device(q_derope, params)
+    if not _use_gemv(q_derope.shape[0]):
+        return saap_rank_buckets_triton(saap_classifier_logits_triton(q_derope, params), group, top_l)
+    part = _gemv_partials(q_derope, params)
+    return _rank(part, group, top_l, bias=params.b2.contiguous())
+
+
 def saap_classifier_logits_triton(q_derope: torch.Tensor, params: SaapLayerParams) -> torch.Tensor:
     """Classifier logits of every query head: ``q_derope [B, Hq, D]`` -> ``[B, Hq, C]`` float32.
 
-    ``softmax(-1)`` of the result is :func:`reference.classify_queries` (to float32 rounding).
+    ``softmax(-1)`` of the result is :func:`reference.classify_queries` (to float32 rounding). Small
+    batches (``B <= CONFIG.cls_gemv_max_b``) take the GEMV kernels (partials summed here; the decode step
+    lets the ranking sum them, :func:`saap_select_buckets_triton`), larger ones the tensor-core kernels.
     """
     p = params
-    if p.w1.device != q_derope.device:
-        raise ValueError(f"classifier weights on {p.w1.device}, query on {q_derope.device}")
+    _check_device(q_derope, p)
+    if _use_gemv(q_derope.shape[0]):
+        part = _gemv_partials(q_derope, p)
+        logits = part[0].clone()
+        for chunk in part[1:]:  # in order, like the ranking kernel
+            logits += chunk
+        return logits + p.b2.float()
     b, hq, _ = q_derope.shape
     hd, c = p.w2.shape[1], p.w2.shape[2]
     logits = _buffer((b, hq, c), torch.float32, q_derope.device)
@@ -348,14 +466,20 @@ def saap_rank_buckets_triton(logits: torch.Tensor, group: int, top_l: int) -> to
     that underflow to 0 when fewer than ℓ buckets have mass) go to the lower bucket id; ``torch.topk``'s
     order among exact ties is unspecified, so only there may the two choose different buckets.
     """
-    b, hq, c = logits.shape
+    return _rank(logits[None], group, top_l)
+
+
+def _rank(parts: torch.Tensor, group: int, top_l: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Launch :func:`_rank_kernel` on ``parts [P, B, Hq, C]`` (summed in order, plus ``bias [Hq, C]``)."""
+    n_part, b, hq, c = parts.shape
     n_l = min(int(top_l), c)
     hkv = hq // group
-    sel = _buffer((b, hkv, n_l), torch.int32, logits.device)
+    sel = _buffer((b, hkv, n_l), torch.int32, parts.device)
     if n_l == 0:
         return sel
     _rank_kernel[(b * hkv,)](  # tl.topk needs k >= 2
-        logits, sel, hkv, c, n_l, *logits.stride(),
-        G=group, G_PAD=_pow2(group), C_PAD=max(2, _pow2(c)), K_PAD=max(2, _pow2(n_l)), num_warps=4,
+        parts, parts if bias is None else bias, sel, hkv, c, n_l, *parts.stride()[1:], parts.stride(0),
+        G=group, G_PAD=_pow2(group), C_PAD=max(2, _pow2(c)), K_PAD=max(2, _pow2(n_l)), N_PART=n_part,
+        HAS_BIAS=bias is not None, num_warps=_tc.CONFIG.rank_warps,
     )
     return sel

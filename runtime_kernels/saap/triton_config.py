@@ -25,7 +25,8 @@ class SaapTritonConfig:
     (chunks of ``ceil(count / bkt_split)`` keys). ``overlap_window``: the window partials run on a side
     stream under the classifier and ranking (CUDA only; fork/join by events, graph-capturable).
 
-    Classifier: ``cls_fused = 1``: one launch, one program per (query head, ``cls_block_h`` hidden units,
+    Classifier, ``B <= cls_gemv_max_b``: the GEMV kernels (``gemv_*``; float32 FMA, layer 2 split over
+    ``gemv_k_split`` hidden chunks whose partial logits the ranking sums). Larger batches, ``cls_fused = 1``: one launch, one program per (query head, ``cls_block_h`` hidden units,
     ``cls_n_split``-th of the C logits, 16 batch rows) computing its hidden slice (layer 1) and that
     slice's contribution to the logits (layer 2, ``cls_block_n`` columns per step); the last of the
     ``hidden / cls_block_h`` programs of a (head, column range, rows) to finish sums the partials in a
@@ -43,6 +44,7 @@ class SaapTritonConfig:
     overlap_window: int = 0
     attn_warps: int = 4
     attn_stages: int = 2  # most programs walk 1-3 key steps: occupancy matters more than deep pipelines
+    attn_prefetch_v: int = 0  # 1: load each step's V rows together with its K rows (latency vs registers)
     cls_fused: int = 0
     cls_block_h: int = 64  # 128 spills at 4 warps (255 regs, 700 B; ptxas sm_90a); 64: 244 regs, 80 KB smem
     cls_block_n: int = 128
@@ -53,6 +55,16 @@ class SaapTritonConfig:
     linear_block_n: int = 128
     linear_warps: int = 4
     linear_stages: int = 4  # 16 steps of 16 KB weight tiles per program at hidden = C = 1024
+    # small-batch classifier (B <= cls_gemv_max_b): weight-streaming GEMV on CUDA cores, split-K layer 2
+    cls_gemv_max_b: int = 2
+    gemv1_block_n: int = 64   # layer 1: hidden units per program (K = D in one pass)
+    gemv_block_k: int = 64    # k rows per step (both layers)
+    gemv_block_n: int = 128   # layer 2: logit columns per program (256 B of each weight row); H200 variants
+                              # at 128k B=1 (cls + rank): 47.5 us at 128, 50.6 at 64, 54.0 at 256, 61.7+ whole rows
+    gemv_k_split: int = 4     # layer 2: hidden chunks per column block (programs: Hq x C/128 x 4 = 1024); every
+                              # extra chunk costs the ranking ~1.4 us (2: 48.6, 8: 56.2 at block 64)
+    gemv_warps: int = 4
+    rank_warps: int = 4       # the per-(batch, KV head) softmax + group sum + bitonic top-ℓ program
     merge_block_p: int = 16
     merge_block_d: int = 32
     poison: bool = False  # fill outputs and partials with NaN before the launches (tests)

@@ -34,11 +34,12 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 def _poisoned_small_tiles(monkeypatch, request):
     """NaN-poisoned buffers; for the tiny-shape tests 16-key steps, 32-key window tiles, 4 partials per
     merge step and 16-wide classifier / merge tiles (several of each, ragged tails; the fused classifier's hidden split
-    in two or more slices, so its last-arriving reduction runs)."""
+    in two or more slices, so its last-arriving reduction runs; the GEMV classifier's layer 2 in two k chunks)."""
     cfg = replace(tconf.CONFIG, poison=True)
     if request.node.get_closest_marker("gpu") is None:
         cfg = replace(cfg, block_n=16, min_win_steps=2, max_win_tiles=4, linear_block_k=16, linear_block_n=16,
-                      merge_block_p=4, merge_block_d=16, cls_block_h=16, cls_block_n=16)
+                      merge_block_p=4, merge_block_d=16, cls_block_h=16, cls_block_n=16, gemv1_block_n=16,
+                      gemv_block_k=16, gemv_block_n=16, gemv_k_split=2)
     monkeypatch.setattr(tconf, "CONFIG", cfg)
 
 
@@ -134,6 +135,9 @@ SCHEDULES = [  # CONFIG switches that change how the work is cut, never the resu
     {"bkt_split": 2, "bkt_per_prog": 3},
     {"cls_fused": 1},  # the fused split-K classifier (not the default: slower on the H200)
     {"cls_fused": 1, "cls_n_split": 2, "cls_block_h": 32},  # fused; logit columns over two programs
+    {"attn_prefetch_v": 1},  # V rows loaded with the K rows
+    {"cls_gemv_max_b": 0},  # the tensor-core classifier at every batch size
+    {"cls_gemv_max_b": 16, "gemv_k_split": 4, "gemv_block_k": 8},  # GEMV at B = 3 too; four k chunks
 ]
 
 
@@ -157,16 +161,20 @@ def test_empty_buckets_are_visited_and_weigh_nothing():
     assert _row_rel_err(out, _ref(q, qd, k, v, idx, p, 6)) < TOL32
 
 
-def test_classifier_and_ranking_match_reference():
-    q, qd, k, v, p, idx = _case(3, 6, 2, 40, 64, 20, 1, 8)
+@pytest.mark.parametrize("gemv_max_b", [0, 16], ids=["tensor-core", "gemv"])
+@pytest.mark.parametrize("b", [1, 3])
+def test_classifier_and_ranking_match_reference(b, gemv_max_b, monkeypatch):
+    monkeypatch.setattr(tconf, "CONFIG", replace(tconf.CONFIG, cls_gemv_max_b=gemv_max_b))
+    q, qd, k, v, p, idx = _case(b, 6, 2, 40, 64, 20, 1, 8)
     logits = triton_mod.saap_classifier_logits_triton(qd, p)
     probs = classify_queries(qd, p)
     assert torch.allclose(torch.softmax(logits.double(), -1), probs.double(), atol=PROB_ATOL)
     for top_l in (1, 5, 20, 50):
-        sel = triton_mod.saap_rank_buckets_triton(logits, 3, top_l)
         ref = rank_buckets(probs, 3, top_l)
-        assert sel.shape == ref.shape and sel.dtype == torch.int32
-        assert torch.equal(sel.long().sort(-1).values, ref.sort(-1).values)
+        for sel in (triton_mod.saap_rank_buckets_triton(logits, 3, top_l),
+                    triton_mod.saap_select_buckets_triton(qd, p, 3, top_l)):  # the decode step's fused path
+            assert sel.shape == ref.shape and sel.dtype == torch.int32
+            assert torch.equal(sel.long().sort(-1).values, ref.sort(-1).values)
 
 
 def test_ranking_of_known_scores():
@@ -269,22 +277,24 @@ def test_gpu_matches_reference(b, hq, hkv, t, d, c, top_l, structured, dtype):
 
 
 @pytest.mark.gpu
-def test_gpu_bf16_classifier_ranks_like_reference():
+@pytest.mark.parametrize("b", [1, 2, 4])  # GEMV classifier at B <= 2 (default CONFIG), tensor cores above
+def test_gpu_bf16_classifier_ranks_like_reference(b):
     """bf16 weights at Llama shapes (hidden 1024, C = 1024): the kernel's top-ℓ is the reference's set,
     except where the ℓ-th and (ℓ+1)-th group scores are within float32 rounding (1e-5 relative)."""
-    _, qd, _, _, p, _ = _case(4, 32, 8, 64, 128, 1024, 1, 16, hd=1024, wdtype=torch.bfloat16, device="cuda",
+    _, qd, _, _, p, _ = _case(b, 32, 8, 64, 128, 1024, 1, 16, hd=1024, wdtype=torch.bfloat16, device="cuda",
                               dtype=torch.bfloat16)
     logits = triton_mod.saap_classifier_logits_triton(qd, p)
     probs = classify_queries(qd, replace(p, w1=p.w1.float(), w2=p.w2.float()))
     assert torch.allclose(torch.softmax(logits, -1), probs, atol=1e-6, rtol=1e-4)
-    score = probs.view(4, 8, 4, 1024).sum(2)
+    score = probs.view(b, 8, 4, 1024).sum(2)
     top = score.sort(-1, descending=True).values
     for top_l in (16, 32, 64):
-        sel = triton_mod.saap_rank_buckets_triton(logits, 4, top_l).long().sort(-1).values
         ref = rank_buckets(probs, 4, top_l).sort(-1).values
-        same = (sel == ref).all(-1)
         near_tie = (top[..., top_l - 1] - top[..., top_l]) <= 1e-5 * top[..., top_l - 1]
-        assert (same | near_tie).all()
+        for sel in (triton_mod.saap_rank_buckets_triton(logits, 4, top_l),
+                    triton_mod.saap_select_buckets_triton(qd, p, 4, top_l)):
+            same = (sel.long().sort(-1).values == ref).all(-1)
+            assert (same | near_tie).all()
 
 
 @pytest.mark.gpu

@@ -123,6 +123,19 @@ def summarize(dense: list[PromptResult], sparse: list[PromptResult] | None, resa
     return tasks, metrics
 
 
+def runtime_options(cfg: Any, method: str) -> dict[str, dict[str, Any]]:
+    """Runtime overrides from the config: ``eval.top_l`` (SAAP: buckets visited instead of the
+    artifact's ℓ, for an ℓ sweep without recalibrating). Other methods refuse it."""
+    top_l = cfg.eval.get("top_l")
+    if top_l is None:
+        return {}
+    if method != "saap":
+        raise UserError(f"eval.top_l is a SAAP setting; this artifact is {method!r}")
+    if int(top_l) < 1:
+        raise UserError(f"eval.top_l must be >= 1 (got {top_l})")
+    return {"saap": {"top_l": int(top_l)}}
+
+
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
     """Run the held-out evaluation; returns the result JSON of SPEC §1."""
     import mlflow
@@ -144,6 +157,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
                                  tracking_uri=target.tracking_uri)
         if artifact.manifest.data.seed is not None and int(artifact.manifest.data.seed) == int(cfg.eval.seed):
             raise UserError(f"eval.seed={cfg.eval.seed} is the artifact's calibration seed: pick another eval.seed")
+    runtime_options(cfg, artifact.method if artifact else "dense")  # a bad override fails before any work
     prompts = build_prompts(cfg.data, loaded.tokenizer, seed=int(cfg.eval.seed), lengths=list(cfg.eval.lengths),
                             tasks=list(cfg.eval.tasks), num_prompts=int(cfg.eval.num_prompts),
                             purpose="evaluation")
@@ -152,13 +166,14 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     method = artifact.method if artifact else "dense"
     with tracking.start_run(target, f"eval-{method}-{cfg.model.name}", tags={"kind": "eval", "method": method}) as run:
         mlflow.log_params({"artifact": str(cfg.get("artifact")), "model": str(cfg.model.name),
-                           "eval.seed": int(cfg.eval.seed), "eval.num_prompts": int(cfg.eval.num_prompts)})
+                           "eval.seed": int(cfg.eval.seed), "eval.num_prompts": int(cfg.eval.num_prompts),
+                           "eval.top_l": cfg.eval.get("top_l")})
         t0 = time.perf_counter()
         dense = answer_prompts(loaded, prompts, int(cfg.eval.max_new_tokens))
         timings = {"time_dense_s": time.perf_counter() - t0}
         sparse = None
         if artifact is not None:
-            runtime = hf.apply(loaded.model, artifact)
+            runtime = hf.apply(loaded.model, artifact, options=runtime_options(cfg, method))
             try:
                 t0 = time.perf_counter()
                 sparse = answer_prompts(loaded, prompts, int(cfg.eval.max_new_tokens), runtime, desc=method)

@@ -95,12 +95,15 @@ def _rotary(model: Any) -> Any | None:
     return getattr(inner, "rotary_emb", None)
 
 
-def apply(model: Any, *artifacts: str | os.PathLike | Artifact, tracking_uri: str | None = None) -> CalibAttention:
+def apply(model: Any, *artifacts: str | os.PathLike | Artifact, tracking_uri: str | None = None,
+          options: dict[str, dict[str, Any]] | None = None) -> CalibAttention:
     """Enable the artifacts' methods on ``model``; returns the attached :class:`CalibAttention`.
 
     Each artifact may be a directory, ``models:/name@alias``/``models:/name/version`` or an already
-    loaded :class:`Artifact` (re-checked against this model). Raises :class:`ArtifactError` for an
-    artifact calibrated for another model or two methods of the same phase.
+    loaded :class:`Artifact` (re-checked against this model). ``options`` overrides runtime settings
+    per method, e.g. ``{"saap": {"top_l": 32}}`` (SAAP: buckets visited instead of the artifact's ℓ).
+    Raises :class:`ArtifactError` for an artifact calibrated for another model, two methods of the
+    same phase, or an option the method's runtime does not take.
     """
     if not artifacts:
         raise ArtifactError("apply() needs at least one artifact")
@@ -114,9 +117,19 @@ def apply(model: Any, *artifacts: str | os.PathLike | Artifact, tracking_uri: st
             loaded.append(a)
         else:
             loaded.append(load_artifact(a, model=facts, tracking_uri=tracking_uri))
+    options = dict(options or {})
+    unused = set(options) - {art.method for art in loaded}
+    if unused:
+        raise ArtifactError(f"runtime options for {', '.join(sorted(unused))}, but no such artifact was given")
     runtimes: dict[str, Any] = {"prefill": None, "decode": None}
     for art in loaded:
-        rt = _factory(art.method)(art, model)
+        opts = options.get(art.method) or {}
+        try:
+            rt = _factory(art.method)(art, model, **opts)
+        except TypeError as exc:
+            if not opts:
+                raise
+            raise ArtifactError(f"the {art.method} runtime does not take the options {sorted(opts)} ({exc})") from exc
         for phase in (("prefill", "decode") if rt.phase == "both" else (rt.phase,)):
             if runtimes[phase] is not None:
                 raise ArtifactError(f"two {phase} methods given ({runtimes[phase].method} and {art.method}); combine "

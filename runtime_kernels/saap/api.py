@@ -7,6 +7,7 @@ from types import ModuleType
 
 import torch
 
+from runtime_kernels.errors import ArtifactError
 from runtime_kernels.saap.reference import (
     BucketIndex,
     SaapLayerParams,
@@ -133,7 +134,8 @@ class SaapDecode:
         return {"selectivity": sel / n, "selectivity_with_window": with_window / n}
 
     @classmethod
-    def from_artifact(cls, artifact, model) -> "SaapDecode":
+    def from_artifact(cls, artifact, model, *, top_l: int | None = None) -> "SaapDecode":
+        """The runtime of a ``saap`` artifact; ``top_l`` overrides the artifact's ℓ (an ℓ sweep)."""
         hp = artifact.manifest.hyperparameters
         n_layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
         if n_layers is None:
@@ -143,7 +145,9 @@ class SaapDecode:
         layers = [SaapLayerParams.from_tensors(artifact.tensors, sink=sink, recent=recent, dense=i in dense,
                                                bn_eps=float(hp.get("bn_eps", 1e-5)), prefix=f"layers.{i}.")
                   for i in range(n_layers)]
-        return cls(layers, int(hp["top_l"]))
+        if top_l is not None and int(top_l) < 1:
+            raise ArtifactError(f"SAAP top_l must be >= 1 (got {top_l})")
+        return cls(layers, int(hp["top_l"] if top_l is None else top_l))
 
     def _params(self, layer: int, device: torch.device) -> SaapLayerParams:
         key = (layer, str(device))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -149,17 +148,43 @@ def test_apply_visiting_every_bucket_equals_dense(result, loaded):
     finally:
         hf.remove(model)
     torch.testing.assert_close(sparse, dense, atol=2e-4, rtol=1e-4)
-    # one bucket of C: the decode steps (not the prefill) change
-    art = load_artifact(result["artifact_dir"], method="saap")
-    one = SaapDecode.from_artifact(art, model)
-    one.top_l = 1
-    hf.attach(model, decode=one)
+    # one bucket of C (the runtime option that `calib eval eval.top_l=1` passes): the decode steps change
+    state = hf.apply(model, load_artifact(result["artifact_dir"], method="saap"), options={"saap": {"top_l": 1}})
     try:
+        assert state.decode.top_l == 1
         few = _decode_logits(model, ids, forced)
     finally:
         hf.remove(model)
     torch.testing.assert_close(few[0], dense[0], atol=2e-4, rtol=1e-4)
     assert (few[1:] - dense[1:]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"saap": {"top_l": 0}}, "top_l must be >= 1"),
+    ({"saap": {"window": 5}}, "does not take the options \\['window'\\]"),
+    ({"sale": {"theta": 0.1}}, "runtime options for sale, but no such artifact"),
+])
+def test_apply_refuses_bad_runtime_options(result, loaded, options, message):
+    from runtime_kernels import hf
+    from runtime_kernels.errors import ArtifactError
+
+    with pytest.raises(ArtifactError, match=message):
+        hf.apply(loaded.model, result["artifact_dir"], options=options)
+    assert getattr(loaded.model, "calib_attention", None) is None  # refused before anything is attached
+
+
+def test_eval_top_l_is_a_saap_option():
+    from omegaconf import OmegaConf
+
+    from calib.evaluate import runtime_options
+
+    cfg = OmegaConf.create({"eval": {"top_l": 16}})
+    assert runtime_options(cfg, "saap") == {"saap": {"top_l": 16}}
+    assert runtime_options(OmegaConf.create({"eval": {"top_l": None}}), "sale") == {}
+    with pytest.raises(UserError, match="SAAP setting"):
+        runtime_options(cfg, "sale")
+    with pytest.raises(UserError, match=">= 1"):
+        runtime_options(OmegaConf.create({"eval": {"top_l": 0}}), "saap")
 
 
 def test_foreign_model_is_refused(result):

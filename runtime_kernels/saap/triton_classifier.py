@@ -240,9 +240,9 @@ def _mlp_fused_kernel(
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, bias_ptr, mean_ptr, var_ptr, gamma_ptr, beta_ptr, out_ptr,
-    n_rows, n_heads, K, N, k_chunk, eps, sx_b, sx_h, sx_k, sw_h, sw_k, sw_n,
-    FIRST: tl.constexpr, R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    x_ptr, w_ptr, bias_ptr, mean_ptr, var_ptr, gamma_ptr, beta_ptr, out_ptr, init_ptr, init_bias_ptr,
+    n_rows, n_heads, K, N, k_chunk, eps, n_init, sx_b, sx_h, sx_k, sw_h, sw_k, sw_n,
+    FIRST: tl.constexpr, R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, ATOMIC: tl.constexpr,
 ):
     """One classifier layer of query head ``h`` for ``n_rows <= R`` batch rows on CUDA cores (small-batch
     decode: a weight-streaming GEMV, no tensor-core padding to 64 rows).
@@ -253,6 +253,10 @@ def _gemv_kernel(
     ``FIRST`` (layer 1, one k chunk): ``+ b1``, batch-norm (eval), ReLU -> ``out [B, H, N]`` float32.
     Else (layer 2, split-K): the partial logits of chunk ``ks`` -> ``out [KS, B, H, N]`` float32; the
     ranking kernel sums the chunks in order and adds ``b2``.
+    ``ATOMIC`` (``CONFIG.gemv_atomic``): layer 2 instead adds its chunk into ``out [B, H, N]`` with float32
+    atomics (order of the chunk sums not fixed: logits vary in the last bits between calls), which
+    layer 1 initialized to ``b2`` (``init_ptr [B, H, n_init]`` from ``init_bias_ptr [H, n_init]``, its
+    programs striding over the columns); the ranking then reads one tensor.
     w: [H, K, N] (unit stride on N for coalesced rows); x: [B, H, K] (strides ``sx_*``).
     Grid: (H, cdiv(N, BLOCK_N), KS).
     """
@@ -285,10 +289,21 @@ def _gemv_kernel(
         inv = 1.0 / tl.sqrt(var + eps)
         y = tl.maximum((y + bias[None, :] - mean[None, :]) * (inv * gamma)[None, :] + beta[None, :], 0.0)
         rows = offs_r.to(tl.int64)
+        if ATOMIC:  # logits <- b2 for layer 2's atomics; this program's share of the columns
+            stride = tl.num_programs(1) * BLOCK_N
+            for c0 in range(tl.program_id(1) * BLOCK_N, n_init, stride):
+                cc = c0 + tl.arange(0, BLOCK_N)
+                c_ok = cc < n_init
+                b2 = tl.load(init_bias_ptr + h * n_init + cc, mask=c_ok, other=0.0).to(tl.float32)
+                dst = init_ptr + (rows[:, None] * n_heads + h) * n_init + cc[None, :]
+                tl.store(dst, tl.broadcast_to(b2[None, :], [R, BLOCK_N]), mask=r_ok[:, None] & c_ok[None, :])
     else:
-        rows = ks.to(tl.int64) * n_rows + offs_r
+        rows = offs_r.to(tl.int64) if ATOMIC else ks.to(tl.int64) * n_rows + offs_r
     out = out_ptr + (rows[:, None] * n_heads + h) * N + offs_n[None, :]
-    tl.store(out, y, mask=r_ok[:, None] & n_ok[None, :])
+    if ATOMIC and not FIRST:
+        tl.atomic_add(out, y, mask=r_ok[:, None] & n_ok[None, :], sem="relaxed")
+    else:
+        tl.store(out, y, mask=r_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -384,29 +399,34 @@ def _use_gemv(b: int) -> bool:
     return b <= _tc.CONFIG.cls_gemv_max_b
 
 
-def _gemv_partials(q_derope: torch.Tensor, p: SaapLayerParams) -> torch.Tensor:
-    """The GEMV classifier (two launches of :func:`_gemv_kernel`): partial logits ``[KS, B, Hq, C]``
-    float32 without ``b2`` (their in-order sum plus ``b2`` is the logits)."""
+def _gemv_partials(q_derope: torch.Tensor, p: SaapLayerParams) -> tuple[torch.Tensor, bool]:
+    """The GEMV classifier (two launches of :func:`_gemv_kernel`): ``(partial logits [KS, B, Hq, C]
+    float32, whether b2 is already in)``. Their in-order sum (plus ``b2`` when not in) is the logits;
+    with ``CONFIG.gemv_atomic`` KS = 1 and ``b2`` is in."""
     b, hq, d = q_derope.shape
     hd, c = p.w2.shape[1], p.w2.shape[2]
     cfg = _tc.CONFIG
     rows = _pow2(b)
-    hidden = _buffer((b, hq, hd), torch.float32, q_derope.device)
-    _gemv_kernel[(hq, triton.cdiv(hd, cfg.gemv1_block_n), 1)](
-        q_derope, p.w1, *(t.contiguous() for t in (p.b1, p.bn_mean, p.bn_var, p.bn_weight, p.bn_bias)), hidden,
-        b, hq, d, hd, d, float(p.bn_eps), *q_derope.stride(), *p.w1.stride(),
-        FIRST=True, R=rows, BLOCK_K=min(cfg.gemv_block_k, _pow2(d)), BLOCK_N=cfg.gemv1_block_n,
-        num_warps=cfg.gemv_warps,
-    )
+    atomic = bool(cfg.gemv_atomic)
     k_chunk = triton.cdiv(triton.cdiv(hd, max(1, cfg.gemv_k_split)), cfg.gemv_block_k) * cfg.gemv_block_k
     n_ks = triton.cdiv(hd, k_chunk)
-    part = _buffer((n_ks, b, hq, c), torch.float32, q_derope.device)
-    _gemv_kernel[(hq, triton.cdiv(c, cfg.gemv_block_n), n_ks)](
-        hidden, p.w2, hidden, hidden, hidden, hidden, hidden, part,
-        b, hq, hd, c, k_chunk, 0.0, *hidden.stride(), *p.w2.stride(),
-        FIRST=False, R=rows, BLOCK_K=cfg.gemv_block_k, BLOCK_N=cfg.gemv_block_n, num_warps=cfg.gemv_warps,
+    part = _buffer((1 if atomic else n_ks, b, hq, c), torch.float32, q_derope.device)
+    hidden = _buffer((b, hq, hd), torch.float32, q_derope.device)
+    b2 = p.b2.contiguous()
+    _gemv_kernel[(hq, triton.cdiv(hd, cfg.gemv1_block_n), 1)](
+        q_derope, p.w1, *(t.contiguous() for t in (p.b1, p.bn_mean, p.bn_var, p.bn_weight, p.bn_bias)), hidden,
+        part, b2, b, hq, d, hd, d, float(p.bn_eps), c, *q_derope.stride(), *p.w1.stride(),
+        FIRST=True, R=rows, BLOCK_K=min(cfg.gemv_block_k, _pow2(d)), BLOCK_N=cfg.gemv1_block_n, ATOMIC=atomic,
+        num_warps=cfg.gemv_warps,
     )
-    return part
+    _gemv_kernel[(hq, triton.cdiv(c, cfg.gemv_block_n), n_ks)](
+        hidden, p.w2, hidden, hidden, hidden, hidden, hidden, part, part, b2,
+        b, hq, hd, c, k_chunk, 0.0, c, *hidden.stride(), *p.w2.stride(),
+        FIRST=False, R=rows, BLOCK_K=cfg.gemv_block_k, BLOCK_N=cfg.gemv_block_n, ATOMIC=atomic,
+        num_warps=cfg.gemv_warps,
+    )
+    return part, atomic
+
 
 
 def _check_device(q_derope: torch.Tensor, p: SaapLayerParams) -> None:
@@ -425,8 +445,8 @@ def saap_select_buckets_triton(q_derope: torch.Tensor, params: SaapLayerParams, 
     _check_device(q_derope, params)
     if not _use_gemv(q_derope.shape[0]):
         return saap_rank_buckets_triton(saap_classifier_logits_triton(q_derope, params), group, top_l)
-    part = _gemv_partials(q_derope, params)
-    return _rank(part, group, top_l, bias=params.b2.contiguous())
+    part, has_bias = _gemv_partials(q_derope, params)
+    return _rank(part, group, top_l, bias=None if has_bias else params.b2.contiguous())
 
 
 def saap_classifier_logits_triton(q_derope: torch.Tensor, params: SaapLayerParams) -> torch.Tensor:
@@ -439,11 +459,11 @@ def saap_classifier_logits_triton(q_derope: torch.Tensor, params: SaapLayerParam
     p = params
     _check_device(q_derope, p)
     if _use_gemv(q_derope.shape[0]):
-        part = _gemv_partials(q_derope, p)
+        part, has_bias = _gemv_partials(q_derope, p)
         logits = part[0].clone()
         for chunk in part[1:]:  # in order, like the ranking kernel
             logits += chunk
-        return logits + p.b2.float()
+        return logits if has_bias else logits + p.b2.float()
     b, hq, _ = q_derope.shape
     hd, c = p.w2.shape[1], p.w2.shape[2]
     logits = _buffer((b, hq, c), torch.float32, q_derope.device)

@@ -64,6 +64,7 @@ class SaapTritonConfig:
     gemv_k_split: int = 4     # layer 2: hidden chunks per column block (programs: Hq x C/128 x 4 = 1024); every
                               # extra chunk costs the ranking ~1.4 us (2: 48.6, 8: 56.2 at block 64)
     gemv_warps: int = 4
+    gemv_atomic: int = 0      # 1: layer 2 adds its chunks into b2-initialized logits with float32 atomics
     rank_warps: int = 4       # the per-(batch, KV head) softmax + group sum + bitonic top-ℓ program
     merge_block_p: int = 16
     merge_block_d: int = 32

@@ -138,6 +138,7 @@ SCHEDULES = [  # CONFIG switches that change how the work is cut, never the resu
     {"attn_prefetch_v": 1},  # V rows loaded with the K rows
     {"cls_gemv_max_b": 0},  # the tensor-core classifier at every batch size
     {"cls_gemv_max_b": 16, "gemv_k_split": 4, "gemv_block_k": 8},  # GEMV at B = 3 too; four k chunks
+    {"cls_gemv_max_b": 16, "gemv_k_split": 4, "gemv_block_k": 8, "gemv_atomic": 1},  # chunks summed by atomics
 ]
 
 
@@ -161,10 +162,10 @@ def test_empty_buckets_are_visited_and_weigh_nothing():
     assert _row_rel_err(out, _ref(q, qd, k, v, idx, p, 6)) < TOL32
 
 
-@pytest.mark.parametrize("gemv_max_b", [0, 16], ids=["tensor-core", "gemv"])
+@pytest.mark.parametrize("gemv_max_b, atomic", [(0, 0), (16, 0), (16, 1)], ids=["tensor-core", "gemv", "gemv-atomic"])
 @pytest.mark.parametrize("b", [1, 3])
-def test_classifier_and_ranking_match_reference(b, gemv_max_b, monkeypatch):
-    monkeypatch.setattr(tconf, "CONFIG", replace(tconf.CONFIG, cls_gemv_max_b=gemv_max_b))
+def test_classifier_and_ranking_match_reference(b, gemv_max_b, atomic, monkeypatch):
+    monkeypatch.setattr(tconf, "CONFIG", replace(tconf.CONFIG, cls_gemv_max_b=gemv_max_b, gemv_atomic=atomic))
     q, qd, k, v, p, idx = _case(b, 6, 2, 40, 64, 20, 1, 8)
     logits = triton_mod.saap_classifier_logits_triton(qd, p)
     probs = classify_queries(qd, p)
@@ -277,8 +278,10 @@ def test_gpu_matches_reference(b, hq, hkv, t, d, c, top_l, structured, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("atomic", [0, 1], ids=["chunks", "atomic"])
 @pytest.mark.parametrize("b", [1, 2, 4])  # GEMV classifier at B <= 2 (default CONFIG), tensor cores above
-def test_gpu_bf16_classifier_ranks_like_reference(b):
+def test_gpu_bf16_classifier_ranks_like_reference(b, atomic, monkeypatch):
+    monkeypatch.setattr(tconf, "CONFIG", replace(tconf.CONFIG, gemv_atomic=atomic))
     """bf16 weights at Llama shapes (hidden 1024, C = 1024): the kernel's top-ℓ is the reference's set,
     except where the ℓ-th and (ℓ+1)-th group scores are within float32 rounding (1e-5 relative)."""
     _, qd, _, _, p, _ = _case(b, 32, 8, 64, 128, 1024, 1, 16, hd=1024, wdtype=torch.bfloat16, device="cuda",

@@ -65,6 +65,18 @@ def _dot(x, w, F32: tl.constexpr, TERMS: tl.constexpr):
 
 
 @triton.jit
+def _bn_relu(y, vec, ok, mean_ptr, var_ptr, gamma_ptr, beta_ptr, eps):
+    """``relu(batch_norm(y))`` in eval mode over the last axis (columns ``vec``; ``ok`` masks them); y has
+    its bias already added. float32."""
+    mean = tl.load(mean_ptr + vec, mask=ok, other=0.0).to(tl.float32)
+    var = tl.load(var_ptr + vec, mask=ok, other=1.0).to(tl.float32)
+    gamma = tl.load(gamma_ptr + vec, mask=ok, other=0.0).to(tl.float32)
+    beta = tl.load(beta_ptr + vec, mask=ok, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt(var + eps)
+    return tl.maximum((y - mean[None, :]) * (inv * gamma)[None, :] + beta[None, :], 0.0)
+
+
+@triton.jit
 def _mlp_layer_kernel(
     x_ptr, w_ptr, bias_ptr, mean_ptr, var_ptr, gamma_ptr, beta_ptr, out_ptr,
     n_rows, K, N, eps, sx_b, sx_h, sx_k, sw_h, sw_k, sw_n,
@@ -123,12 +135,7 @@ def _mlp_layer_kernel(
     y += tl.load(bias_ptr + vec, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     offs_i = tl.arange(0, 16)
     if FIRST:
-        mean = tl.load(mean_ptr + vec, mask=n_ok, other=0.0).to(tl.float32)
-        var = tl.load(var_ptr + vec, mask=n_ok, other=1.0).to(tl.float32)
-        gamma = tl.load(gamma_ptr + vec, mask=n_ok, other=0.0).to(tl.float32)
-        beta = tl.load(beta_ptr + vec, mask=n_ok, other=0.0).to(tl.float32)
-        inv = 1.0 / tl.sqrt(var + eps)
-        y = tl.maximum((y - mean[None, :]) * (inv * gamma)[None, :] + beta[None, :], 0.0)
+        y = _bn_relu(y, vec, n_ok, mean_ptr, var_ptr, gamma_ptr, beta_ptr, eps)
         OUT_ROWS: tl.constexpr = 16 * OUT_TERMS
         out = out_ptr + ((h * n_rb + rb).to(tl.int64) * OUT_ROWS + offs_i)[:, None] * N + offs_n[None, :]
         if OUT_TERMS == 4:
@@ -188,22 +195,16 @@ def _mlp_fused_kernel(
             x = tl.where(term == 0, t0, tl.where(term == 1, t1, tl.where(term == 2, t2, t3)))
         acc1 += _dot(x, w, F32, TERMS)
     vec = h * HD + offs_h
-    mean = tl.load(mean_ptr + vec, mask=h_ok, other=0.0).to(tl.float32)
-    var = tl.load(var_ptr + vec, mask=h_ok, other=1.0).to(tl.float32)
-    gamma = tl.load(gamma_ptr + vec, mask=h_ok, other=0.0).to(tl.float32)
-    beta = tl.load(beta_ptr + vec, mask=h_ok, other=0.0).to(tl.float32)
     bias1 = tl.load(b1_ptr + vec, mask=h_ok, other=0.0).to(tl.float32)
-    inv = 1.0 / tl.sqrt(var + eps)
     if TERMS == 4:
         hid = tl.sum(tl.reshape(acc1, [4, 16, BLOCK_H]), 0) + bias1[None, :]  # [16, BLOCK_H]
-        hid = tl.maximum((hid - mean[None, :]) * (inv * gamma)[None, :] + beta[None, :], 0.0)
+        hid = _bn_relu(hid, vec, h_ok, mean_ptr, var_ptr, gamma_ptr, beta_ptr, eps)
         hid = tl.where(h_ok[None, :], hid, 0.0)
         hid = tl.reshape(tl.broadcast_to(hid[None, :, :], [4, 16, BLOCK_H]), [ROWS, BLOCK_H])
         t0, t1, t2, t3 = _split4(hid, w2_ptr.dtype.element_ty)
         a = tl.where(term == 0, t0, tl.where(term == 1, t1, tl.where(term == 2, t2, t3)))
     else:
-        hid = acc1 + bias1[None, :]
-        hid = tl.maximum((hid - mean[None, :]) * (inv * gamma)[None, :] + beta[None, :], 0.0)
+        hid = _bn_relu(acc1 + bias1[None, :], vec, h_ok, mean_ptr, var_ptr, gamma_ptr, beta_ptr, eps)
         a = tl.where(h_ok[None, :], hid, 0.0)
     # layer 2: this hidden slice's share of the logit columns [n_lo, n_hi)
     bat = rb * 16 + offs_i
@@ -282,12 +283,7 @@ def _gemv_kernel(
     if FIRST:
         vec = h * N + offs_n
         bias = tl.load(bias_ptr + vec, mask=n_ok, other=0.0).to(tl.float32)
-        mean = tl.load(mean_ptr + vec, mask=n_ok, other=0.0).to(tl.float32)
-        var = tl.load(var_ptr + vec, mask=n_ok, other=1.0).to(tl.float32)
-        gamma = tl.load(gamma_ptr + vec, mask=n_ok, other=0.0).to(tl.float32)
-        beta = tl.load(beta_ptr + vec, mask=n_ok, other=0.0).to(tl.float32)
-        inv = 1.0 / tl.sqrt(var + eps)
-        y = tl.maximum((y + bias[None, :] - mean[None, :]) * (inv * gamma)[None, :] + beta[None, :], 0.0)
+        y = _bn_relu(y + bias[None, :], vec, n_ok, mean_ptr, var_ptr, gamma_ptr, beta_ptr, eps)
         rows = offs_r.to(tl.int64)
         if ATOMIC:  # logits <- b2 for layer 2's atomics; this program's share of the columns
             stride = tl.num_programs(1) * BLOCK_N

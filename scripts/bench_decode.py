@@ -409,6 +409,12 @@ SAAP_VARIANTS: dict[str, dict[str, int]] = {
     "atomic-ks16-oneshot": {"gemv_atomic": 1, "gemv_k_split": 16, "gemv_block_k": 64},
     "atomic-ks8-oneshot-w8": {"gemv_atomic": 1, "gemv_k_split": 8, "gemv_block_k": 128, "gemv_warps": 8},
     "atomic-ks16-n64": {"gemv_atomic": 1, "gemv_k_split": 16, "gemv_block_n": 64},
+    "bmm": {"cls_bmm_max_b": 16},  # layer 1 GEMV writing three bf16 terms + layer 2 as one cuBLAS bmm
+    "bmm-rank8": {"cls_bmm_max_b": 16, "rank_warps": 8},
+    "bmm-rank16": {"cls_bmm_max_b": 16, "rank_warps": 16},
+    "bmm-rank2": {"cls_bmm_max_b": 16, "rank_warps": 2},
+    "bmm-l1n32": {"cls_bmm_max_b": 16, "gemv1_block_n": 32},
+    "bmm-l1n128": {"cls_bmm_max_b": 16, "gemv1_block_n": 128},
     "prefetch-v": {"attn_prefetch_v": 1},
     "prefetch-v-overlap": {"attn_prefetch_v": 1, "overlap_window": 1},
     "attn-bn32": {"block_n": 32, "min_win_steps": 2, "max_win_tiles": 64},

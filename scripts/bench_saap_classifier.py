@@ -12,6 +12,7 @@ median). Needs CUDA.
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -53,6 +54,8 @@ def main() -> int:
             num_warps=cfg.gemv_warps)
 
     hb = hidden.to(p.w2.dtype).view(hq, 1, hd)
+    h3 = hidden.to(p.w2.dtype).view(hq, 1, hd).expand(hq, 3, hd).contiguous()  # three-term operand shape
+    bmm_parts = tc._bmm_partials(qd, p) if tc._bmm_supported(qd.device, p.w2.dtype) else None
     w2_copy = torch.empty_like(p.w2)
     w1_mb, w2_mb = p.w1.numel() * p.w1.element_size() / 1e6, p.w2.numel() * p.w2.element_size() / 1e6
     cases = [
@@ -61,8 +64,27 @@ def main() -> int:
         (f"rank ({part.shape[0]} partials)", lambda: tc._rank(part, group, top_l, bias=p.b2), part.numel() * 4 / 1e6),
         ("torch.bmm layer 2 (cuBLAS)", lambda: torch.bmm(hb, p.w2), w2_mb),
         ("copy of w2 (read+write)", lambda: w2_copy.copy_(p.w2), 2 * w2_mb),
+    ]
+    if bmm_parts is not None:  # the cls_bmm_max_b path: layer 1 + three-term bmm + ranking of 3 terms
+        cases += [
+            ("bmm 3 terms, fp32 out", lambda: torch.bmm(h3, p.w2, out_dtype=torch.float32), w2_mb),
+            ("bmm path: layer1 + bmm", lambda: tc._bmm_partials(qd, p), w1_mb + w2_mb),
+            ("rank (3 bmm terms)", lambda: tc._rank(bmm_parts, group, top_l, bias=p.b2), bmm_parts.numel() * 4 / 1e6),
+        ]
+    cases += [
         ("whole select", lambda: tc.saap_select_buckets_triton(qd, p, group, top_l), w1_mb + w2_mb),
     ]
+    if bmm_parts is not None:
+        bmm_cfg = replace(cfg, cls_bmm_max_b=16)
+
+        def bmm_select() -> None:
+            triton_config.CONFIG = bmm_cfg
+            try:
+                tc.saap_select_buckets_triton(qd, p, group, top_l)
+            finally:
+                triton_config.CONFIG = cfg
+
+        cases.append(("whole select, bmm path", bmm_select, w1_mb + w2_mb))
     timer = Timer(True, 5, 30)
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | {cfg}")
     for name, fn, mb in cases:

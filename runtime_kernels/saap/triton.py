@@ -24,10 +24,13 @@ A dense layer (``params.dense``) is steps 3-4 with the whole cache as the window
 Performance model (Llama-3.1-8B: Hq = 32, Hkv = 8, D = 128, bf16 K/V and classifier weights, C = 1024,
 hidden 1024, window 1 + 2047, balanced buckets of ``N_s / C`` keys, ``N_vis = 2048 + ℓ · N_s / C``):
 
-* classifier, B ≤ ``cls_gemv_max_b`` (2): two GEMV launches on CUDA cores (float32 FMA; layer 2 in 4
-  hidden chunks whose partial logits the ranking sums), no 64-row tensor-core padding: measured 43 µs
-  with the ranking at 128k B=1 (1.8 TB/s; H200 2026-11-21, read-flushed L2), 5 µs under the tensor-core
-  path. Still far from the weight stream's ~18 µs: the open item of issue 8.
+* classifier, B ≤ ``cls_bmm_max_b`` (16, the default path): layer 1 as a GEMV on CUDA cores whose
+  epilogue writes the hidden as three bf16 terms, layer 2 as one cuBLAS ``bmm`` (float32 output) over the
+  query heads, the ranking summing the three term rows: float32-exact logits with w2 streamed at 3.3
+  TB/s (20 µs). Measured with the ranking at 128k B=1: 35 µs (H200 2026-11-21, read-flushed L2) vs 43 µs
+  for the GEMV path (``cls_bmm_max_b = 0``, B ≤ ``cls_gemv_max_b``: layer 2 in 4 hidden chunks at 2.35
+  TB/s) and 48 µs for the tensor-core path. Left: layer 1 (~7 µs in sequence, latency) and the ranking
+  (~8 µs, one program per KV head running a bitonic top-ℓ over 1024 scores).
 * classifier: ``Hq · (D·Hd + Hd·C) · 2 B`` = 75.5 MB of weights per call whatever B (≤ 16). First
   version (two launches, 256 programs streaming K = 1024): measured 46 µs (1.65 TB/s). Fused: 512
   programs (2 resident per SM: 244 registers, 80 KB smem at 3 stages), each 16 KB of w1 then 8 steps of

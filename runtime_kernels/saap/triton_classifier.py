@@ -53,6 +53,18 @@ def _split4(x, dtype: tl.constexpr):
 
 
 @triton.jit
+def _split3(x, dtype: tl.constexpr):
+    """``x`` (fp32) as three terms of a 16-bit ``dtype``: ``x - (t0 + t1 + t2)`` is below fp32's last bit
+    for bf16 (8 + 8 + 8 significant bits), so products with 16-bit weights summed in fp32 keep the
+    float32 classifier's precision."""
+    t0 = x.to(dtype)
+    r = x - t0.to(tl.float32)
+    t1 = r.to(dtype)
+    t2 = (r - t1.to(tl.float32)).to(dtype)
+    return t0, t1, t2
+
+
+@triton.jit
 def _dot(x, w, F32: tl.constexpr, TERMS: tl.constexpr):
     """``x @ w`` at the classifier's precision: float32 weights in ieee fp32; 16-bit weights with four
     stacked activation terms (exact products) on tensor cores; else ``tf32x3``."""
@@ -244,6 +256,7 @@ def _gemv_kernel(
     x_ptr, w_ptr, bias_ptr, mean_ptr, var_ptr, gamma_ptr, beta_ptr, out_ptr, init_ptr, init_bias_ptr,
     n_rows, n_heads, K, N, k_chunk, eps, n_init, sx_b, sx_h, sx_k, sw_h, sw_k, sw_n,
     FIRST: tl.constexpr, R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, ATOMIC: tl.constexpr,
+    OUT_TERMS: tl.constexpr = 0,
 ):
     """One classifier layer of query head ``h`` for ``n_rows <= R`` batch rows on CUDA cores (small-batch
     decode: a weight-streaming GEMV, no tensor-core padding to 64 rows).
@@ -251,7 +264,9 @@ def _gemv_kernel(
     ``y[b, n] = Σ_k x[b, h, k] · w[h, k, n]`` over ``k ∈ [ks·k_chunk, min(K, (ks+1)·k_chunk))``, float32
     products and accumulation (the weights upcast; ~1e-7 relative, like the reference's float32 matmul).
     Products are accumulated per (row, k lane, column) and reduced over k once at the end.
-    ``FIRST`` (layer 1, one k chunk): ``+ b1``, batch-norm (eval), ReLU -> ``out [B, H, N]`` float32.
+    ``FIRST`` (layer 1, one k chunk): ``+ b1``, batch-norm (eval), ReLU -> ``out [B, H, N]`` float32, or
+    with ``OUT_TERMS`` 1 / 3 (the cuBLAS layer 2, :func:`_bmm_partials`) ``out [H, OUT_TERMS, B, N]`` in
+    out's dtype (3: the three 16-bit terms of :func:`_split3`; 1: float32 as is).
     Else (layer 2, split-K): the partial logits of chunk ``ks`` -> ``out [KS, B, H, N]`` float32; the
     ranking kernel sums the chunks in order and adds ``b2``.
     ``ATOMIC`` (``CONFIG.gemv_atomic``): layer 2 instead adds its chunk into ``out [B, H, N]`` with float32
@@ -285,6 +300,16 @@ def _gemv_kernel(
         bias = tl.load(bias_ptr + vec, mask=n_ok, other=0.0).to(tl.float32)
         y = _bn_relu(y + bias[None, :], vec, n_ok, mean_ptr, var_ptr, gamma_ptr, beta_ptr, eps)
         rows = offs_r.to(tl.int64)
+        if OUT_TERMS > 0:  # [H, OUT_TERMS, B, N]: the rows of one head's bmm operand
+            ok = r_ok[:, None] & n_ok[None, :]
+            dst = out_ptr + ((h * OUT_TERMS).to(tl.int64) * n_rows + rows[:, None]) * N + offs_n[None, :]
+            if OUT_TERMS == 3:
+                t0, t1, t2 = _split3(y, out_ptr.dtype.element_ty)
+                tl.store(dst, t0, mask=ok)
+                tl.store(dst + n_rows * N, t1, mask=ok)
+                tl.store(dst + 2 * n_rows * N, t2, mask=ok)
+            else:
+                tl.store(dst, y.to(out_ptr.dtype.element_ty), mask=ok)
         if ATOMIC:  # logits <- b2 for layer 2's atomics; this program's share of the columns
             stride = tl.num_programs(1) * BLOCK_N
             for c0 in range(tl.program_id(1) * BLOCK_N, n_init, stride):
@@ -298,7 +323,7 @@ def _gemv_kernel(
     out = out_ptr + (rows[:, None] * n_heads + h) * N + offs_n[None, :]
     if ATOMIC and not FIRST:
         tl.atomic_add(out, y, mask=r_ok[:, None] & n_ok[None, :], sem="relaxed")
-    else:
+    elif OUT_TERMS == 0:
         tl.store(out, y, mask=r_ok[:, None] & n_ok[None, :])
 
 
@@ -424,6 +449,62 @@ def _gemv_partials(q_derope: torch.Tensor, p: SaapLayerParams) -> tuple[torch.Te
     return part, atomic
 
 
+_BMM_OUT_F32: dict[str, bool] = {}
+
+
+def _bmm_f32(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``a @ w`` batched, float32 result with float32 accumulation: cuBLAS ``bmm(out_dtype=float32)`` for
+    16-bit operands on CUDA; elsewhere (CPU, the interpreter tests) the same exact products summed in
+    float32 by an upcast bmm."""
+    if a.device.type == "cuda" and a.dtype != torch.float32:
+        return torch.bmm(a, w, out_dtype=torch.float32)
+    return torch.bmm(a.float(), w.float())
+
+
+def _bmm_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this torch has ``bmm(..., out_dtype=float32)`` for 16-bit CUDA operands (probed once)."""
+    if device.type != "cuda" or dtype == torch.float32:
+        return True
+    key = f"{device}/{dtype}"
+    if key not in _BMM_OUT_F32:
+        try:
+            x = torch.ones(1, 2, 8, dtype=dtype, device=device)
+            _BMM_OUT_F32[key] = torch.bmm(x, x.transpose(1, 2), out_dtype=torch.float32).dtype == torch.float32
+        except (TypeError, RuntimeError, NotImplementedError):
+            _BMM_OUT_F32[key] = False
+    return _BMM_OUT_F32[key]
+
+
+def _use_bmm(q_derope: torch.Tensor, p: SaapLayerParams) -> bool:
+    """The cuBLAS layer 2 (``CONFIG.cls_bmm_max_b``): bf16 / fp16 / float32 weights, one dtype, a torch
+    that can return float32 from 16-bit operands."""
+    return (q_derope.shape[0] <= _tc.CONFIG.cls_bmm_max_b and p.w1.dtype == p.w2.dtype
+            and _bmm_supported(q_derope.device, p.w2.dtype))
+
+
+def _bmm_partials(q_derope: torch.Tensor, p: SaapLayerParams) -> torch.Tensor:
+    """Layer 1 as a GEMV (:func:`_gemv_kernel`, hidden written as three 16-bit terms, or float32 for
+    float32 weights), layer 2 as one cuBLAS ``bmm`` over the query heads: ``hidden [Hq, T·B, Hd] @ w2
+    [Hq, Hd, C]`` with float32 output (T = 3 terms: every product exact, accumulation float32, so the
+    logits carry the float32 classifier's precision). Returns the per-term partial logits as a
+    ``[T, B, Hq, C]`` view (without ``b2``); the ranking sums the T terms in order and adds ``b2``.
+    Layer 2 then streams the 67 MB of w2 at cuBLAS's rate instead of the GEMV's."""
+    b, hq, d = q_derope.shape
+    hd, c = p.w2.shape[1], p.w2.shape[2]
+    cfg = _tc.CONFIG
+    terms = 1 if p.w2.dtype == torch.float32 else 3
+    rows = _pow2(b)
+    hidden = _buffer((hq, terms * b, hd), p.w2.dtype, q_derope.device)
+    block_k = max(16, min(_pow2(d), cfg.gemv_block_k // rows))  # [R, BLOCK_K, BLOCK_N] stays in registers
+    _gemv_kernel[(hq, triton.cdiv(hd, cfg.gemv1_block_n), 1)](
+        q_derope, p.w1, *(t.contiguous() for t in (p.b1, p.bn_mean, p.bn_var, p.bn_weight, p.bn_bias)), hidden,
+        hidden, hidden, b, hq, d, hd, d, float(p.bn_eps), 0, *q_derope.stride(), *p.w1.stride(),
+        FIRST=True, R=rows, BLOCK_K=block_k, BLOCK_N=cfg.gemv1_block_n, ATOMIC=False, OUT_TERMS=terms,
+        num_warps=cfg.gemv_warps,
+    )
+    logits = _bmm_f32(hidden, p.w2)  # [Hq, T·B, C] float32
+    return logits.view(hq, terms, b, c).permute(1, 2, 0, 3)
+
 
 def _check_device(q_derope: torch.Tensor, p: SaapLayerParams) -> None:
     if p.w1.device != q_derope.device:
@@ -439,6 +520,8 @@ def saap_select_buckets_triton(q_derope: torch.Tensor, params: SaapLayerParams, 
     :func:`saap_rank_buckets_triton`. Same buckets as :func:`reference.rank_buckets` on
     :func:`reference.classify_queries` (up to float32 rounding at exact near-ties)."""
     _check_device(q_derope, params)
+    if _use_bmm(q_derope, params):
+        return _rank(_bmm_partials(q_derope, params), group, top_l, bias=params.b2.contiguous())
     if not _use_gemv(q_derope.shape[0]):
         return saap_rank_buckets_triton(saap_classifier_logits_triton(q_derope, params), group, top_l)
     part, has_bias = _gemv_partials(q_derope, params)
@@ -454,6 +537,12 @@ def saap_classifier_logits_triton(q_derope: torch.Tensor, params: SaapLayerParam
     """
     p = params
     _check_device(q_derope, p)
+    if _use_bmm(q_derope, p):
+        part = _bmm_partials(q_derope, p)
+        logits = part[0].clone()
+        for term in part[1:]:  # in order, like the ranking kernel
+            logits += term
+        return logits + p.b2.float()
     if _use_gemv(q_derope.shape[0]):
         part, has_bias = _gemv_partials(q_derope, p)
         logits = part[0].clone()

@@ -7,7 +7,8 @@ Both modules read ``triton_config.CONFIG`` at every call, so rebinding it here (
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -57,6 +58,10 @@ class SaapTritonConfig:
     linear_stages: int = 4  # 16 steps of 16 KB weight tiles per program at hidden = C = 1024
     # small-batch classifier (B <= cls_gemv_max_b): weight-streaming GEMV on CUDA cores, split-K layer 2
     cls_gemv_max_b: int = 2
+    cls_bmm_max_b: int = 16   # B <= this (checked before the GEMV): layer 1 GEMV writing the hidden as three
+                              # bf16 terms, layer 2 one cuBLAS bmm with float32 output (the ranking sums the
+                              # terms). H200 2026-11-21, 128k l=32 graphed: B=1 step 59.9 -> 51.8 us (select
+                              # 43.6 -> 35.4: bmm 20.1 us = 3.3 TB/s vs the GEMV's 28.5), B=8 116.2 -> 107.6
     gemv1_block_n: int = 64   # layer 1: hidden units per program (K = D in one pass)
     gemv_block_k: int = 64    # k rows per step (both layers)
     gemv_block_n: int = 128   # layer 2: logit columns per program (256 B of each weight row); H200 variants
@@ -65,13 +70,26 @@ class SaapTritonConfig:
                               # extra chunk costs the ranking ~1.4 us (2: 48.6, 8: 56.2 at block 64)
     gemv_warps: int = 4
     gemv_atomic: int = 0      # 1: layer 2 adds its chunks into b2-initialized logits with float32 atomics
-    rank_warps: int = 4       # the per-(batch, KV head) softmax + group sum + bitonic top-ℓ program
+    rank_warps: int = 8       # the per-(batch, KV head) softmax + group sum + bitonic top-ℓ program (bmm path,
+                              # 128k B=1: 2 warps 60.8 us, 4: 51.8, 8: 51.1, 16: 52.4)
     merge_block_p: int = 16
     merge_block_d: int = 32
     poison: bool = False  # fill outputs and partials with NaN before the launches (tests)
 
 
-CONFIG = SaapTritonConfig()
+def from_env(value: str | None) -> SaapTritonConfig:
+    """``SAAP_TRITON_CONFIG="cls_bmm_max_b=16,rank_warps=8"``: defaults with these integer fields replaced
+    (a whole test or benchmark run under another schedule); unknown names are refused."""
+    cfg = SaapTritonConfig()
+    for item in filter(None, (value or "").replace(" ", "").split(",")):
+        name, _, raw = item.partition("=")
+        if name not in SaapTritonConfig.__dataclass_fields__ or not raw.lstrip("-").isdigit():
+            raise ValueError(f"SAAP_TRITON_CONFIG: expected name=int with a SaapTritonConfig field, got {item!r}")
+        cfg = replace(cfg, **{name: int(raw)})
+    return cfg
+
+
+CONFIG = from_env(os.environ.get("SAAP_TRITON_CONFIG"))
 
 
 def pow2(n: int) -> int:

@@ -139,6 +139,7 @@ SCHEDULES = [  # CONFIG switches that change how the work is cut, never the resu
     {"cls_gemv_max_b": 0},  # the tensor-core classifier at every batch size
     {"cls_gemv_max_b": 16, "gemv_k_split": 4, "gemv_block_k": 8},  # GEMV at B = 3 too; four k chunks
     {"cls_gemv_max_b": 16, "gemv_k_split": 4, "gemv_block_k": 8, "gemv_atomic": 1},  # chunks summed by atomics
+    {"cls_bmm_max_b": 16},  # layer 1 GEMV + layer 2 as a bmm (float32 weights here: one term)
 ]
 
 
@@ -162,10 +163,12 @@ def test_empty_buckets_are_visited_and_weigh_nothing():
     assert _row_rel_err(out, _ref(q, qd, k, v, idx, p, 6)) < TOL32
 
 
-@pytest.mark.parametrize("gemv_max_b, atomic", [(0, 0), (16, 0), (16, 1)], ids=["tensor-core", "gemv", "gemv-atomic"])
+@pytest.mark.parametrize("gemv_max_b, atomic, bmm_max_b", [(0, 0, 0), (16, 0, 0), (16, 1, 0), (0, 0, 16)],
+                         ids=["tensor-core", "gemv", "gemv-atomic", "bmm"])
 @pytest.mark.parametrize("b", [1, 3])
-def test_classifier_and_ranking_match_reference(b, gemv_max_b, atomic, monkeypatch):
-    monkeypatch.setattr(tconf, "CONFIG", replace(tconf.CONFIG, cls_gemv_max_b=gemv_max_b, gemv_atomic=atomic))
+def test_classifier_and_ranking_match_reference(b, gemv_max_b, atomic, bmm_max_b, monkeypatch):
+    monkeypatch.setattr(tconf, "CONFIG", replace(tconf.CONFIG, cls_gemv_max_b=gemv_max_b, gemv_atomic=atomic,
+                                                 cls_bmm_max_b=bmm_max_b))
     q, qd, k, v, p, idx = _case(b, 6, 2, 40, 64, 20, 1, 8)
     logits = triton_mod.saap_classifier_logits_triton(qd, p)
     probs = classify_queries(qd, p)
@@ -176,6 +179,15 @@ def test_classifier_and_ranking_match_reference(b, gemv_max_b, atomic, monkeypat
                     triton_mod.saap_select_buckets_triton(qd, p, 3, top_l)):  # the decode step's fused path
             assert sel.shape == ref.shape and sel.dtype == torch.int32
             assert torch.equal(sel.long().sort(-1).values, ref.sort(-1).values)
+
+
+def test_config_from_environment():
+    cfg = tconf.from_env(" cls_bmm_max_b=0, rank_warps=2 ")
+    assert (cfg.cls_bmm_max_b, cfg.rank_warps, cfg.block_n) == (0, 2, tconf.SaapTritonConfig().block_n)
+    assert tconf.from_env(None) == tconf.SaapTritonConfig()
+    for bad in ("no_such_knob=1", "rank_warps=eight", "rank_warps"):
+        with pytest.raises(ValueError, match="SAAP_TRITON_CONFIG"):
+            tconf.from_env(bad)
 
 
 def test_ranking_of_known_scores():
@@ -211,6 +223,29 @@ def test_incremental_index_with_slack():
     assert idx.slots.shape[-1] > 230 - 17  # slack present: the slots are not packed
     out = triton_mod.saap_decode_attention_triton(q, qd, k, v, idx, p, top_l=3, scale=None)
     assert _row_rel_err(out, _ref(q, qd, k, v, full, p, 3)) < TOL32
+
+
+@pytest.mark.parametrize("b", [1, 3])
+def test_bmm_classifier_three_terms_keep_float32_precision(b, monkeypatch):
+    """bf16 weights through the cuBLAS-style layer 2: the hidden enters as three bf16 terms, so the logits
+    equal a float64 evaluation of the same (bf16-valued) weights to float32 rounding; a single bf16 hidden
+    (what a plain bf16 bmm would take) is ~1e-3 off, far outside that."""
+    monkeypatch.setattr(tconf, "CONFIG", replace(tconf.CONFIG, cls_bmm_max_b=16))
+    _, qd, _, _, p, _ = _case(b, 8, 2, 40, 64, 24, 1, 8, hd=96, wdtype=torch.bfloat16)
+    logits = triton_mod.saap_classifier_logits_triton(qd, p).double()
+    p64 = replace(p, w1=p.w1.double(), w2=p.w2.double(), b1=p.b1.double(), b2=p.b2.double(),
+                  bn_mean=p.bn_mean.double(), bn_var=p.bn_var.double(), bn_weight=p.bn_weight.double(),
+                  bn_bias=p.bn_bias.double())
+    hid = torch.relu((torch.einsum("bhd,hdn->bhn", qd.double(), p64.w1) + p64.b1 - p64.bn_mean)
+                     / torch.sqrt(p64.bn_var + p.bn_eps) * p64.bn_weight + p64.bn_bias)
+    ref = torch.einsum("bhk,hkn->bhn", hid, p64.w2) + p64.b2
+    scale = ref.abs().amax(-1, keepdim=True)
+    assert ((logits - ref).abs() / scale).max() < 1e-5
+    one_term = torch.einsum("bhk,hkn->bhn", hid.bfloat16().double(), p64.w2) + p64.b2
+    assert ((one_term - ref).abs() / scale).max() > 1e-4  # the split is what buys the precision
+    for top_l in (3, 7):
+        ref_sel = rank_buckets(torch.softmax(ref, -1), 4, top_l).sort(-1).values
+        assert torch.equal(triton_mod.saap_select_buckets_triton(qd, p, 4, top_l).long().sort(-1).values, ref_sel)
 
 
 def test_all_buckets_dense_layer_and_short_cache_equal_dense_attention():
@@ -278,10 +313,10 @@ def test_gpu_matches_reference(b, hq, hkv, t, d, c, top_l, structured, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("atomic", [0, 1], ids=["chunks", "atomic"])
+@pytest.mark.parametrize("atomic, bmm", [(0, 0), (1, 0), (0, 16)], ids=["chunks", "atomic", "bmm"])
 @pytest.mark.parametrize("b", [1, 2, 4])  # GEMV classifier at B <= 2 (default CONFIG), tensor cores above
-def test_gpu_bf16_classifier_ranks_like_reference(b, atomic, monkeypatch):
-    monkeypatch.setattr(tconf, "CONFIG", replace(tconf.CONFIG, gemv_atomic=atomic))
+def test_gpu_bf16_classifier_ranks_like_reference(b, atomic, bmm, monkeypatch):
+    monkeypatch.setattr(tconf, "CONFIG", replace(tconf.CONFIG, gemv_atomic=atomic, cls_bmm_max_b=bmm))
     """bf16 weights at Llama shapes (hidden 1024, C = 1024): the kernel's top-ℓ is the reference's set,
     except where the ℓ-th and (ℓ+1)-th group scores are within float32 rounding (1e-5 relative)."""
     _, qd, _, _, p, _ = _case(b, 32, 8, 64, 128, 1024, 1, 16, hd=1024, wdtype=torch.bfloat16, device="cuda",

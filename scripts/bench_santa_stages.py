@@ -12,7 +12,9 @@ Llama-3.1-8B shapes (Hq = 32, Hkv = 8, D = 128, bf16, tile 256), prop S = 128, f
   ``gather`` (counts from the stored scores, sampled V rows, output), ``full`` (the three).
 * flash: ``scores`` (the same K pass), ``tiles`` (counts + sampled V rows + partials, no merge),
   ``merge_tiles`` (the split mode's second launch: tiles + merge), ``fused_nomerge`` / ``fused`` (the
-  one-kernel variant without / with merge), ``full`` (the configured mode end to end).
+  one-kernel variant without / with merge), ``stream`` (one pass per tile: pipelined K chunks, then its
+  counts, V rows and partial), ``merge`` (the separate merge launch), ``full`` (the configured mode end
+  to end).
 
 Times: ``scripts/benchutil.py`` cuda_time (CUDA events, warm-up, cold L2, median), eager launches (the
 gaps between launches of ``full`` are included; bench_decode.py's graphed column removes the CPU part).
@@ -88,10 +90,11 @@ def stage_bytes(sh: Shape, tiling: str, s: int, b: int, t: int, elem: int) -> di
     partials = b * sh.hq * n_tiles * (2 + sh.d) * 4
     tiles = score_bytes + v_rows + partials
     fused = k_bytes + v_rows + partials
+    stream = k_bytes + score_bytes + v_rows + partials  # scores stored, then re-read from L2 (not counted)
+    full = {"fused": fused + partials, "stream": stream + partials}.get(
+        tk.CONFIG.flash_mode, k_bytes + 2 * score_bytes + v_rows + 2 * partials)
     return {"scores": k_bytes + score_bytes + stats, "tiles": tiles, "merge_tiles": tiles + partials,
-            "fused_nomerge": fused, "fused": fused + partials,
-            "full": (fused + partials) if tk.CONFIG.flash_mode == "fused" else k_bytes + 2 * score_bytes + v_rows
-            + 2 * partials}
+            "fused_nomerge": fused, "fused": fused + partials, "stream": stream, "merge": partials, "full": full}
 
 
 def _wall_ms(fn: Callable[[], object]) -> float:

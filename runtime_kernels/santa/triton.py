@@ -25,6 +25,15 @@ env ``SANTA_TRITON_VARIANT`` pick launch knobs, ``santa_stages`` launches each s
   output accumulator. ``_prop_gather_kernel``: tiles without budget exit; the others turn the stored
   scores into cumulative counts, resolve each sample to its key (``#{n : c(C_n) <= j}``), load just
   those V rows, add them with float32 atomics; the last program of a (b, kv head) writes ``acc / S``.
+* ``_flash_stream_kernel`` (flash default, ``flash_mode="stream"``): one program per tile streams the
+  tile's K chunks like ``_score_kernel`` (scores stored), then after a CTA barrier re-reads them (L1/L2)
+  and does the tile's counts, sampled V rows and partial as ``_flash_kernel`` below;
+  ``_flash_merge_kernel`` (``flash_merge="launch"``) then merges each (batch, KV head)'s partials, one
+  program per 32 output columns, 16 partials per pipelined load step. Measured (H200, 32k, eager stage
+  times): B=1 38 + 13 µs vs the split mode's 23 + 48; B=8 230 + 17 vs 136 + 160 — the inline
+  two-level merge below costs 25-60 µs (a chain of dependent L2 round trips per row).
+* ``_sum_tiles_kernel`` (prop with ``prop_reduce="launch"``): per-tile sums stored by the gather, summed
+  in tile order (deterministic; 5 µs slower than the atomics at 32k B=1, so not the default).
 * ``_flash_kernel``: per tile, scores (stored ones, or q·K in the kernel when ``FUSED``),
   ``S_tile = max(1, round_half_up(S/T_b))``, counts, the sampled V rows (``flash_values="rows"``, as
   prop) or ``counts @ V`` over the row-masked V tile (``"dot"``, exact base-256 digits), the partial
@@ -46,7 +55,8 @@ Performance model (Llama-3.1-8B decode: Hq=32, Hkv=8, D=128, bf16, N keys; H200 
   / 8 KB smem, so ~5 programs per SM; before: 117 regs + 66 KB smem = 2 per SM, K in registers).
   Predicted 32k B=1: 17 + ~6 ≈ 23-26 µs (target 25.6); B=8 128k: K 511 µs + scores 2·134 MB
   (64 µs) + V rows ≈ 620 µs (SDPA 961).
-* Launches: prop 3, flash 2 (fused: 1), + the api's offset draw; no host syncs, no per-call memsets.
+* Launches: prop 3, flash 2 (stream + merge; split with inline merge 2, fused 1), + the api's offset
+  draw; no host syncs, no per-call memsets.
 """
 
 from __future__ import annotations
@@ -91,7 +101,10 @@ class KernelConfig:
     score_bk: keys per K chunk of the score pass (a power of two; the tile is streamed in chunks, ℓ_t
     kept online); score_stages: software-pipeline depth of the chunk loop (cp.async buffers);
     score_tpp: tiles per score program; flash_mode: ``split`` (the shared score pass, then a gather /
-    merge kernel over the stored scores) or ``fused`` (one kernel: scores, counts, V, merge).
+    merge kernel over the stored scores), ``fused`` (one kernel: scores, counts, V, merge; K tile in
+    registers) or ``stream`` (one kernel per tile: the score pass's pipelined K chunks, then the tile's
+    counts and V rows from the scores it just stored); flash_merge: ``inline`` (the last tile of each
+    group merges it, the last group the row: arrival counters) or ``launch`` (a separate merge kernel).
     """
 
     score_bk: int = 64
@@ -101,7 +114,13 @@ class KernelConfig:
     budget_heads: int = 1  # query heads per budget program (divides Hq; 1 = one program per head)
     gather_warps: int = 4
     gather_samples: int = 16  # prop gather: samples per head resolved to keys per step
-    flash_mode: str = "split"
+    flash_mode: str = "stream"  # H200 32k (eager stage times): B=1 stream 38 + merge 13 us vs split's score pass
+    #   23 + tiles-and-inline-merge 48; B=8 230 + 17 vs 136 + 160
+    flash_merge: str = "launch"  # ``inline`` (last tile of each group merges, arrival counters) or ``launch``
+    merge_cols: int = 32  # flash_merge=launch: output columns per merge program
+    merge_chunk: int = 16  # flash_merge=launch: tile partials per pipelined load step
+    prop_reduce: str = "atomic"  # prop: ``atomic`` (float32 atomics into one row per head, the last tile
+    #   writes the output) or ``launch`` (per-tile sums stored, summed in tile order by a second launch)
     flash_values: str = "rows"  # flash: ``rows`` (sampled V rows, as prop) or ``dot`` (counts @ V tile)
     flash_warps: int = 8  # fused flash kernel
     merge_rows: int = 4  # flash merge: partial rows per step (registers: rows · GP · BLOCK_D floats)
@@ -116,12 +135,18 @@ VARIANTS: dict[str, KernelConfig] = {
     "w2": KernelConfig(score_warps=2, gather_warps=2, flash_gather_warps=2),
     "w8": KernelConfig(score_warps=8, gather_warps=8, flash_gather_warps=8),
     "nopipe": KernelConfig(score_bk=256, score_stages=1),  # one 256-key load per tile, as before
-    "fused": KernelConfig(flash_mode="fused"),
-    "fused_dot": KernelConfig(flash_mode="fused", flash_values="dot"),  # the previous flash kernel
-    "dot": KernelConfig(flash_values="dot"),
+    "fused": KernelConfig(flash_mode="fused", flash_merge="inline"),
+    "fused_dot": KernelConfig(flash_mode="fused", flash_values="dot", flash_merge="inline"),  # the previous flash kernel
+    "dot": KernelConfig(flash_mode="split", flash_values="dot"),
     "maxs32": KernelConfig(gather_samples=32),
     "maxs8": KernelConfig(gather_samples=8),
-    "merge16": KernelConfig(merge_rows=16),
+    "merge16": KernelConfig(flash_mode="split", flash_merge="inline", merge_rows=16),
+    "split": KernelConfig(flash_mode="split", flash_merge="inline"),  # the previous default
+    "launchmerge": KernelConfig(flash_mode="split", flash_merge="launch"),
+    "propsum": KernelConfig(prop_reduce="launch"),
+    "propsum_maxs8": KernelConfig(prop_reduce="launch", gather_samples=8),
+    "stream": KernelConfig(flash_mode="stream", flash_merge="launch"),
+    "stream_bk32": KernelConfig(flash_mode="stream", flash_merge="launch", score_bk=32, score_stages=4),
 }
 CONFIG: KernelConfig = VARIANTS[os.environ.get("SANTA_TRITON_VARIANT", "default")]
 
@@ -207,8 +232,12 @@ def _prop_gather_kernel(
     G, Hkv, Hq, D, tile, T_all, Tk_pad,
     svb, svh, svn, svd, sub, suh, sut, sob, soh, sod, sls, sns,
     GP: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr, MAXS: tl.constexpr,
-    WRITE_COUNTS: tl.constexpr,
+    WRITE_COUNTS: tl.constexpr, ATOMIC: tl.constexpr,
 ):
+    """Tile t's samples of each head of the group: ``Σ V[key_j]`` added into ``acc`` with float32 atomics,
+    the last tile writing ``acc / S`` (``ATOMIC``), or stored as the tile's row of ``acc [B·Hkv·T_all, GP,
+    BLOCK_D]`` (zeros without budget) for :func:`_sum_tiles_kernel` (deterministic, no contended atomics:
+    128 tiles adding into the same 512 floats serialize in L2)."""
     t = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // Hkv
@@ -225,6 +254,7 @@ def _prop_gather_kernel(
     s = tl.load(s_ptr + row[:, None] * Tk_pad + key[None, :], mask=gmask[:, None] & kmask[None, :],
                 other=float("-inf"))
     u = tl.load(u_ptr + b.to(tl.int64) * sub + head * suh + t * sut, mask=gmask, other=0.0)
+    o = tl.zeros((GP, BLOCK_D), tl.float32)
     if tl.max(budget, axis=0) > 0:
         m = tl.max(s, axis=1)
         m = tl.where(m == float("-inf"), 0.0, m)
@@ -232,18 +262,51 @@ def _prop_gather_kernel(
         counts, c_hi = _systematic_counts(w, budget, u)
         v_base = v_ptr + b.to(tl.int64) * svb + kvh.to(tl.int64) * svh
         o = _gather_samples(c_hi, budget, v_base, t * tile, D, svn, svd, BLOCK_D, MAXS)
-        tl.atomic_add(acc_ptr + row[:, None] * BLOCK_D + d[None, :], o, mask=gmask[:, None])
+        if ATOMIC:
+            tl.atomic_add(acc_ptr + row[:, None] * BLOCK_D + d[None, :], o, mask=gmask[:, None])
         if WRITE_COUNTS:
             tl.store(counts_ptr + row[:, None] * Tk_pad + key[None, :], counts,
                      mask=gmask[:, None] & kmask[None, :])
-    tl.debug_barrier()
-    done = tl.atomic_add(cnt_ptr + bh, 1)
-    if done == T_all - 1:  # every tile of this (b, kv head) has added its samples
-        acc = tl.load(acc_ptr + row[:, None] * BLOCK_D + d[None, :], mask=gmask[:, None], other=0.0,
-                      cache_modifier=".cg")
-        inv_s = 1.0 / tl.load(ns_ptr + b * sns).to(tl.float32)
-        _store_rows(out_ptr, b, kvh, G, D, sob, soh, sod, acc * inv_s, GP, BLOCK_D)
-        tl.atomic_xchg(cnt_ptr + bh, 0)
+    if ATOMIC:
+        tl.debug_barrier()
+        done = tl.atomic_add(cnt_ptr + bh, 1)
+        if done == T_all - 1:  # every tile of this (b, kv head) has added its samples
+            acc = tl.load(acc_ptr + row[:, None] * BLOCK_D + d[None, :], mask=gmask[:, None], other=0.0,
+                          cache_modifier=".cg")
+            inv_s = 1.0 / tl.load(ns_ptr + b * sns).to(tl.float32)
+            _store_rows(out_ptr, b, kvh, G, D, sob, soh, sod, acc * inv_s, GP, BLOCK_D)
+            tl.atomic_xchg(cnt_ptr + bh, 0)
+    else:
+        tile_row = bh.to(tl.int64) * T_all + t
+        tl.store(acc_ptr + (tile_row * GP + tl.arange(0, GP)[:, None]) * BLOCK_D + d[None, :], o)
+
+
+@triton.jit
+def _sum_tiles_kernel(
+    part_ptr, len_ptr, ns_ptr, out_ptr, G, Hkv, D, tile, T_all, sob, soh, sod, sls, sns,
+    GP: tl.constexpr, BLOCK_D: tl.constexpr, MD: tl.constexpr, CH: tl.constexpr,
+):
+    """prop output ``Σ_t part[t] / S`` of one (batch, KV head) for MD columns (grid (B·Hkv, BLOCK_D / MD)),
+    tiles summed in a fixed order, CH rows per software-pipelined load step."""
+    bh = tl.program_id(0)
+    b = bh // Hkv
+    kvh = bh % Hkv
+    length = tl.load(len_ptr + b * sls).to(tl.int32)
+    T_b = (length + tile - 1) // tile
+    g = tl.arange(0, GP)
+    d = tl.program_id(1) * MD + tl.arange(0, MD)
+    c = tl.arange(0, CH)
+    first = bh.to(tl.int64) * T_all
+    acc = tl.zeros((GP, MD), tl.float32)
+    for r in tl.range(0, T_b, CH, num_stages=3):
+        rows = first + r + c
+        rmask = (r + c) < T_b
+        pa = tl.load(part_ptr + (rows[:, None, None] * GP + g[None, :, None]) * BLOCK_D + d[None, None, :],
+                     mask=rmask[:, None, None], other=0.0)
+        acc += tl.sum(pa, axis=0)
+    inv_s = 1.0 / tl.load(ns_ptr + b * sns).to(tl.float32)
+    ptr = out_ptr + b.to(tl.int64) * sob + (kvh * G + g).to(tl.int64)[:, None] * soh + d[None, :] * sod
+    tl.store(ptr, (acc * inv_s).to(out_ptr.dtype.element_ty), mask=(g < G)[:, None] & (d < D)[None, :])
 
 
 @triton.jit
@@ -281,6 +344,87 @@ def _flash_kernel(
         tl.debug_barrier()
         _flash_merge(b, kvh, t, bh, G, D, T_all, T_b, n_groups, work_ptr, cnt_ptr, out_ptr, sob, soh, sod,
                      GP, BLOCK_D, TPG, CH)
+
+
+@triton.jit
+def _flash_stream_kernel(
+    q_ptr, k_ptr, v_ptr, u_ptr, len_ptr, ns_ptr, s_ptr, work_ptr, counts_ptr,
+    scale, G, Hkv, Hq, D, tile, T_all, Tk_pad,
+    sqb, sqh, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sub, suh, sut, sls, sns,
+    GP: tl.constexpr, BK: tl.constexpr, NCH: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr,
+    STAGES: tl.constexpr, IEEE: tl.constexpr, WRITE_COUNTS: tl.constexpr, MAXS: tl.constexpr,
+):
+    """flash, one tile per program in one pass over K: the tile's scores in NCH software-pipelined
+    chunks of BK keys (as :func:`_score_kernel`, stored float32), then, after a CTA barrier, the tile's
+    counts, sampled V rows and partial ``(m_t, ℓ_t, ℓ_t·μ̂_t)`` from the scores it just stored (L1/L2
+    hits); the partials are merged by :func:`_flash_merge_kernel` (or inline with MERGE in
+    :func:`_flash_kernel`'s scheme: not here)."""
+    t = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // Hkv
+    kvh = bh % Hkv
+    length = tl.load(len_ptr + b * sls).to(tl.int32)
+    T_b = (length + tile - 1) // tile
+    if t < T_b:
+        g = tl.arange(0, GP)
+        gmask = g < G
+        row = (b * Hq + kvh * G + g).to(tl.int64)
+        j = tl.arange(0, BK)
+        q = _load_group_q(q_ptr, b, kvh, G, D, sqb, sqh, sqd, GP, BLOCK_D)
+        k_base = k_ptr + b.to(tl.int64) * skb + kvh.to(tl.int64) * skh
+        for c in tl.range(0, NCH, num_stages=STAGES):
+            pos = c * BK + j
+            key = t * tile + pos
+            kmask = (pos < tile) & (key < length)
+            s = _tile_scores(q, k_base, key, kmask, D, skn, skd, scale, BLOCK_D, IEEE)
+            tl.store(s_ptr + row[:, None] * Tk_pad + key[None, :], s, mask=gmask[:, None] & kmask[None, :])
+        tl.debug_barrier()  # the whole tile's scores, stored by every thread of the program, are visible
+        key, kmask = _tile_keys(t, tile, length, BN)
+        s = tl.load(s_ptr + row[:, None] * Tk_pad + key[None, :], mask=gmask[:, None] & kmask[None, :],
+                    other=float("-inf"))
+        _flash_tile(s, kmask, key, b, kvh, t, bh, G, Hq, D, T_all, Tk_pad, v_ptr, u_ptr, ns_ptr, work_ptr,
+                    counts_ptr, T_b, tile, svb, svh, svn, svd, sub, suh, sut, sns, GP, BLOCK_D, IEEE,
+                    WRITE_COUNTS, MAXS)
+
+
+@triton.jit
+def _flash_merge_kernel(
+    work_ptr, len_ptr, out_ptr, G, Hkv, D, tile, T_all, sob, soh, sod, sls,
+    GP: tl.constexpr, BLOCK_D: tl.constexpr, MD: tl.constexpr, CH: tl.constexpr,
+):
+    """Log-sum-exp merge of one (batch, KV head)'s tile partials for MD output columns (grid: (B·Hkv,
+    BLOCK_D / MD)): CH partials per software-pipelined load step, then ``A / L`` in the output dtype."""
+    bh = tl.program_id(0)
+    n_bh = tl.num_programs(0)
+    b = bh // Hkv
+    kvh = bh % Hkv
+    length = tl.load(len_ptr + b * sls).to(tl.int32)
+    T_b = (length + tile - 1) // tile
+    n_tp = n_bh.to(tl.int64) * T_all * GP
+    g = tl.arange(0, GP)
+    d = tl.program_id(1) * MD + tl.arange(0, MD)
+    c = tl.arange(0, CH)
+    first = bh.to(tl.int64) * T_all
+    m_run = tl.full((GP,), float("-inf"), tl.float32)
+    l_run = tl.zeros((GP,), tl.float32)
+    acc = tl.zeros((GP, MD), tl.float32)
+    for r in tl.range(0, T_b, CH, num_stages=3):
+        rows = first + r + c
+        rmask = (r + c) < T_b
+        pm = tl.load(work_ptr + rows[:, None] * GP + g[None, :], mask=rmask[:, None], other=float("-inf"))
+        pl = tl.load(work_ptr + n_tp + rows[:, None] * GP + g[None, :], mask=rmask[:, None], other=0.0)
+        pa = tl.load(work_ptr + 2 * n_tp + (rows[:, None, None] * GP + g[None, :, None]) * BLOCK_D
+                     + d[None, None, :], mask=rmask[:, None, None], other=0.0)
+        m_new = tl.maximum(m_run, tl.max(pm, axis=0))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        wgt = tl.exp(pm - m_ref[None, :])  # [CH, GP]
+        alpha = tl.exp(m_run - m_ref)
+        l_run = l_run * alpha + tl.sum(wgt * pl, axis=0)
+        acc = acc * alpha[:, None] + tl.sum(wgt[:, :, None] * pa, axis=0)
+        m_run = m_new
+    res = acc / tl.where(l_run > 0, l_run, 1.0)[:, None]
+    ptr = out_ptr + b.to(tl.int64) * sob + (kvh * G + g).to(tl.int64)[:, None] * soh + d[None, :] * sod
+    tl.store(ptr, res.to(out_ptr.dtype.element_ty), mask=(g < G)[:, None] & (d < D)[None, :])
 
 
 # ------------------------------------------------------------------------------------- host side
@@ -415,14 +559,24 @@ def _prop_scores(q: torch.Tensor, k: torch.Tensor, num_samples: torch.Tensor, ca
 def _launch_prop_gather(v: torch.Tensor, num_samples: torch.Tensor, uniforms: torch.Tensor,
                         cache_len: torch.Tensor, geo: _Geometry, bufs: _Scores, out: torch.Tensor,
                         counts: torch.Tensor | None) -> None:
+    atomic = CONFIG.prop_reduce == "atomic"
+    acc = bufs.acc if atomic else _alloc((geo.BH * geo.T_all * geo.GP * geo.BLOCK_D,), torch.float32, v.device)
     _prop_gather_kernel[(geo.T_all, geo.BH)](
-        v, uniforms, cache_len, num_samples, bufs.scores, bufs.budgets, bufs.acc, _counters(v.device, geo.BH), out,
+        v, uniforms, cache_len, num_samples, bufs.scores, bufs.budgets, acc, _counters(v.device, geo.BH), out,
         counts if counts is not None else out,
         geo.G, geo.Hkv, geo.Hq, geo.D, geo.tile, geo.T_all, geo.Tk_pad,
         *v.stride(), *uniforms.stride(), *out.stride(), cache_len.stride(0), num_samples.stride(0),
         GP=geo.GP, BN=geo.BN, BLOCK_D=geo.BLOCK_D, MAXS=CONFIG.gather_samples,
-        WRITE_COUNTS=counts is not None, num_warps=CONFIG.gather_warps,
+        WRITE_COUNTS=counts is not None, ATOMIC=atomic, num_warps=CONFIG.gather_warps,
     )
+    if not atomic:
+        md = min(geo.BLOCK_D, _pow2(CONFIG.merge_cols, 16))
+        _sum_tiles_kernel[(geo.BH, geo.BLOCK_D // md)](
+            acc, cache_len, num_samples, out, geo.G, geo.Hkv, geo.D, geo.tile, geo.T_all, *out.stride(),
+            cache_len.stride(0), num_samples.stride(0),
+            GP=geo.GP, BLOCK_D=geo.BLOCK_D, MD=md, CH=min(_pow2(CONFIG.merge_chunk, 2), _pow2(geo.T_all, 2)),
+            num_warps=4,
+        )
 
 
 def _prop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_samples: torch.Tensor, uniforms: torch.Tensor,
@@ -461,6 +615,32 @@ def _launch_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_samples
     )
 
 
+def _launch_flash_stream(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_samples: torch.Tensor,
+                         uniforms: torch.Tensor, cache_len: torch.Tensor, scale: float, geo: _Geometry,
+                         scores: torch.Tensor, work: torch.Tensor, counts: torch.Tensor | None) -> None:
+    """flash_mode=stream: one program per tile, K chunks pipelined, the tile's partial written."""
+    cfg = CONFIG
+    bk = min(geo.BN, _pow2(cfg.score_bk, 16))
+    _flash_stream_kernel[(geo.T_all, geo.BH)](
+        q, k, v, uniforms, cache_len, num_samples, scores, work, counts if counts is not None else scores,
+        float(scale), geo.G, geo.Hkv, geo.Hq, geo.D, geo.tile, geo.T_all, geo.Tk_pad,
+        *q.stride(), *k.stride(), *v.stride(), *uniforms.stride(), cache_len.stride(0), num_samples.stride(0),
+        GP=geo.GP, BK=bk, NCH=geo.BN // bk, BN=geo.BN, BLOCK_D=geo.BLOCK_D, STAGES=cfg.score_stages,
+        IEEE=q.dtype == torch.float32, WRITE_COUNTS=counts is not None,
+        MAXS=cfg.gather_samples if cfg.flash_values == "rows" else 0, num_warps=cfg.score_warps,
+    )
+
+
+def _launch_flash_merge(cache_len: torch.Tensor, geo: _Geometry, work: torch.Tensor, out: torch.Tensor) -> None:
+    """flash_merge=launch: the tile partials of each (batch, KV head) merged into the output."""
+    md = min(geo.BLOCK_D, _pow2(CONFIG.merge_cols, 16))
+    _flash_merge_kernel[(geo.BH, geo.BLOCK_D // md)](
+        work, cache_len, out, geo.G, geo.Hkv, geo.D, geo.tile, geo.T_all, *out.stride(), cache_len.stride(0),
+        GP=geo.GP, BLOCK_D=geo.BLOCK_D, MD=md, CH=min(_pow2(CONFIG.merge_chunk, 2), _pow2(geo.T_all, 2)),
+        num_warps=4,
+    )
+
+
 def _flash_work(geo: _Geometry, device: torch.device) -> torch.Tensor:
     groups = _flash_groups(geo.T_all)[1]
     return _alloc((geo.BH * (geo.T_all + groups) * geo.GP * (2 + geo.BLOCK_D),), torch.float32, device)
@@ -471,13 +651,21 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_samples: torch
            counts: torch.Tensor | None = None) -> torch.Tensor:
     """S²ANTA-flash output [B, Hq, D]; ``counts`` receives per-key counts."""
     out = _alloc((geo.B, geo.Hq, geo.D), q.dtype, q.device)
-    scores = None
-    if CONFIG.flash_mode == "split":
-        bufs = _score_buffers(geo, q.device)
-        _launch_scores(q, k, cache_len, scale, geo, bufs)
-        scores = bufs.scores
-    _launch_flash(q, k, v, num_samples, uniforms, cache_len, scale, geo, scores, _flash_work(geo, q.device), out,
-                  counts)
+    work = _flash_work(geo, q.device)
+    inline = CONFIG.flash_merge == "inline"
+    if CONFIG.flash_mode == "stream":
+        _launch_flash_stream(q, k, v, num_samples, uniforms, cache_len, scale, geo,
+                             _score_buffers(geo, q.device).scores, work, counts)
+        inline = False
+    else:
+        scores = None
+        if CONFIG.flash_mode == "split":
+            bufs = _score_buffers(geo, q.device)
+            _launch_scores(q, k, cache_len, scale, geo, bufs)
+            scores = bufs.scores
+        _launch_flash(q, k, v, num_samples, uniforms, cache_len, scale, geo, scores, work, out, counts, merge=inline)
+    if not inline:
+        _launch_flash_merge(cache_len, geo, work, out)
     return out
 
 
@@ -488,7 +676,8 @@ def santa_stages(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
     prop: ``scores`` (K pass), ``budgets``, ``gather`` (V rows + output), ``full``. flash: ``scores`` (split
     mode's K pass), ``tiles`` (counts + V + partials, no merge), ``merge_tiles`` (tiles + merge: the split
-    mode's second launch), ``fused_nomerge`` / ``fused`` (the one-kernel variant), ``full`` (CONFIG's mode).
+    mode's second launch), ``fused_nomerge`` / ``fused`` (the one-kernel variant), ``stream`` (the
+    one-pass tile kernel, no merge), ``merge`` (the separate merge launch), ``full`` (CONFIG's mode).
     Same arguments as ``santa_decode_forward`` (shapes in its docstring).
     """
     geo = _Geometry.of(q, k_cache, tile)
@@ -507,6 +696,9 @@ def santa_stages(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         stages["gather"] = lambda: _launch_prop_gather(v_cache, *args, geo, bufs, out, None)
         return stages
     work = _flash_work(geo, q.device)
+    stages["stream"] = lambda: _launch_flash_stream(q, k_cache, v_cache, *args, scale, geo, bufs.scores, work, None)
+    stages["merge"] = lambda: _launch_flash_merge(cache_len, geo, work, out)
+    stages["stream"]()  # partials for the merge stage
     for name, scores, merge in (("tiles", bufs.scores, False), ("merge_tiles", bufs.scores, True),
                                 ("fused_nomerge", None, False), ("fused", None, True)):
         stages[name] = (lambda s=scores, mg=merge: _launch_flash(q, k_cache, v_cache, *args, scale, geo, s, work,

@@ -188,9 +188,11 @@ def test_single_key_and_one_sample():
         _check_draws(q, k, v, torch.tensor([1, 1]), u, lens, tiling=tiling, tile=16, out_rtol=1e-5)
 
 
-@pytest.mark.parametrize("tiling", ["prop", "flash"])
-def test_nan_poisoned_buffers_and_padding(tiling, monkeypatch):
+@pytest.mark.parametrize("tiling, variant", [("prop", "default"), ("prop", "propsum"), ("flash", "default"),
+                                             ("flash", "split")])
+def test_nan_poisoned_buffers_and_padding(tiling, variant, monkeypatch):
     """Every buffer the wrapper allocates starts as NaN / garbage, the cache padding is NaN: same result."""
+    monkeypatch.setattr(tk, "CONFIG", tk.VARIANTS[variant])
     q, k, v = _problem(5, tk=520)
     lens = torch.tensor([520, 257])
     s, u = torch.tensor([20, 9]), _offsets(5, 2, 8, 520, 128)
@@ -234,7 +236,7 @@ def test_strided_inputs_and_counter_reset(tiling):
     assert torch.allclose(again, base, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("variant", ["nopipe", "tpp4", "bk32", "fused_dot"])
+@pytest.mark.parametrize("variant", ["nopipe", "tpp4", "bk32", "fused_dot", "split", "launchmerge", "propsum"])
 @pytest.mark.parametrize("tiling", ["prop", "flash"])
 def test_launch_variants_draw_the_same_samples(tiling, variant, monkeypatch):
     """Every launch config in VARIANTS (chunked / pipelined K pass, tiles per program, fused flash with
@@ -244,6 +246,17 @@ def test_launch_variants_draw_the_same_samples(tiling, variant, monkeypatch):
     lens = torch.tensor([450])
     s = torch.tensor([40]) if tiling == "prop" else torch.tensor([100])
     _check_draws(q, k, v, s, _offsets(8, 1, 8, 450, 128), lens, tiling=tiling, tile=128, out_rtol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["default", "split"])
+def test_flash_ragged_batch_rows(variant, monkeypatch):
+    """Rows of one batch with different cache lengths (tiles past a row's end write no partial; the
+    merge reads only that row's tiles), an odd last tile, and more tiles than one merge chunk."""
+    monkeypatch.setattr(tk, "CONFIG", tk.VARIANTS[variant])
+    q, k, v = _problem(9, b=2, hq=4, hkv=2, tk=700, d=32)
+    lens = torch.tensor([700, 333])
+    _check_draws(q, k, v, torch.tensor([64, 48]), _offsets(9, 2, 4, 700, 32), lens, tiling="flash", tile=32,
+                 out_rtol=1e-5)
 
 
 def test_unsupported_calls_use_the_reference():

@@ -17,7 +17,8 @@ fastest on the H200 (two-launch classifier, no side stream); the alternatives be
    accumulation), online softmax in exp2 units; writes ``(o, m, l)`` in float32. An empty bucket writes
    ``m = -inf, l = 0`` and weighs nothing in the merge.
 4. :func:`_merge_kernel`: exact log-sum-exp merge of the partials, one program per (batch, KV head,
-   32 output columns), 16 partials per vector load.
+   32 output columns), 16 partials per vector load; or (``CONFIG.attn_merge_inline``) the last partial
+   program of each (batch, KV head) to finish merges them itself (an arrival counter; no fifth launch).
 
 A dense layer (``params.dense``) is steps 3-4 with the whole cache as the window (flash-decoding).
 
@@ -118,8 +119,10 @@ def _partial_kernel(
     n_kv, lo, hi, n_dense, win_tile, n_win, n_part, p_base, L, n_split, n_per, qk_scale,
     sq_b, sq_h, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
     sst_b, sst_h, sst_c, scn_b, scn_h, scn_c, ssl_b, ssl_h, ssl_s,
+    out_ptr, cnt_ptr, so_b, so_h, so_d,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, F32: tl.constexpr, PREFETCH_V: tl.constexpr,
+    MERGE: tl.constexpr = False, GM_PAD: tl.constexpr = 1, MERGE_P: tl.constexpr = 1,
 ):
     """One partial softmax ``(o [G, D], m [G], l [G])`` of the query heads of one (batch, KV head).
 
@@ -193,21 +196,25 @@ def _partial_kernel(
     tl.store(o_ptr + row[:, None] * D + offs_d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
     tl.store(m_ptr + row, m_i, mask=g_ok)
     tl.store(l_ptr + row, l_i, mask=g_ok)
+    if MERGE:  # the last of this (b, h)'s n_part programs to finish merges them (no second launch)
+        tl.debug_barrier()
+        done = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
+        if done == n_part - 1:
+            _merge_rows(o_ptr, m_ptr, l_ptr, out_ptr, pid, b, h, n_part, so_b, so_h, so_d, 0,
+                        G, GM_PAD, D, D_PAD, MERGE_P)
+            tl.atomic_xchg(cnt_ptr + pid, 0)
 
 
 @triton.jit
-def _merge_kernel(
-    o_ptr, m_ptr, l_ptr, out_ptr, n_kv, n_part, so_b, so_h, so_d,
-    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
-):
-    """``out[b, h*G + g, d] = Σ_p 2^(m_p - M) o_p / Σ_p 2^(m_p - M) l_p`` (exact log-sum-exp merge; empty
-    partials weigh 0). Partials as in :func:`_partial_kernel`, read ``BLOCK_P`` at a time (one vector load
-    each, running max); out: [B, Hq, D]. Grid: (B · Hkv, cdiv(D, BLOCK_D))."""
-    pid = tl.program_id(0)
-    b = pid // n_kv
-    h = pid % n_kv
+def _merge_rows(o_ptr, m_ptr, l_ptr, out_ptr, pid, b, h, n_part, so_b, so_h, so_d, d0,
+                G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCK_P: tl.constexpr):
+    """``out[b, h*G + g, d] = Σ_p 2^(m_p - M) o_p / Σ_p 2^(m_p - M) l_p`` over the ``n_part`` partials of
+    program row ``pid`` for columns ``[d0, d0 + BLOCK_D)`` (exact log-sum-exp merge; empty partials weigh
+    0), ``BLOCK_P`` partials per vector load, running max. Loads bypass L1 (``.cg``): in the fused path the
+    partials were written by other programs."""
     offs_g = tl.arange(0, G_PAD)
-    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_d = d0 + tl.arange(0, BLOCK_D)
     offs_p = tl.arange(0, BLOCK_P)
     g_ok = offs_g < G
     d_ok = offs_d < D
@@ -218,10 +225,11 @@ def _merge_kernel(
         pp = p0 + offs_p
         ok = (pp < n_part)[:, None] & g_ok[None, :]  # [BLOCK_P, G_PAD]
         row = (pid.to(tl.int64) * n_part + pp[:, None]) * G + offs_g[None, :]
-        m = tl.load(m_ptr + row, mask=ok, other=-float("inf"))
-        l_p = tl.load(l_ptr + row, mask=ok, other=0.0)
+        m = tl.load(m_ptr + row, mask=ok, other=-float("inf"), cache_modifier=".cg")
+        l_p = tl.load(l_ptr + row, mask=ok, other=0.0, cache_modifier=".cg")
         o = tl.load(o_ptr + row[:, :, None] * D + offs_d[None, None, :],
-                    mask=ok[:, :, None] & d_ok[None, None, :], other=0.0)  # [BLOCK_P, G_PAD, BLOCK_D]
+                    mask=ok[:, :, None] & d_ok[None, None, :], other=0.0,
+                    cache_modifier=".cg")  # [BLOCK_P, G_PAD, BLOCK_D]
         m_new = tl.maximum(m_run, tl.max(m, 0))
         m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
         alpha = tl.exp2(m_run - m_safe)
@@ -232,6 +240,17 @@ def _merge_kernel(
     out = acc / tl.where(g_ok, den, 1.0)[:, None]
     ptrs = out_ptr + b.to(tl.int64) * so_b + (h * G + offs_g)[:, None] * so_h + offs_d[None, :] * so_d
     tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _merge_kernel(
+    o_ptr, m_ptr, l_ptr, out_ptr, n_kv, n_part, so_b, so_h, so_d,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    """The merge as its own launch (:func:`_merge_rows`); out: [B, Hq, D]. Grid: (B · Hkv, cdiv(D, BLOCK_D))."""
+    pid = tl.program_id(0)
+    _merge_rows(o_ptr, m_ptr, l_ptr, out_ptr, pid, pid // n_kv, pid % n_kv, n_part, so_b, so_h, so_d,
+                tl.program_id(1) * BLOCK_D, G, G_PAD, D, BLOCK_D, BLOCK_P)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -299,8 +318,9 @@ def _plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, n_l: in
 
 
 def _launch_partials(pl: _Partials, state: BucketIndex | None, buckets: torch.Tensor | None, window: bool,
-                     bucket: bool) -> None:
-    """Launch :func:`_partial_kernel` for the window partials, the bucket partials, or both."""
+                     bucket: bool, out: torch.Tensor | None = None) -> None:
+    """Launch :func:`_partial_kernel` for the window partials, the bucket partials, or both; with ``out``
+    (both, one launch) the last partial of each (batch, KV head) merges them into it."""
     q, k_cache, v_cache = pl.q, pl.k, pl.v
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
@@ -316,15 +336,30 @@ def _launch_partials(pl: _Partials, state: BucketIndex | None, buckets: torch.Te
         sel = torch.zeros(1, dtype=torch.int32, device=q.device)
     start, count, slots = _index_tensors(state if n_l and bucket else None, b, hkv, q.device)
     f32 = _interpreting() or q.dtype == torch.float32
+    merge = out is not None
+    if merge and not (window and bucket):
+        raise ValueError("the inline merge needs every partial in one launch")
+    cnt = _tc.counters(q.device, b * hkv) if merge else sel
     _partial_kernel[(b * hkv, n_prog)](
         q, k_cache, v_cache, sel, start, count, slots, pl.o, pl.m, pl.l,
         hkv, pl.lo, pl.hi, pl.n_dense, pl.win_tile, pl.n_win, pl.n_part, p_base, max(n_l, 1), pl.n_split,
         pl.n_per, pl.scale * LOG2E, *q.stride(), *k_cache.stride(), *v_cache.stride(), *start.stride(),
-        *count.stride(), *slots.stride(),
+        *count.stride(), *slots.stride(), out if merge else pl.o, cnt, *(out.stride() if merge else (0, 0, 0)),
         G=g, G_PAD=max(_ROWS, _pow2(g)), D=d, D_PAD=_pow2(d), BLOCK_N=_tc.CONFIG.block_n, F32=f32,
-        PREFETCH_V=bool(_tc.CONFIG.attn_prefetch_v),
+        PREFETCH_V=bool(_tc.CONFIG.attn_prefetch_v), MERGE=merge, GM_PAD=_pow2(g),
+        MERGE_P=_tc.CONFIG.merge_block_p,
         num_warps=_tc.CONFIG.attn_warps, num_stages=_tc.CONFIG.attn_stages,
     )
+
+
+def _attend(pl: _Partials, state: BucketIndex | None, buckets: torch.Tensor | None) -> torch.Tensor:
+    """Every partial, then their merge: inline (``CONFIG.attn_merge_inline``, one launch) or launched."""
+    if _tc.CONFIG.attn_merge_inline:
+        out = _buffer(tuple(pl.q.shape), pl.q.dtype, pl.q.device)
+        _launch_partials(pl, state, buckets, True, True, out)
+        return out
+    _launch_partials(pl, state, buckets, True, True)
+    return _merge(pl)
 
 
 def _merge(pl: _Partials) -> torch.Tensor:
@@ -350,9 +385,7 @@ def saap_sparse_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     (or None: dense region only); ``lo = hi = 0``: the whole cache. Returns [B, Hq, D] in q.dtype.
     """
     n_l = 0 if buckets is None else int(buckets.shape[-1])
-    pl = _plan(q, k_cache, v_cache, n_l, lo, hi, scale)
-    _launch_partials(pl, state, buckets, True, True)
-    return _merge(pl)
+    return _attend(_plan(q, k_cache, v_cache, n_l, lo, hi, scale), state, buckets)
 
 
 __all__ = ["saap_classifier_logits_triton", "saap_decode_attention_triton", "saap_rank_buckets_triton",
@@ -384,9 +417,10 @@ def _sparse_step(q: torch.Tensor, q_derope: torch.Tensor, k_cache: torch.Tensor,
         with torch.cuda.stream(side):
             _launch_partials(pl, None, None, True, False)
     buckets = saap_select_buckets_triton(q_derope, params, q.shape[1] // hkv, top_l)
-    _launch_partials(pl, state, buckets, not overlap, True)
-    if overlap:
-        main.wait_stream(side)
+    if not overlap:
+        return _attend(pl, state, buckets)
+    _launch_partials(pl, state, buckets, False, True)
+    main.wait_stream(side)
     return _merge(pl)
 
 

@@ -72,6 +72,9 @@ class SaapTritonConfig:
     gemv_atomic: int = 0      # 1: layer 2 adds its chunks into b2-initialized logits with float32 atomics
     rank_warps: int = 8       # the per-(batch, KV head) softmax + group sum + bitonic top-ℓ program (bmm path,
                               # 128k B=1: 2 warps 60.8 us, 4: 51.8, 8: 51.1, 16: 52.4)
+    attn_merge_inline: int = 0  # 1: the last partial program of each (batch, KV head) merges (no merge launch);
+                                # H200 graphed, 128k B=1: 58.2 vs 51.0 us, B=8 8k: 100.9 vs 85.4 (one program
+                                # per row does the whole merge: slower than the 4-program launch)
     merge_block_p: int = 16
     merge_block_d: int = 32
     poison: bool = False  # fill outputs and partials with NaN before the launches (tests)
@@ -94,6 +97,24 @@ CONFIG = from_env(os.environ.get("SAAP_TRITON_CONFIG"))
 
 def pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
+
+
+_COUNTERS: dict[str, torch.Tensor] = {}
+
+
+def counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters (one buffer per device, reset to zero by the kernels' last programs,
+    so no per-call memset and a CUDA graph reuses the eager warm-up's buffer; the interpreter can stop
+    mid-grid on an exception, so there it is zeroed every call). Concurrent launches on two streams of
+    one device would share it: don't."""
+    key = str(device)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1 << 12), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    elif device.type != "cuda":
+        buf.zero_()
+    return buf
 
 
 def buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

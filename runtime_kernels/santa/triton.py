@@ -113,7 +113,9 @@ class KernelConfig:
     score_warps: int = 4
     budget_heads: int = 1  # query heads per budget program (divides Hq; 1 = one program per head)
     gather_warps: int = 4
-    gather_samples: int = 16  # prop gather: samples per head resolved to keys per step
+    gather_samples: int = 4  # prop gather: samples per head resolved to keys per step ([GP, this, tile] compare;
+    #   H200 eager gather stage, 16 / 8 / 4: 32k B=1 21.8 / 22.1 / 16.3 µs, B=8 100.7 / 86.0 / 80.3, 8k B=8 36.4 / 31.6 / 29.9)
+    flash_samples: int = 16  # the same for flash's tiles (32k B=1 stream: 16 -> 37.6 us, 8 -> 42.0)
     flash_mode: str = "stream"  # H200 32k (eager stage times): B=1 stream 38 + merge 13 us vs split's score pass
     #   23 + tiles-and-inline-merge 48; B=8 230 + 17 vs 136 + 160
     flash_merge: str = "launch"  # ``inline`` (last tile of each group merges, arrival counters) or ``launch``
@@ -138,8 +140,11 @@ VARIANTS: dict[str, KernelConfig] = {
     "fused": KernelConfig(flash_mode="fused", flash_merge="inline"),
     "fused_dot": KernelConfig(flash_mode="fused", flash_values="dot", flash_merge="inline"),  # the previous flash kernel
     "dot": KernelConfig(flash_mode="split", flash_values="dot"),
-    "maxs32": KernelConfig(gather_samples=32),
-    "maxs8": KernelConfig(gather_samples=8),
+    "maxs32": KernelConfig(gather_samples=32, flash_samples=32),
+    "maxs8": KernelConfig(gather_samples=8, flash_samples=8),
+    "prop16": KernelConfig(gather_samples=16),  # the previous default
+    "prop8": KernelConfig(gather_samples=8),
+    "prop2": KernelConfig(gather_samples=2),
     "merge16": KernelConfig(flash_mode="split", flash_merge="inline", merge_rows=16),
     "split": KernelConfig(flash_mode="split", flash_merge="inline"),  # the previous default
     "launchmerge": KernelConfig(flash_mode="split", flash_merge="launch"),
@@ -610,7 +615,7 @@ def _launch_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_samples
         cache_len.stride(0), num_samples.stride(0),
         GP=geo.GP, BN=geo.BN, BLOCK_D=geo.BLOCK_D, TPG=per, CH=min(CONFIG.merge_rows, per, _pow2(groups, 2)),
         IEEE=q.dtype == torch.float32, WRITE_COUNTS=counts is not None, FUSED=fused, MERGE=merge,
-        MAXS=CONFIG.gather_samples if CONFIG.flash_values == "rows" else 0,
+        MAXS=CONFIG.flash_samples if CONFIG.flash_values == "rows" else 0,
         num_warps=CONFIG.flash_warps if fused else CONFIG.flash_gather_warps,
     )
 
@@ -627,7 +632,7 @@ def _launch_flash_stream(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_
         *q.stride(), *k.stride(), *v.stride(), *uniforms.stride(), cache_len.stride(0), num_samples.stride(0),
         GP=geo.GP, BK=bk, NCH=geo.BN // bk, BN=geo.BN, BLOCK_D=geo.BLOCK_D, STAGES=cfg.score_stages,
         IEEE=q.dtype == torch.float32, WRITE_COUNTS=counts is not None,
-        MAXS=cfg.gather_samples if cfg.flash_values == "rows" else 0, num_warps=cfg.score_warps,
+        MAXS=cfg.flash_samples if cfg.flash_values == "rows" else 0, num_warps=cfg.score_warps,
     )
 
 

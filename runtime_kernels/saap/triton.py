@@ -81,6 +81,8 @@ from runtime_kernels.saap.reference import (
     saap_decode_attention_reference,
     searchable_range,
 )
+from runtime_kernels.saap import triton_classifier as _cls
+from runtime_kernels.saap.triton_classifier import _rank_body
 from runtime_kernels.saap.triton_classifier import (  # public API of this module too (__all__)
     saap_classifier_logits_triton,
     saap_rank_buckets_triton,
@@ -124,19 +126,74 @@ def _partial_kernel(
     BLOCK_N: tl.constexpr, F32: tl.constexpr, PREFETCH_V: tl.constexpr,
     MERGE: tl.constexpr = False, GM_PAD: tl.constexpr = 1, MERGE_P: tl.constexpr = 1,
 ):
+    """:func:`_partial_body` of (batch, KV head) ``program_id(0)``, partial ``p_base + program_id(1)``."""
+    _partial_body(
+        tl.program_id(0), p_base + tl.program_id(1),
+        q_ptr, k_ptr, v_ptr, sel_ptr, start_ptr, count_ptr, slots_ptr, o_ptr, m_ptr, l_ptr,
+        n_kv, lo, hi, n_dense, win_tile, n_win, n_part, L, n_split, n_per, qk_scale,
+        sq_b, sq_h, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
+        sst_b, sst_h, sst_c, scn_b, scn_h, scn_c, ssl_b, ssl_h, ssl_s,
+        out_ptr, cnt_ptr, so_b, so_h, so_d,
+        G, G_PAD, D, D_PAD, BLOCK_N, F32, PREFETCH_V, MERGE, GM_PAD, MERGE_P,
+    )
+
+
+@triton.jit
+def _rank_window_kernel(
+    lg_ptr, bias_ptr, bsel_ptr, C, L_rank, sl_b, sl_h, sl_c, sl_p,
+    q_ptr, k_ptr, v_ptr, sel_ptr, start_ptr, count_ptr, slots_ptr, o_ptr, m_ptr, l_ptr,
+    n_kv, lo, hi, n_dense, win_tile, n_win, n_part, L, n_split, n_per, qk_scale,
+    sq_b, sq_h, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
+    sst_b, sst_h, sst_c, scn_b, scn_h, scn_c, ssl_b, ssl_h, ssl_s,
+    out_ptr, cnt_ptr, so_b, so_h, so_d,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, F32: tl.constexpr, PREFETCH_V: tl.constexpr,
+    RG_PAD: tl.constexpr, C_PAD: tl.constexpr, K_PAD: tl.constexpr, N_PART: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    """The bucket ranking and the dense-window partials in one launch (``CONFIG.rank_with_window``):
+    program (pid, 0) ranks (batch, KV head) pid (:func:`_rank_body`: B · Hkv programs of several µs that
+    leave the GPU nearly idle), programs (pid, 1 + p) compute window partial p (:func:`_partial_body`) on
+    the otherwise idle SMs. Grid: (B · Hkv, 1 + n_win)."""
+    pid = tl.program_id(0)
+    if tl.program_id(1) == 0:
+        _rank_body(pid, lg_ptr, bias_ptr, bsel_ptr, n_kv, C, L_rank, sl_b, sl_h, sl_c, sl_p,
+                   G, RG_PAD, C_PAD, K_PAD, N_PART, HAS_BIAS)
+    else:
+        _partial_body(
+            pid, tl.program_id(1) - 1,
+            q_ptr, k_ptr, v_ptr, sel_ptr, start_ptr, count_ptr, slots_ptr, o_ptr, m_ptr, l_ptr,
+            n_kv, lo, hi, n_dense, win_tile, n_win, n_part, L, n_split, n_per, qk_scale,
+            sq_b, sq_h, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
+            sst_b, sst_h, sst_c, scn_b, scn_h, scn_c, ssl_b, ssl_h, ssl_s,
+            out_ptr, cnt_ptr, so_b, so_h, so_d,
+            G, G_PAD, D, D_PAD, BLOCK_N, F32, PREFETCH_V, False, 1, 1,
+        )
+
+
+@triton.jit
+def _partial_body(
+    pid, p,
+    q_ptr, k_ptr, v_ptr, sel_ptr, start_ptr, count_ptr, slots_ptr, o_ptr, m_ptr, l_ptr,
+    n_kv, lo, hi, n_dense, win_tile, n_win, n_part, L, n_split, n_per, qk_scale,
+    sq_b, sq_h, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
+    sst_b, sst_h, sst_c, scn_b, scn_h, scn_c, ssl_b, ssl_h, ssl_s,
+    out_ptr, cnt_ptr, so_b, so_h, so_d,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, F32: tl.constexpr, PREFETCH_V: tl.constexpr,
+    MERGE: tl.constexpr, GM_PAD: tl.constexpr, MERGE_P: tl.constexpr,
+):
     """One partial softmax ``(o [G, D], m [G], l [G])`` of the query heads of one (batch, KV head).
 
-    Partial ``p = p_base + program_id(1)``. ``p < n_win``: dense-region keys
+    Partial ``p``. ``p < n_win``: dense-region keys
     ``j ∈ [p·win_tile, min((p+1)·win_tile, n_dense))`` at position ``j`` if ``j < lo`` else ``j + hi - lo``.
     ``p >= n_win``: with ``r = p - n_win``, the selected buckets ``sel[b, h, e]`` for
     ``e ∈ [(r // n_split)·n_per, +n_per) ∩ [0, L)``, of each bucket ``c`` its ``(r % n_split)``-th chunk of
     ``ceil(count / n_split)`` keys, positions ``slots[b, h, slot_start[b, h, c] + i]``,
     ``i < bucket_count[b, h, c]``. ``m`` is in log2 units (scores times ``scale · log2 e``), ``-inf`` and
     ``l = 0`` when the partial has no key. Partials are contiguous ``o [B, Hkv, P, G, D]``,
-    ``m, l [B, Hkv, P, G]`` float32. Grid: (B · Hkv, number of partials of this launch).
+    ``m, l [B, Hkv, P, G]`` float32; ``pid`` = b · Hkv + h.
     """
-    pid = tl.program_id(0)
-    p = p_base + tl.program_id(1)
     b = pid // n_kv
     h = pid % n_kv
     b64 = b.to(tl.int64)
@@ -317,39 +374,61 @@ def _plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, n_l: in
                      n_per, o, m, l_)
 
 
-def _launch_partials(pl: _Partials, state: BucketIndex | None, buckets: torch.Tensor | None, window: bool,
-                     bucket: bool, out: torch.Tensor | None = None) -> None:
-    """Launch :func:`_partial_kernel` for the window partials, the bucket partials, or both; with ``out``
-    (both, one launch) the last partial of each (batch, KV head) merges them into it."""
+def _partial_args(pl: _Partials, state: BucketIndex | None, buckets: torch.Tensor | None, bucket: bool,
+                  out: torch.Tensor | None) -> tuple[tuple, tuple, dict]:
+    """(args before ``p_base``, args after it, constexprs) of :func:`_partial_kernel` (also the window
+    half of :func:`_rank_window_kernel`, which takes them without ``p_base``)."""
     q, k_cache, v_cache = pl.q, pl.k, pl.v
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
     g = hq // hkv
-    p_base = 0 if window else pl.n_win
-    n_prog = (pl.n_win if window else 0) + (pl.n_bkt_prog if bucket else 0)
-    if n_prog == 0:
-        return
     n_l = 0 if buckets is None else int(buckets.shape[-1])
     if n_l and bucket:
         sel = (buckets if buckets.dtype == torch.int32 else buckets.to(torch.int32)).contiguous()
     else:
         sel = torch.zeros(1, dtype=torch.int32, device=q.device)
     start, count, slots = _index_tensors(state if n_l and bucket else None, b, hkv, q.device)
-    f32 = _interpreting() or q.dtype == torch.float32
     merge = out is not None
-    if merge and not (window and bucket):
-        raise ValueError("the inline merge needs every partial in one launch")
     cnt = _tc.counters(q.device, b * hkv) if merge else sel
-    _partial_kernel[(b * hkv, n_prog)](
-        q, k_cache, v_cache, sel, start, count, slots, pl.o, pl.m, pl.l,
-        hkv, pl.lo, pl.hi, pl.n_dense, pl.win_tile, pl.n_win, pl.n_part, p_base, max(n_l, 1), pl.n_split,
-        pl.n_per, pl.scale * LOG2E, *q.stride(), *k_cache.stride(), *v_cache.stride(), *start.stride(),
-        *count.stride(), *slots.stride(), out if merge else pl.o, cnt, *(out.stride() if merge else (0, 0, 0)),
-        G=g, G_PAD=max(_ROWS, _pow2(g)), D=d, D_PAD=_pow2(d), BLOCK_N=_tc.CONFIG.block_n, F32=f32,
-        PREFETCH_V=bool(_tc.CONFIG.attn_prefetch_v), MERGE=merge, GM_PAD=_pow2(g),
-        MERGE_P=_tc.CONFIG.merge_block_p,
+    head = (q, k_cache, v_cache, sel, start, count, slots, pl.o, pl.m, pl.l,
+            hkv, pl.lo, pl.hi, pl.n_dense, pl.win_tile, pl.n_win, pl.n_part)
+    tail = (max(n_l, 1), pl.n_split, pl.n_per, pl.scale * LOG2E, *q.stride(), *k_cache.stride(), *v_cache.stride(),
+            *start.stride(), *count.stride(), *slots.stride(), out if merge else pl.o, cnt,
+            *(out.stride() if merge else (0, 0, 0)))
+    consts = dict(G=g, G_PAD=max(_ROWS, _pow2(g)), D=d, D_PAD=_pow2(d), BLOCK_N=_tc.CONFIG.block_n,
+                  F32=_interpreting() or q.dtype == torch.float32, PREFETCH_V=bool(_tc.CONFIG.attn_prefetch_v))
+    return head, tail, consts
+
+
+def _launch_partials(pl: _Partials, state: BucketIndex | None, buckets: torch.Tensor | None, window: bool,
+                     bucket: bool, out: torch.Tensor | None = None) -> None:
+    """Launch :func:`_partial_kernel` for the window partials, the bucket partials, or both; with ``out``
+    (both, one launch) the last partial of each (batch, KV head) merges them into it."""
+    n_prog = (pl.n_win if window else 0) + (pl.n_bkt_prog if bucket else 0)
+    if n_prog == 0:
+        return
+    if out is not None and not (window and bucket):
+        raise ValueError("the inline merge needs every partial in one launch")
+    head, tail, consts = _partial_args(pl, state, buckets, bucket, out)
+    _partial_kernel[(pl.q.shape[0] * pl.k.shape[1], n_prog)](
+        *head, 0 if window else pl.n_win, *tail, **consts,
+        MERGE=out is not None, GM_PAD=_pow2(pl.q.shape[1] // pl.k.shape[1]), MERGE_P=_tc.CONFIG.merge_block_p,
         num_warps=_tc.CONFIG.attn_warps, num_stages=_tc.CONFIG.attn_stages,
     )
+
+
+def _rank_and_window(pl: _Partials, parts: torch.Tensor, bias: torch.Tensor | None, group: int, top_l: int
+                     ) -> torch.Tensor:
+    """One launch of :func:`_rank_window_kernel`: the top-ℓ buckets (returned) and the window partials."""
+    sel, rank_args, rank_consts = _cls.rank_args(parts, group, top_l, bias)
+    head, tail, consts = _partial_args(pl, None, None, False, None)
+    _rank_window_kernel[(sel.shape[0] * sel.shape[1], 1 + pl.n_win)](
+        *rank_args[:3], *rank_args[4:], *head, *tail, **consts,
+        RG_PAD=rank_consts["G_PAD"], C_PAD=rank_consts["C_PAD"], K_PAD=rank_consts["K_PAD"],
+        N_PART=rank_consts["N_PART"], HAS_BIAS=rank_consts["HAS_BIAS"],
+        num_warps=_tc.CONFIG.rank_warps, num_stages=_tc.CONFIG.attn_stages,
+    )
+    return sel
 
 
 def _attend(pl: _Partials, state: BucketIndex | None, buckets: torch.Tensor | None) -> torch.Tensor:
@@ -416,6 +495,11 @@ def _sparse_step(q: torch.Tensor, q_derope: torch.Tensor, k_cache: torch.Tensor,
         side.wait_stream(main)
         with torch.cuda.stream(side):
             _launch_partials(pl, None, None, True, False)
+    if _tc.CONFIG.rank_with_window and not overlap and min(int(top_l), c) > 0:
+        parts, bias = _cls.select_parts(q_derope, params)
+        buckets = _rank_and_window(pl, parts, bias, q.shape[1] // hkv, top_l)
+        _launch_partials(pl, state, buckets, False, True)
+        return _merge(pl)
     buckets = saap_select_buckets_triton(q_derope, params, q.shape[1] // hkv, top_l)
     if not overlap:
         return _attend(pl, state, buckets)

@@ -415,6 +415,10 @@ SAAP_VARIANTS: dict[str, dict[str, int]] = {
     "bmm-rank2": {"cls_bmm_max_b": 16, "rank_warps": 2},
     "bmm-l1n32": {"cls_bmm_max_b": 16, "gemv1_block_n": 32},
     "bmm-l1n128": {"cls_bmm_max_b": 16, "gemv1_block_n": 128},
+    "rank-filter2": {"rank_filter": 2},  # sort only the candidates above the smallest chunk maximum
+    "rank-filter4": {"rank_filter": 4},
+    "rank-filter4-w4": {"rank_filter": 4, "rank_warps": 4},
+    "rank-filter8": {"rank_filter": 8},
     "rank-window": {"rank_with_window": 1},  # window partials in the ranking's launch
     "rank-window-w4": {"rank_with_window": 1, "rank_warps": 4},
     "merge-inline": {"attn_merge_inline": 1},  # the last partial program merges (no merge launch)

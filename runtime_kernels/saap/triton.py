@@ -31,7 +31,8 @@ hidden 1024, window 1 + 2047, balanced buckets of ``N_s / C`` keys, ``N_vis = 20
   TB/s (20 µs). Measured with the ranking at 128k B=1: 35 µs (H200 2026-11-21, read-flushed L2) vs 43 µs
   for the GEMV path (``cls_bmm_max_b = 0``, B ≤ ``cls_gemv_max_b``: layer 2 in 4 hidden chunks at 2.35
   TB/s) and 48 µs for the tensor-core path. Left: layer 1 (~7 µs in sequence, latency) and the ranking
-  (~8 µs, one program per KV head running a bitonic top-ℓ over 1024 scores).
+  (~8 µs, one program per KV head: a bitonic top-ℓ over the scores at or above the smallest of ℓ chunk
+  maxima when at most ``rank_filter · ℓ`` of them qualify, else over all 1024).
 * classifier: ``Hq · (D·Hd + Hd·C) · 2 B`` = 75.5 MB of weights per call whatever B (≤ 16). First
   version (two launches, 256 programs streaming K = 1024): measured 46 µs (1.65 TB/s). Fused: 512
   programs (2 resident per SM: 244 registers, 80 KB smem at 3 stages), each 16 KB of w1 then 8 steps of
@@ -140,7 +141,7 @@ def _partial_kernel(
 
 @triton.jit
 def _rank_window_kernel(
-    lg_ptr, bias_ptr, bsel_ptr, C, L_rank, sl_b, sl_h, sl_c, sl_p,
+    lg_ptr, bias_ptr, bsel_ptr, scratch_ptr, C, L_rank, sl_b, sl_h, sl_c, sl_p,
     q_ptr, k_ptr, v_ptr, sel_ptr, start_ptr, count_ptr, slots_ptr, o_ptr, m_ptr, l_ptr,
     n_kv, lo, hi, n_dense, win_tile, n_win, n_part, L, n_split, n_per, qk_scale,
     sq_b, sq_h, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
@@ -149,7 +150,7 @@ def _rank_window_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, F32: tl.constexpr, PREFETCH_V: tl.constexpr,
     RG_PAD: tl.constexpr, C_PAD: tl.constexpr, K_PAD: tl.constexpr, N_PART: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CAND: tl.constexpr,
 ):
     """The bucket ranking and the dense-window partials in one launch (``CONFIG.rank_with_window``):
     program (pid, 0) ranks (batch, KV head) pid (:func:`_rank_body`: B · Hkv programs of several µs that
@@ -157,8 +158,8 @@ def _rank_window_kernel(
     the otherwise idle SMs. Grid: (B · Hkv, 1 + n_win)."""
     pid = tl.program_id(0)
     if tl.program_id(1) == 0:
-        _rank_body(pid, lg_ptr, bias_ptr, bsel_ptr, n_kv, C, L_rank, sl_b, sl_h, sl_c, sl_p,
-                   G, RG_PAD, C_PAD, K_PAD, N_PART, HAS_BIAS)
+        _rank_body(pid, lg_ptr, bias_ptr, bsel_ptr, scratch_ptr, n_kv, C, L_rank, sl_b, sl_h, sl_c, sl_p,
+                   G, RG_PAD, C_PAD, K_PAD, N_PART, HAS_BIAS, CAND)
     else:
         _partial_body(
             pid, tl.program_id(1) - 1,
@@ -423,9 +424,9 @@ def _rank_and_window(pl: _Partials, parts: torch.Tensor, bias: torch.Tensor | No
     sel, rank_args, rank_consts = _cls.rank_args(parts, group, top_l, bias)
     head, tail, consts = _partial_args(pl, None, None, False, None)
     _rank_window_kernel[(sel.shape[0] * sel.shape[1], 1 + pl.n_win)](
-        *rank_args[:3], *rank_args[4:], *head, *tail, **consts,
+        *rank_args[:4], *rank_args[5:], *head, *tail, **consts,
         RG_PAD=rank_consts["G_PAD"], C_PAD=rank_consts["C_PAD"], K_PAD=rank_consts["K_PAD"],
-        N_PART=rank_consts["N_PART"], HAS_BIAS=rank_consts["HAS_BIAS"],
+        N_PART=rank_consts["N_PART"], HAS_BIAS=rank_consts["HAS_BIAS"], CAND=rank_consts["CAND"],
         num_warps=_tc.CONFIG.rank_warps, num_stages=_tc.CONFIG.attn_stages,
     )
     return sel

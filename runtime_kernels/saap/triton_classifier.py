@@ -329,20 +329,20 @@ def _gemv_kernel(
 
 @triton.jit
 def _rank_kernel(
-    logits_ptr, bias_ptr, sel_ptr, n_kv, C, L, sl_b, sl_h, sl_c, sl_p,
+    logits_ptr, bias_ptr, sel_ptr, scratch_ptr, n_kv, C, L, sl_b, sl_h, sl_c, sl_p,
     G: tl.constexpr, G_PAD: tl.constexpr, C_PAD: tl.constexpr, K_PAD: tl.constexpr, N_PART: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CAND: tl.constexpr,
 ):
     """:func:`_rank_body` of (batch, KV head) ``program_id(0)``. Grid: (B · Hkv,)."""
-    _rank_body(tl.program_id(0), logits_ptr, bias_ptr, sel_ptr, n_kv, C, L, sl_b, sl_h, sl_c, sl_p,
-               G, G_PAD, C_PAD, K_PAD, N_PART, HAS_BIAS)
+    _rank_body(tl.program_id(0), logits_ptr, bias_ptr, sel_ptr, scratch_ptr, n_kv, C, L, sl_b, sl_h, sl_c, sl_p,
+               G, G_PAD, C_PAD, K_PAD, N_PART, HAS_BIAS, CAND)
 
 
 @triton.jit
 def _rank_body(
-    pid, logits_ptr, bias_ptr, sel_ptr, n_kv, C, L, sl_b, sl_h, sl_c, sl_p,
+    pid, logits_ptr, bias_ptr, sel_ptr, scratch_ptr, n_kv, C, L, sl_b, sl_h, sl_c, sl_p,
     G: tl.constexpr, G_PAD: tl.constexpr, C_PAD: tl.constexpr, K_PAD: tl.constexpr, N_PART: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CAND: tl.constexpr,
 ):
     """Top-ℓ buckets of (batch, KV head) ``pid``: ``sel[b, h, :L]`` (int32, best first; ties: lower bucket).
 
@@ -351,6 +351,12 @@ def _rank_body(
     classifier's partial logits; a plain logits tensor is ``N_PART = 1``, no bias); sel: [B, Hkv, L]
     contiguous. Score of bucket c = Σ_g softmax(logits[b, h*G+g])[c] (>= 0, so its float bits order like
     the value): key = bits << 32 | (C_PAD - 1 - c), bitonic top-K_PAD, the first L kept.
+
+    ``CAND > 0`` (``CONFIG.rank_filter``): the keys are cut into K_PAD chunks; every chunk's largest key is
+    at least ``τ`` = the smallest chunk maximum, so at least K_PAD (distinct) keys reach ``τ`` and the top
+    K_PAD are among the keys ``>= τ``. When at most CAND keys qualify they are compacted (prefix sum, a
+    store to ``scratch [B·Hkv, CAND]`` and a reload) and only those are sorted; otherwise (flat scores,
+    padded chunks) all C_PAD keys are, as without the filter. Same result either way.
     """
     b = pid // n_kv
     h = pid % n_kv
@@ -372,7 +378,20 @@ def _rank_body(
     score = tl.sum(e / den[:, None], 0)  # [C_PAD]
     bits = score.to(tl.int32, bitcast=True).to(tl.int64)
     key = tl.where(c_ok, (bits << 32) | (C_PAD - 1 - offs_c).to(tl.int64), -1)
-    top = tl.topk(key, K_PAD)  # [K_PAD] descending
+    if CAND > 0:
+        tau = tl.min(tl.max(tl.reshape(key, [K_PAD, C_PAD // K_PAD]), axis=1), axis=0)
+        cand = key >= tau
+        n_cand = tl.sum(cand.to(tl.int32), axis=0)
+        if n_cand <= CAND:
+            row = scratch_ptr + pid.to(tl.int64) * CAND
+            tl.store(row + tl.cumsum(cand.to(tl.int32), axis=0) - 1, key, mask=cand)
+            tl.debug_barrier()  # the compacted candidates, stored by every thread, are visible to all
+            offs_k = tl.arange(0, CAND)
+            top = tl.topk(tl.load(row + offs_k, mask=offs_k < n_cand, other=-1), K_PAD)
+        else:
+            top = tl.topk(key, K_PAD)
+    else:
+        top = tl.topk(key, K_PAD)  # [K_PAD] descending
     idx = (C_PAD - 1 - (top & 0xFFFFFFFF)).to(tl.int32)
     offs_l = tl.arange(0, K_PAD)
     tl.store(sel_ptr + pid.to(tl.int64) * L + offs_l, idx, mask=offs_l < L)
@@ -554,9 +573,13 @@ def rank_args(parts: torch.Tensor, group: int, top_l: int, bias: torch.Tensor | 
     n_l = min(int(top_l), c)
     hkv = hq // group
     sel = _buffer((b, hkv, n_l), torch.int32, parts.device)
-    args = (parts, parts if bias is None else bias, sel, hkv, c, n_l, *parts.stride()[1:], parts.stride(0))
-    consts = dict(G=group, G_PAD=_pow2(group), C_PAD=max(2, _pow2(c)), K_PAD=max(2, _pow2(n_l)),  # topk: k >= 2
-                  N_PART=n_part, HAS_BIAS=bias is not None)
+    c_pad, k_pad = max(2, _pow2(c)), max(2, _pow2(n_l))  # tl.topk needs k >= 2
+    cand = _tc.CONFIG.rank_filter * k_pad if _tc.CONFIG.rank_filter else 0
+    cand = cand if 0 < cand < c_pad else 0  # a filter that keeps everything is no filter
+    scratch = _buffer((b * hkv * max(cand, 1),), torch.int64, parts.device)
+    args = (parts, parts if bias is None else bias, sel, scratch, hkv, c, n_l, *parts.stride()[1:], parts.stride(0))
+    consts = dict(G=group, G_PAD=_pow2(group), C_PAD=c_pad, K_PAD=k_pad, N_PART=n_part, HAS_BIAS=bias is not None,
+                  CAND=cand)
     return sel, args, consts
 
 

@@ -70,6 +70,10 @@ class SaapTritonConfig:
                               # extra chunk costs the ranking ~1.4 us (2: 48.6, 8: 56.2 at block 64)
     gemv_warps: int = 4
     gemv_atomic: int = 0      # 1: layer 2 adds its chunks into b2-initialized logits with float32 atomics
+    rank_filter: int = 4      # > 0: sort only the keys >= the smallest of K_PAD chunk maxima when at most
+                              # rank_filter * K_PAD of them qualify (compacted through a small scratch row).
+                              # H200 graphed, 128k l=32: B=1 51.1 -> 50.3 us, B=8 112.9 -> 105.6 (the bench's
+                              # random classifier is flat: ~90-140 candidates of 1024; a trained one is peakier)
     rank_warps: int = 8       # the per-(batch, KV head) softmax + group sum + bitonic top-ℓ program (bmm path,
                               # 128k B=1: 2 warps 60.8 us, 4: 51.8, 8: 51.1, 16: 52.4)
     rank_with_window: int = 0  # 1: the window partials run in the ranking's launch (B·Hkv ranking programs

@@ -140,6 +140,7 @@ SCHEDULES = [  # CONFIG switches that change how the work is cut, never the resu
     {"cls_gemv_max_b": 16, "gemv_k_split": 4, "gemv_block_k": 8},  # GEMV at B = 3 too; four k chunks
     {"cls_gemv_max_b": 16, "gemv_k_split": 4, "gemv_block_k": 8, "gemv_atomic": 1},  # chunks summed by atomics
     {"cls_bmm_max_b": 16},  # layer 1 GEMV + layer 2 as a bmm (float32 weights here: one term)
+    {"rank_filter": 2},  # top-ℓ over the keys above the smallest chunk maximum (compacted)
     {"rank_with_window": 1},  # the window partials in the ranking's launch
     {"rank_with_window": 1, "cls_bmm_max_b": 16},
     {"attn_merge_inline": 1},  # the last partial program of each (batch, KV head) merges
@@ -183,6 +184,39 @@ def test_classifier_and_ranking_match_reference(b, gemv_max_b, atomic, bmm_max_b
                     triton_mod.saap_select_buckets_triton(qd, p, 3, top_l)):  # the decode step's fused path
             assert sel.shape == ref.shape and sel.dtype == torch.int32
             assert torch.equal(sel.long().sort(-1).values, ref.sort(-1).values)
+
+
+@pytest.mark.parametrize("kind", ["peaked", "random", "flat", "ties"])
+@pytest.mark.parametrize("top_l", [2, 5, 8])
+def test_rank_filter_matches_full_sort(kind, top_l, monkeypatch):
+    """The candidate filter (``rank_filter``) picks the same buckets as sorting all of them, whether few
+    keys pass the chunk-maximum threshold (compacted path) or nearly all do (fallback: flat scores, ties,
+    a padded last chunk at C = 96)."""
+    g = torch.Generator().manual_seed(top_l)
+    b, hq = 3, 8
+    compacted = 0
+    for c in (96, 256):
+        logits = {
+            "peaked": 6.0 * torch.randn(b, hq, c, generator=g),
+            "random": torch.randn(b, hq, c, generator=g),
+            "flat": torch.zeros(b, hq, c),
+            "ties": torch.randint(0, 3, (b, hq, c), generator=g).float(),
+        }[kind].to(DEV)
+        probs = torch.softmax(logits.double(), -1)
+        score = probs.view(b, 2, 4, c).sum(2)
+        k_pad = max(2, 1 << (top_l - 1).bit_length())
+        if c == 256:  # how many rows take the compacted path (the kernel's rule, recomputed)
+            tau = score.view(b, 2, k_pad, -1).amax(-1).amin(-1, keepdim=True)
+            compacted += int(((score >= tau).sum(-1) <= 2 * k_pad).sum())
+        monkeypatch.setattr(tconf, "CONFIG", replace(tconf.CONFIG, rank_filter=0))
+        full = triton_mod.saap_rank_buckets_triton(logits, 4, top_l)
+        monkeypatch.setattr(tconf, "CONFIG", replace(tconf.CONFIG, rank_filter=2))
+        filtered = triton_mod.saap_rank_buckets_triton(logits, 4, top_l)
+        assert torch.equal(filtered, full)  # same buckets in the same order
+        if kind in ("peaked", "random"):  # no exact ties: the reference's set too
+            assert torch.equal(filtered.long().sort(-1).values, rank_buckets(probs, 4, top_l).sort(-1).values)
+    if kind == "peaked":
+        assert compacted > 0  # the filter's own path really ran
 
 
 def test_config_from_environment():

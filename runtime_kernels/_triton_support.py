@@ -1,5 +1,5 @@
-"""What the Triton modules of ``runtime_kernels`` share: interpreter detection, one interpreter fix and
-the scaled ``q·kᵀ`` tile helper. Imported only by those modules (it needs triton).
+"""What the Triton modules of ``runtime_kernels`` share: interpreter detection, one interpreter fix,
+the scaled ``q·kᵀ`` tile helper and the arrival counters of last-program reductions. Imported only by those modules (it needs triton).
 
 Without a GPU, the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``; ``tests/conftest.py``
 sets it on CPU-only machines), so CI exercises the same kernel code a GPU compiles.
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 import triton
 import triton.language as tl
 
@@ -21,6 +22,27 @@ import triton.language as tl
 def interpreting() -> bool:
     """True when Triton kernels run under the interpreter (CPU tensors)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+_COUNTERS: dict[tuple[str, str], torch.Tensor] = {}
+
+
+def arrival_counters(owner: str, device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters of ``owner``'s kernels (the last program of a group to arrive does
+    the group's reduction and resets its counter): one buffer per (owner, device), at least ``n`` long.
+
+    No per-call memset, and a CUDA-graph capture reuses the buffer of the eager warm-up. The interpreter
+    can stop mid-grid on an exception (a GPU launch cannot), so there it is zeroed every call. Two
+    launches of one owner running concurrently on different streams of one device would share it: don't.
+    """
+    key = (owner, str(device))
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    elif device.type != "cuda":
+        buf.zero_()
+    return buf
 
 
 def patch_interpreter() -> None:

@@ -74,7 +74,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without triton
     raise ModuleNotFoundError("runtime_kernels.saap.triton needs the 'triton' package",
                               name="triton") from exc
 
-from runtime_kernels._triton_support import patch_interpreter
+from runtime_kernels._triton_support import arrival_counters, patch_interpreter
 from runtime_kernels._triton_support import interpreting as _interpreting
 from runtime_kernels.saap.reference import (
     BucketIndex,
@@ -390,7 +390,7 @@ def _partial_args(pl: _Partials, state: BucketIndex | None, buckets: torch.Tenso
         sel = torch.zeros(1, dtype=torch.int32, device=q.device)
     start, count, slots = _index_tensors(state if n_l and bucket else None, b, hkv, q.device)
     merge = out is not None
-    cnt = _tc.counters(q.device, b * hkv) if merge else sel
+    cnt = arrival_counters("saap", q.device, b * hkv) if merge else sel
     head = (q, k_cache, v_cache, sel, start, count, slots, pl.o, pl.m, pl.l,
             hkv, pl.lo, pl.hi, pl.n_dense, pl.win_tile, pl.n_win, pl.n_part)
     tail = (max(n_l, 1), pl.n_split, pl.n_per, pl.scale * LOG2E, *q.stride(), *k_cache.stride(), *v_cache.stride(),

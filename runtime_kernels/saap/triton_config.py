@@ -107,24 +107,6 @@ def pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-_COUNTERS: dict[str, torch.Tensor] = {}
-
-
-def counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters (one buffer per device, reset to zero by the kernels' last programs,
-    so no per-call memset and a CUDA graph reuses the eager warm-up's buffer; the interpreter can stop
-    mid-grid on an exception, so there it is zeroed every call). Concurrent launches on two streams of
-    one device would share it: don't."""
-    key = str(device)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 1 << 12), dtype=torch.int32, device=device)
-        _COUNTERS[key] = buf
-    elif device.type != "cuda":
-        buf.zero_()
-    return buf
-
-
 def buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if CONFIG.poison:  # NaN (floats) or -1 (bucket ids): an unwritten element shows in the result
         return torch.full(shape, float("nan") if dtype.is_floating_point else -1, dtype=dtype, device=device)

@@ -69,7 +69,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime_kernels._triton_support import interpreting, patch_interpreter
+from runtime_kernels._triton_support import arrival_counters, interpreting, patch_interpreter
 from runtime_kernels.santa import reference
 from runtime_kernels.santa.reference import DecodeSamples
 from runtime_kernels.santa.triton_device import (
@@ -82,6 +82,7 @@ from runtime_kernels.santa.triton_device import (
     _prop_budgets,
     _flash_tile,
     _flash_merge,
+    _merge_partials,
 )
 from runtime_kernels.santa.tiling import flash_tile_budget, num_tiles
 
@@ -408,25 +409,8 @@ def _flash_merge_kernel(
     n_tp = n_bh.to(tl.int64) * T_all * GP
     g = tl.arange(0, GP)
     d = tl.program_id(1) * MD + tl.arange(0, MD)
-    c = tl.arange(0, CH)
-    first = bh.to(tl.int64) * T_all
-    m_run = tl.full((GP,), float("-inf"), tl.float32)
-    l_run = tl.zeros((GP,), tl.float32)
-    acc = tl.zeros((GP, MD), tl.float32)
-    for r in tl.range(0, T_b, CH, num_stages=3):
-        rows = first + r + c
-        rmask = (r + c) < T_b
-        pm = tl.load(work_ptr + rows[:, None] * GP + g[None, :], mask=rmask[:, None], other=float("-inf"))
-        pl = tl.load(work_ptr + n_tp + rows[:, None] * GP + g[None, :], mask=rmask[:, None], other=0.0)
-        pa = tl.load(work_ptr + 2 * n_tp + (rows[:, None, None] * GP + g[None, :, None]) * BLOCK_D
-                     + d[None, None, :], mask=rmask[:, None, None], other=0.0)
-        m_new = tl.maximum(m_run, tl.max(pm, axis=0))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        wgt = tl.exp(pm - m_ref[None, :])  # [CH, GP]
-        alpha = tl.exp(m_run - m_ref)
-        l_run = l_run * alpha + tl.sum(wgt * pl, axis=0)
-        acc = acc * alpha[:, None] + tl.sum(wgt[:, :, None] * pa, axis=0)
-        m_run = m_new
+    _, l_run, acc = _merge_partials(work_ptr, work_ptr + n_tp, work_ptr + 2 * n_tp, bh.to(tl.int64) * T_all, 0, T_b,
+                                    d, GP, BLOCK_D, CH)
     res = acc / tl.where(l_run > 0, l_run, 1.0)[:, None]
     ptr = out_ptr + b.to(tl.int64) * sob + (kvh * G + g).to(tl.int64)[:, None] * soh + d[None, :] * sod
     tl.store(ptr, res.to(out_ptr.dtype.element_ty), mask=(g < G)[:, None] & (d < D)[None, :])
@@ -435,23 +419,8 @@ def _flash_merge_kernel(
 # ------------------------------------------------------------------------------------- host side
 
 
-_COUNTERS: dict[str, torch.Tensor] = {}
-
-
 def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 launch counters, one buffer per device, left at zero by the kernels themselves.
-
-    No per-call memset, and a CUDA-graph capture reuses the buffer of the eager warm-up. Two launches
-    running concurrently on different streams of one device would share it: don't.
-    """
-    key = str(device)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device)
-        _COUNTERS[key] = buf
-    elif device.type != "cuda":
-        buf.zero_()  # the interpreter can stop mid-grid on an exception; a GPU launch cannot
-    return buf
+    return arrival_counters("santa", device, n)
 
 
 def _pow2(x: int, lo: int) -> int:

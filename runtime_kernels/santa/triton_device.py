@@ -160,22 +160,22 @@ def _prop_budgets(m_ptr, l_ptr, bud_ptr, row, gmask, T_all, T_b, S,
 
 
 @triton.jit
-def _merge_partials(pm_ptr, pl_ptr, pa_ptr, first, lo, hi,
+def _merge_partials(pm_ptr, pl_ptr, pa_ptr, first, lo, hi, d,
                     GP: tl.constexpr, BLOCK_D: tl.constexpr, CH: tl.constexpr):
-    """Log-sum-exp merge of partial rows ``first + [lo, hi)``, CH rows per step.
+    """Log-sum-exp merge of partial rows ``first + [lo, hi)`` for the columns ``d`` (a [MD] block of
+    ``[0, BLOCK_D)``), CH rows per software-pipelined step.
 
     A partial is ``(m, L, A)`` per head: ``L = Σ e^{s-m}``, ``A = Σ e^{s-m}·value``; rows live at
     ``pm/pl[(first + r)·GP + g]`` and ``pa[((first + r)·GP + g)·BLOCK_D + d]``. Returns the merged
-    ``(m [GP], L [GP], A [GP, BLOCK_D])``; no rows gives ``(-inf, 0, 0)``.
+    ``(m [GP], L [GP], A [GP, MD])``; no rows gives ``(-inf, 0, 0)``. Loads bypass L1 (``.cg``): the
+    partials come from other programs.
     """
     g = tl.arange(0, GP)
-    d = tl.arange(0, BLOCK_D)
     c = tl.arange(0, CH)
     m_run = tl.full((GP,), float("-inf"), tl.float32)
     l_run = tl.zeros((GP,), tl.float32)
-    acc = tl.zeros((GP, BLOCK_D), tl.float32)
-    r = lo
-    while r < hi:
+    acc = tl.zeros((GP, d.shape[0]), tl.float32)
+    for r in tl.range(lo, hi, CH, num_stages=3):
         rows = first + r + c
         rmask = (r + c) < hi
         pm = tl.load(pm_ptr + rows[:, None] * GP + g[None, :], mask=rmask[:, None], other=float("-inf"),
@@ -191,7 +191,6 @@ def _merge_partials(pm_ptr, pl_ptr, pa_ptr, first, lo, hi,
         l_run = l_run * alpha + tl.sum(wgt * pl, axis=0)
         acc = acc * alpha[:, None] + tl.sum(wgt[:, :, None] * pa, axis=0)
         m_run = m_new
-        r += CH
     return m_run, l_run, acc
 
 
@@ -254,14 +253,15 @@ def _flash_merge(b, kvh, t, bh, G, D, T_all, T_b, n_groups, work_ptr, cnt_ptr, o
     in_group = tl.minimum(T_all - g_lo, TPG)
     done = tl.atomic_add(cnt_ptr + bh * n_groups + grp, 1)
     if done == in_group - 1:  # last tile of its group: merge the group's tiles
+        d = tl.arange(0, BLOCK_D)
         m_g, l_g, a_g = _merge_partials(work_ptr, work_ptr + n_tp, ta_ptr, bh.to(tl.int64) * T_all, g_lo,
-                                        tl.minimum(g_lo + TPG, T_b), GP, BLOCK_D, CH)
+                                        tl.minimum(g_lo + TPG, T_b), d, GP, BLOCK_D, CH)
         _store_partial(gm_ptr, gl_ptr, ga_ptr, bh.to(tl.int64) * n_groups + grp, m_g, l_g, a_g, GP, BLOCK_D)
         tl.atomic_xchg(cnt_ptr + bh * n_groups + grp, 0)
         tl.debug_barrier()
         done_groups = tl.atomic_add(cnt_ptr + n_bh * n_groups + bh, 1)
         if done_groups == n_groups - 1:  # last group of this (b, kv head): the output
-            _, l_o, a_o = _merge_partials(gm_ptr, gl_ptr, ga_ptr, bh.to(tl.int64) * n_groups, 0, n_groups,
+            _, l_o, a_o = _merge_partials(gm_ptr, gl_ptr, ga_ptr, bh.to(tl.int64) * n_groups, 0, n_groups, d,
                                           GP, BLOCK_D, CH)
             res = a_o / tl.where(l_o > 0, l_o, 1.0)[:, None]
             _store_rows(out_ptr, b, kvh, G, D, sob, soh, sod, res, GP, BLOCK_D)

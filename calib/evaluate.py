@@ -125,15 +125,26 @@ def summarize(dense: list[PromptResult], sparse: list[PromptResult] | None, resa
 
 def runtime_options(cfg: Any, method: str) -> dict[str, dict[str, Any]]:
     """Runtime overrides from the config: ``eval.top_l`` (SAAP: buckets visited instead of the
-    artifact's ℓ, for an ℓ sweep without recalibrating). Other methods refuse it."""
-    top_l = cfg.eval.get("top_l")
-    if top_l is None:
+    artifact's ℓ, for an ℓ sweep without recalibrating) and ``eval.ranking`` (SAAP: ``mass`` or
+    ``density`` bucket selection). Other methods refuse them."""
+    top_l, ranking = cfg.eval.get("top_l"), cfg.eval.get("ranking")
+    if top_l is None and ranking is None:
         return {}
     if method != "saap":
-        raise UserError(f"eval.top_l is a SAAP setting; this artifact is {method!r}")
-    if int(top_l) < 1:
-        raise UserError(f"eval.top_l must be >= 1 (got {top_l})")
-    return {"saap": {"top_l": int(top_l)}}
+        name = "eval.top_l" if top_l is not None else "eval.ranking"
+        raise UserError(f"{name} is a SAAP setting; this artifact is {method!r}")
+    opts: dict[str, Any] = {}
+    if top_l is not None:
+        if int(top_l) < 1:
+            raise UserError(f"eval.top_l must be >= 1 (got {top_l})")
+        opts["top_l"] = int(top_l)
+    if ranking is not None:
+        from runtime_kernels.saap.reference import RANKINGS
+
+        if str(ranking) not in RANKINGS:
+            raise UserError(f"eval.ranking must be one of {', '.join(RANKINGS)} (got {ranking!r})")
+        opts["ranking"] = str(ranking)
+    return {"saap": opts}
 
 
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
@@ -167,7 +178,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     with tracking.start_run(target, f"eval-{method}-{cfg.model.name}", tags={"kind": "eval", "method": method}) as run:
         mlflow.log_params({"artifact": str(cfg.get("artifact")), "model": str(cfg.model.name),
                            "eval.seed": int(cfg.eval.seed), "eval.num_prompts": int(cfg.eval.num_prompts),
-                           "eval.top_l": cfg.eval.get("top_l")})
+                           "eval.top_l": cfg.eval.get("top_l"), "eval.ranking": cfg.eval.get("ranking")})
         t0 = time.perf_counter()
         dense = answer_prompts(loaded, prompts, int(cfg.eval.max_new_tokens))
         timings = {"time_dense_s": time.perf_counter() - t0}

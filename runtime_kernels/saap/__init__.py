@@ -12,6 +12,7 @@ from runtime_kernels.saap.reference import (
     rank_buckets,
     saap_decode_attention_reference,
     searchable_range,
+    select_buckets,
 )
 
 __all__ = [
@@ -28,4 +29,5 @@ __all__ = [
     "saap_decode_attention",
     "saap_decode_attention_reference",
     "searchable_range",
+    "select_buckets",
 ]

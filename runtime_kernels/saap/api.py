@@ -9,11 +9,12 @@ import torch
 
 from runtime_kernels.errors import ArtifactError
 from runtime_kernels.saap.reference import (
+    RANKINGS,
     BucketIndex,
     SaapLayerParams,
     classify_queries,
-    rank_buckets,
     saap_decode_attention_reference,
+    select_buckets,
 )
 
 
@@ -28,7 +29,7 @@ def _triton_module() -> ModuleType | None:
 def saap_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           state: BucketIndex | None, artifact_layer: SaapLayerParams, *, top_l: int,
                           q_derope: torch.Tensor | None = None, scale: float | None = None,
-                          impl: str = "auto") -> torch.Tensor:
+                          impl: str = "auto", ranking: str = "mass") -> torch.Tensor:
     """SAAP attention of one decode step of one layer.
 
     Args:
@@ -40,12 +41,21 @@ def saap_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         q_derope: ``[B, Hq, D]`` query without RoPE (classifier input); required unless dense.
         scale: softmax scale, ``1/sqrt(D)`` by default.
         impl: ``"auto"`` (Triton when ``q.is_cuda`` and the kernel imports), ``"reference"``, ``"triton"``.
+        ranking: ``"mass"`` (top-ℓ by predicted mass, the paper) or ``"density"`` (the same number of keys
+            by predicted mass per key, :func:`reference.select_buckets`; the PyTorch reference only so far:
+            ``auto`` takes it on the GPU too, ``triton`` refuses it).
 
     Returns:
         ``[B, Hq, D]`` in ``q.dtype``.
     """
     if impl not in ("auto", "reference", "triton"):
         raise ValueError(f"impl must be auto, reference or triton, got {impl!r}")
+    if ranking not in RANKINGS:
+        raise ValueError(f"SAAP ranking must be one of {RANKINGS}, got {ranking!r}")
+    if ranking != "mass":
+        if impl == "triton":
+            raise ValueError(f"the SAAP Triton kernel ranks by mass only; ranking={ranking!r} needs impl=reference")
+        impl = "reference"
     if not artifact_layer.dense and q_derope is None:
         raise ValueError("saap_decode_attention needs q_derope (the de-RoPE'd query) for a non-dense layer")
     kernel = _triton_module() if impl != "reference" and (q.is_cuda or impl == "triton") else None
@@ -54,7 +64,8 @@ def saap_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     if kernel is not None:
         return kernel.saap_decode_attention_triton(q, q_derope, k_cache, v_cache, state, artifact_layer,
                                                    top_l=top_l, scale=scale)
-    return saap_decode_attention_reference(q, q_derope, k_cache, v_cache, state, artifact_layer, top_l, scale)
+    return saap_decode_attention_reference(q, q_derope, k_cache, v_cache, state, artifact_layer, top_l, scale,
+                                           ranking)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -103,9 +114,13 @@ class SaapDecode:
     method = "saap"
     phase = "decode"
 
-    def __init__(self, layers: list[SaapLayerParams], top_l: int, *, impl: str = "auto", stats: bool = True) -> None:
+    def __init__(self, layers: list[SaapLayerParams], top_l: int, *, impl: str = "auto", stats: bool = True,
+                 ranking: str = "mass") -> None:
+        if ranking not in RANKINGS:
+            raise ArtifactError(f"SAAP ranking must be one of {RANKINGS}, got {ranking!r}")
         self.layers = layers
         self.top_l = int(top_l)
+        self.ranking = ranking
         self.impl = impl
         self.stats = stats
         self.index: dict[int, BucketIndex] = {}
@@ -116,8 +131,9 @@ class SaapDecode:
         """Add this step's visited fractions for layer ``layer`` (``q_de [B, Hq, D]``, ``t`` keys)."""
         counts = idx.bucket_count.long()  # [B, Hkv, C]: keys in each bucket's list
         g = q_de.shape[1] // counts.shape[1]
-        buckets = rank_buckets(classify_queries(q_de, self._params(layer, q_de.device)), g, self.top_l)
-        visited = counts.gather(-1, buckets).sum(-1).double()  # [B, Hkv]
+        buckets = select_buckets(classify_queries(q_de, self._params(layer, q_de.device)), counts, g, self.top_l,
+                                 self.ranking)
+        visited = torch.where(buckets >= 0, counts.gather(-1, buckets.clamp(min=0)), 0).sum(-1).double()  # [B, Hkv]
         candidates = counts.sum(-1).double()
         sel = torch.where(candidates > 0, visited / candidates.clamp(min=1), torch.zeros_like(visited))
         with_window = (visited + (t - candidates)) / t
@@ -134,8 +150,9 @@ class SaapDecode:
         return {"selectivity": sel / n, "selectivity_with_window": with_window / n}
 
     @classmethod
-    def from_artifact(cls, artifact, model, *, top_l: int | None = None) -> "SaapDecode":
-        """The runtime of a ``saap`` artifact; ``top_l`` overrides the artifact's ℓ (an ℓ sweep)."""
+    def from_artifact(cls, artifact, model, *, top_l: int | None = None, ranking: str = "mass") -> "SaapDecode":
+        """The runtime of a ``saap`` artifact; ``top_l`` overrides the artifact's ℓ (an ℓ sweep), ``ranking``
+        picks mass or density bucket selection (:func:`reference.select_buckets`)."""
         hp = artifact.manifest.hyperparameters
         n_layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
         if n_layers is None:
@@ -147,7 +164,7 @@ class SaapDecode:
                   for i in range(n_layers)]
         if top_l is not None and int(top_l) < 1:
             raise ArtifactError(f"SAAP top_l must be >= 1 (got {top_l})")
-        return cls(layers, int(hp["top_l"] if top_l is None else top_l))
+        return cls(layers, int(hp["top_l"] if top_l is None else top_l), ranking=ranking)
 
     def _params(self, layer: int, device: torch.device) -> SaapLayerParams:
         key = (layer, str(device))
@@ -192,7 +209,7 @@ class SaapDecode:
         idx.append(self._derope(k[:, :, -1:], ctx, t - 1))
         q_de = self._derope(q, ctx, t - 1)[:, :, 0]
         out = saap_decode_attention(q[:, :, 0], k, v, idx, self._params(layer, q.device), top_l=self.top_l,
-                                    q_derope=q_de, scale=scale, impl=self.impl)
+                                    q_derope=q_de, scale=scale, impl=self.impl, ranking=self.ranking)
         if self.stats:
             self._record(layer, q_de, idx, t)
         return out.unsqueeze(2)

@@ -163,6 +163,7 @@ def test_apply_visiting_every_bucket_equals_dense(result, loaded):
     ({"saap": {"top_l": 0}}, "top_l must be >= 1"),
     ({"saap": {"window": 5}}, "does not take the options \\['window'\\]"),
     ({"sale": {"theta": 0.1}}, "runtime options for sale, but no such artifact"),
+    ({"saap": {"ranking": "by-vibes"}}, "ranking must be one of"),
 ])
 def test_apply_refuses_bad_runtime_options(result, loaded, options, message):
     from runtime_kernels import hf
@@ -185,6 +186,29 @@ def test_eval_top_l_is_a_saap_option():
         runtime_options(cfg, "sale")
     with pytest.raises(UserError, match=">= 1"):
         runtime_options(OmegaConf.create({"eval": {"top_l": 0}}), "saap")
+    both = OmegaConf.create({"eval": {"top_l": 8, "ranking": "density"}})
+    assert runtime_options(both, "saap") == {"saap": {"top_l": 8, "ranking": "density"}}
+    with pytest.raises(UserError, match="eval.ranking is a SAAP setting"):
+        runtime_options(OmegaConf.create({"eval": {"ranking": "density"}}), "sale")
+    with pytest.raises(UserError, match="eval.ranking must be one of"):
+        runtime_options(OmegaConf.create({"eval": {"ranking": "size"}}), "saap")
+
+
+def test_density_ranking_runs_through_hf(result, loaded):
+    """``options={"saap": {"ranking": "density"}}`` reaches the runtime and its selectivity stats."""
+    from runtime_kernels import hf
+    from runtime_kernels.saap import SaapDecode
+
+    model = loaded.model
+    ids = torch.randint(20, 200, (1, 150), generator=torch.Generator().manual_seed(1))
+    state = hf.apply(model, result["artifact_dir"], options={"saap": {"ranking": "density", "top_l": 1}})
+    try:
+        assert isinstance(state.decode, SaapDecode) and state.decode.ranking == "density"
+        _decode_logits(model, ids, [5, 17])
+        stats = state.decode.pop_stats()
+    finally:
+        hf.remove(model)
+    assert 0.0 < stats["selectivity"] <= 1.0
 
 
 def test_foreign_model_is_refused(result):

@@ -419,10 +419,6 @@ SAAP_VARIANTS: dict[str, dict[str, int]] = {
     "rank-filter4": {"rank_filter": 4},
     "rank-filter4-w4": {"rank_filter": 4, "rank_warps": 4},
     "rank-filter8": {"rank_filter": 8},
-    "rank-window": {"rank_with_window": 1},  # window partials in the ranking's launch
-    "rank-window-w4": {"rank_with_window": 1, "rank_warps": 4},
-    "merge-inline": {"attn_merge_inline": 1},  # the last partial program merges (no merge launch)
-    "merge-inline-p8": {"attn_merge_inline": 1, "merge_block_p": 8},
     "prefetch-v": {"attn_prefetch_v": 1},
     "prefetch-v-overlap": {"attn_prefetch_v": 1, "overlap_window": 1},
     "attn-bn32": {"block_n": 32, "min_win_steps": 2, "max_win_tiles": 64},

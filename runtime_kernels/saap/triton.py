@@ -17,8 +17,7 @@ fastest on the H200 (two-launch classifier, no side stream); the alternatives be
    accumulation), online softmax in exp2 units; writes ``(o, m, l)`` in float32. An empty bucket writes
    ``m = -inf, l = 0`` and weighs nothing in the merge.
 4. :func:`_merge_kernel`: exact log-sum-exp merge of the partials, one program per (batch, KV head,
-   32 output columns), 16 partials per vector load; or (``CONFIG.attn_merge_inline``) the last partial
-   program of each (batch, KV head) to finish merges them itself (an arrival counter; no fifth launch).
+   32 output columns), 16 partials per vector load.
 
 A dense layer (``params.dense``) is steps 3-4 with the whole cache as the window (flash-decoding).
 
@@ -33,6 +32,11 @@ hidden 1024, window 1 + 2047, balanced buckets of ``N_s / C`` keys, ``N_vis = 20
   TB/s) and 48 µs for the tensor-core path. Left: layer 1 (~7 µs in sequence, latency) and the ranking
   (~8 µs, one program per KV head: a bitonic top-ℓ over the scores at or above the smallest of ℓ chunk
   maxima when at most ``rank_filter · ℓ`` of them qualify, else over all 1024).
+* tried and removed (H200, graphed, 128k B=1): the merge done by the last partial program instead of its
+  own launch (58.2 vs 51.0 µs: one program per row merges slower than the launch's four), and the window
+  partials inside the ranking's launch on the SMs its B·Hkv programs leave idle (53.7 vs 51.2 µs: the
+  combined kernel carries the ranking's registers into every window program);
+  ``docs/bench/2026-11-21-h200/saap_santa_variants_late.txt``.
 * classifier: ``Hq · (D·Hd + Hd·C) · 2 B`` = 75.5 MB of weights per call whatever B (≤ 16). First
   version (two launches, 256 programs streaming K = 1024): measured 46 µs (1.65 TB/s). Fused: 512
   programs (2 resident per SM: 244 registers, 80 KB smem at 3 stages), each 16 KB of w1 then 8 steps of
@@ -74,7 +78,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without triton
     raise ModuleNotFoundError("runtime_kernels.saap.triton needs the 'triton' package",
                               name="triton") from exc
 
-from runtime_kernels._triton_support import arrival_counters, patch_interpreter
+from runtime_kernels._triton_support import patch_interpreter
 from runtime_kernels._triton_support import interpreting as _interpreting
 from runtime_kernels.saap.reference import (
     BucketIndex,
@@ -82,8 +86,6 @@ from runtime_kernels.saap.reference import (
     saap_decode_attention_reference,
     searchable_range,
 )
-from runtime_kernels.saap import triton_classifier as _cls
-from runtime_kernels.saap.triton_classifier import _rank_body
 from runtime_kernels.saap.triton_classifier import (  # public API of this module too (__all__)
     saap_classifier_logits_triton,
     saap_rank_buckets_triton,
@@ -122,79 +124,22 @@ def _partial_kernel(
     n_kv, lo, hi, n_dense, win_tile, n_win, n_part, p_base, L, n_split, n_per, qk_scale,
     sq_b, sq_h, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
     sst_b, sst_h, sst_c, scn_b, scn_h, scn_c, ssl_b, ssl_h, ssl_s,
-    out_ptr, cnt_ptr, so_b, so_h, so_d,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, F32: tl.constexpr, PREFETCH_V: tl.constexpr,
-    MERGE: tl.constexpr = False, GM_PAD: tl.constexpr = 1, MERGE_P: tl.constexpr = 1,
-):
-    """:func:`_partial_body` of (batch, KV head) ``program_id(0)``, partial ``p_base + program_id(1)``."""
-    _partial_body(
-        tl.program_id(0), p_base + tl.program_id(1),
-        q_ptr, k_ptr, v_ptr, sel_ptr, start_ptr, count_ptr, slots_ptr, o_ptr, m_ptr, l_ptr,
-        n_kv, lo, hi, n_dense, win_tile, n_win, n_part, L, n_split, n_per, qk_scale,
-        sq_b, sq_h, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
-        sst_b, sst_h, sst_c, scn_b, scn_h, scn_c, ssl_b, ssl_h, ssl_s,
-        out_ptr, cnt_ptr, so_b, so_h, so_d,
-        G, G_PAD, D, D_PAD, BLOCK_N, F32, PREFETCH_V, MERGE, GM_PAD, MERGE_P,
-    )
-
-
-@triton.jit
-def _rank_window_kernel(
-    lg_ptr, bias_ptr, bsel_ptr, scratch_ptr, C, L_rank, sl_b, sl_h, sl_c, sl_p,
-    q_ptr, k_ptr, v_ptr, sel_ptr, start_ptr, count_ptr, slots_ptr, o_ptr, m_ptr, l_ptr,
-    n_kv, lo, hi, n_dense, win_tile, n_win, n_part, L, n_split, n_per, qk_scale,
-    sq_b, sq_h, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
-    sst_b, sst_h, sst_c, scn_b, scn_h, scn_c, ssl_b, ssl_h, ssl_s,
-    out_ptr, cnt_ptr, so_b, so_h, so_d,
-    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, F32: tl.constexpr, PREFETCH_V: tl.constexpr,
-    RG_PAD: tl.constexpr, C_PAD: tl.constexpr, K_PAD: tl.constexpr, N_PART: tl.constexpr,
-    HAS_BIAS: tl.constexpr, CAND: tl.constexpr,
-):
-    """The bucket ranking and the dense-window partials in one launch (``CONFIG.rank_with_window``):
-    program (pid, 0) ranks (batch, KV head) pid (:func:`_rank_body`: B · Hkv programs of several µs that
-    leave the GPU nearly idle), programs (pid, 1 + p) compute window partial p (:func:`_partial_body`) on
-    the otherwise idle SMs. Grid: (B · Hkv, 1 + n_win)."""
-    pid = tl.program_id(0)
-    if tl.program_id(1) == 0:
-        _rank_body(pid, lg_ptr, bias_ptr, bsel_ptr, scratch_ptr, n_kv, C, L_rank, sl_b, sl_h, sl_c, sl_p,
-                   G, RG_PAD, C_PAD, K_PAD, N_PART, HAS_BIAS, CAND)
-    else:
-        _partial_body(
-            pid, tl.program_id(1) - 1,
-            q_ptr, k_ptr, v_ptr, sel_ptr, start_ptr, count_ptr, slots_ptr, o_ptr, m_ptr, l_ptr,
-            n_kv, lo, hi, n_dense, win_tile, n_win, n_part, L, n_split, n_per, qk_scale,
-            sq_b, sq_h, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
-            sst_b, sst_h, sst_c, scn_b, scn_h, scn_c, ssl_b, ssl_h, ssl_s,
-            out_ptr, cnt_ptr, so_b, so_h, so_d,
-            G, G_PAD, D, D_PAD, BLOCK_N, F32, PREFETCH_V, False, 1, 1,
-        )
-
-
-@triton.jit
-def _partial_body(
-    pid, p,
-    q_ptr, k_ptr, v_ptr, sel_ptr, start_ptr, count_ptr, slots_ptr, o_ptr, m_ptr, l_ptr,
-    n_kv, lo, hi, n_dense, win_tile, n_win, n_part, L, n_split, n_per, qk_scale,
-    sq_b, sq_h, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
-    sst_b, sst_h, sst_c, scn_b, scn_h, scn_c, ssl_b, ssl_h, ssl_s,
-    out_ptr, cnt_ptr, so_b, so_h, so_d,
-    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, F32: tl.constexpr, PREFETCH_V: tl.constexpr,
-    MERGE: tl.constexpr, GM_PAD: tl.constexpr, MERGE_P: tl.constexpr,
 ):
     """One partial softmax ``(o [G, D], m [G], l [G])`` of the query heads of one (batch, KV head).
 
-    Partial ``p``. ``p < n_win``: dense-region keys
+    Partial ``p = p_base + program_id(1)``. ``p < n_win``: dense-region keys
     ``j ∈ [p·win_tile, min((p+1)·win_tile, n_dense))`` at position ``j`` if ``j < lo`` else ``j + hi - lo``.
     ``p >= n_win``: with ``r = p - n_win``, the selected buckets ``sel[b, h, e]`` for
     ``e ∈ [(r // n_split)·n_per, +n_per) ∩ [0, L)``, of each bucket ``c`` its ``(r % n_split)``-th chunk of
     ``ceil(count / n_split)`` keys, positions ``slots[b, h, slot_start[b, h, c] + i]``,
     ``i < bucket_count[b, h, c]``. ``m`` is in log2 units (scores times ``scale · log2 e``), ``-inf`` and
     ``l = 0`` when the partial has no key. Partials are contiguous ``o [B, Hkv, P, G, D]``,
-    ``m, l [B, Hkv, P, G]`` float32; ``pid`` = b · Hkv + h.
+    ``m, l [B, Hkv, P, G]`` float32. Grid: (B · Hkv, number of partials of this launch).
     """
+    pid = tl.program_id(0)
+    p = p_base + tl.program_id(1)
     b = pid // n_kv
     h = pid % n_kv
     b64 = b.to(tl.int64)
@@ -254,25 +199,21 @@ def _partial_body(
     tl.store(o_ptr + row[:, None] * D + offs_d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
     tl.store(m_ptr + row, m_i, mask=g_ok)
     tl.store(l_ptr + row, l_i, mask=g_ok)
-    if MERGE:  # the last of this (b, h)'s n_part programs to finish merges them (no second launch)
-        tl.debug_barrier()
-        done = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
-        if done == n_part - 1:
-            _merge_rows(o_ptr, m_ptr, l_ptr, out_ptr, pid, b, h, n_part, so_b, so_h, so_d, 0,
-                        G, GM_PAD, D, D_PAD, MERGE_P)
-            tl.atomic_xchg(cnt_ptr + pid, 0)
 
 
 @triton.jit
-def _merge_rows(o_ptr, m_ptr, l_ptr, out_ptr, pid, b, h, n_part, so_b, so_h, so_d, d0,
-                G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                BLOCK_P: tl.constexpr):
-    """``out[b, h*G + g, d] = Σ_p 2^(m_p - M) o_p / Σ_p 2^(m_p - M) l_p`` over the ``n_part`` partials of
-    program row ``pid`` for columns ``[d0, d0 + BLOCK_D)`` (exact log-sum-exp merge; empty partials weigh
-    0), ``BLOCK_P`` partials per vector load, running max. Loads bypass L1 (``.cg``): in the fused path the
-    partials were written by other programs."""
+def _merge_kernel(
+    o_ptr, m_ptr, l_ptr, out_ptr, n_kv, n_part, so_b, so_h, so_d,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    """``out[b, h*G + g, d] = Σ_p 2^(m_p - M) o_p / Σ_p 2^(m_p - M) l_p`` (exact log-sum-exp merge; empty
+    partials weigh 0). Partials as in :func:`_partial_kernel`, read ``BLOCK_P`` at a time (one vector load
+    each, running max); out: [B, Hq, D]. Grid: (B · Hkv, cdiv(D, BLOCK_D))."""
+    pid = tl.program_id(0)
+    b = pid // n_kv
+    h = pid % n_kv
     offs_g = tl.arange(0, G_PAD)
-    offs_d = d0 + tl.arange(0, BLOCK_D)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     offs_p = tl.arange(0, BLOCK_P)
     g_ok = offs_g < G
     d_ok = offs_d < D
@@ -283,11 +224,10 @@ def _merge_rows(o_ptr, m_ptr, l_ptr, out_ptr, pid, b, h, n_part, so_b, so_h, so_
         pp = p0 + offs_p
         ok = (pp < n_part)[:, None] & g_ok[None, :]  # [BLOCK_P, G_PAD]
         row = (pid.to(tl.int64) * n_part + pp[:, None]) * G + offs_g[None, :]
-        m = tl.load(m_ptr + row, mask=ok, other=-float("inf"), cache_modifier=".cg")
-        l_p = tl.load(l_ptr + row, mask=ok, other=0.0, cache_modifier=".cg")
+        m = tl.load(m_ptr + row, mask=ok, other=-float("inf"))
+        l_p = tl.load(l_ptr + row, mask=ok, other=0.0)
         o = tl.load(o_ptr + row[:, :, None] * D + offs_d[None, None, :],
-                    mask=ok[:, :, None] & d_ok[None, None, :], other=0.0,
-                    cache_modifier=".cg")  # [BLOCK_P, G_PAD, BLOCK_D]
+                    mask=ok[:, :, None] & d_ok[None, None, :], other=0.0)  # [BLOCK_P, G_PAD, BLOCK_D]
         m_new = tl.maximum(m_run, tl.max(m, 0))
         m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
         alpha = tl.exp2(m_run - m_safe)
@@ -298,17 +238,6 @@ def _merge_rows(o_ptr, m_ptr, l_ptr, out_ptr, pid, b, h, n_part, so_b, so_h, so_
     out = acc / tl.where(g_ok, den, 1.0)[:, None]
     ptrs = out_ptr + b.to(tl.int64) * so_b + (h * G + offs_g)[:, None] * so_h + offs_d[None, :] * so_d
     tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
-
-
-@triton.jit
-def _merge_kernel(
-    o_ptr, m_ptr, l_ptr, out_ptr, n_kv, n_part, so_b, so_h, so_d,
-    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
-):
-    """The merge as its own launch (:func:`_merge_rows`); out: [B, Hq, D]. Grid: (B · Hkv, cdiv(D, BLOCK_D))."""
-    pid = tl.program_id(0)
-    _merge_rows(o_ptr, m_ptr, l_ptr, out_ptr, pid, pid // n_kv, pid % n_kv, n_part, so_b, so_h, so_d,
-                tl.program_id(1) * BLOCK_D, G, G_PAD, D, BLOCK_D, BLOCK_P)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -375,71 +304,33 @@ def _plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, n_l: in
                      n_per, o, m, l_)
 
 
-def _partial_args(pl: _Partials, state: BucketIndex | None, buckets: torch.Tensor | None, bucket: bool,
-                  out: torch.Tensor | None) -> tuple[tuple, tuple, dict]:
-    """(args before ``p_base``, args after it, constexprs) of :func:`_partial_kernel` (also the window
-    half of :func:`_rank_window_kernel`, which takes them without ``p_base``)."""
+def _launch_partials(pl: _Partials, state: BucketIndex | None, buckets: torch.Tensor | None, window: bool,
+                     bucket: bool) -> None:
+    """Launch :func:`_partial_kernel` for the window partials, the bucket partials, or both."""
     q, k_cache, v_cache = pl.q, pl.k, pl.v
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
     g = hq // hkv
+    p_base = 0 if window else pl.n_win
+    n_prog = (pl.n_win if window else 0) + (pl.n_bkt_prog if bucket else 0)
+    if n_prog == 0:
+        return
     n_l = 0 if buckets is None else int(buckets.shape[-1])
     if n_l and bucket:
         sel = (buckets if buckets.dtype == torch.int32 else buckets.to(torch.int32)).contiguous()
     else:
         sel = torch.zeros(1, dtype=torch.int32, device=q.device)
     start, count, slots = _index_tensors(state if n_l and bucket else None, b, hkv, q.device)
-    merge = out is not None
-    cnt = arrival_counters("saap", q.device, b * hkv) if merge else sel
-    head = (q, k_cache, v_cache, sel, start, count, slots, pl.o, pl.m, pl.l,
-            hkv, pl.lo, pl.hi, pl.n_dense, pl.win_tile, pl.n_win, pl.n_part)
-    tail = (max(n_l, 1), pl.n_split, pl.n_per, pl.scale * LOG2E, *q.stride(), *k_cache.stride(), *v_cache.stride(),
-            *start.stride(), *count.stride(), *slots.stride(), out if merge else pl.o, cnt,
-            *(out.stride() if merge else (0, 0, 0)))
-    consts = dict(G=g, G_PAD=max(_ROWS, _pow2(g)), D=d, D_PAD=_pow2(d), BLOCK_N=_tc.CONFIG.block_n,
-                  F32=_interpreting() or q.dtype == torch.float32, PREFETCH_V=bool(_tc.CONFIG.attn_prefetch_v))
-    return head, tail, consts
-
-
-def _launch_partials(pl: _Partials, state: BucketIndex | None, buckets: torch.Tensor | None, window: bool,
-                     bucket: bool, out: torch.Tensor | None = None) -> None:
-    """Launch :func:`_partial_kernel` for the window partials, the bucket partials, or both; with ``out``
-    (both, one launch) the last partial of each (batch, KV head) merges them into it."""
-    n_prog = (pl.n_win if window else 0) + (pl.n_bkt_prog if bucket else 0)
-    if n_prog == 0:
-        return
-    if out is not None and not (window and bucket):
-        raise ValueError("the inline merge needs every partial in one launch")
-    head, tail, consts = _partial_args(pl, state, buckets, bucket, out)
-    _partial_kernel[(pl.q.shape[0] * pl.k.shape[1], n_prog)](
-        *head, 0 if window else pl.n_win, *tail, **consts,
-        MERGE=out is not None, GM_PAD=_pow2(pl.q.shape[1] // pl.k.shape[1]), MERGE_P=_tc.CONFIG.merge_block_p,
+    f32 = _interpreting() or q.dtype == torch.float32
+    _partial_kernel[(b * hkv, n_prog)](
+        q, k_cache, v_cache, sel, start, count, slots, pl.o, pl.m, pl.l,
+        hkv, pl.lo, pl.hi, pl.n_dense, pl.win_tile, pl.n_win, pl.n_part, p_base, max(n_l, 1), pl.n_split,
+        pl.n_per, pl.scale * LOG2E, *q.stride(), *k_cache.stride(), *v_cache.stride(), *start.stride(),
+        *count.stride(), *slots.stride(),
+        G=g, G_PAD=max(_ROWS, _pow2(g)), D=d, D_PAD=_pow2(d), BLOCK_N=_tc.CONFIG.block_n, F32=f32,
+        PREFETCH_V=bool(_tc.CONFIG.attn_prefetch_v),
         num_warps=_tc.CONFIG.attn_warps, num_stages=_tc.CONFIG.attn_stages,
     )
-
-
-def _rank_and_window(pl: _Partials, parts: torch.Tensor, bias: torch.Tensor | None, group: int, top_l: int
-                     ) -> torch.Tensor:
-    """One launch of :func:`_rank_window_kernel`: the top-ℓ buckets (returned) and the window partials."""
-    sel, rank_args, rank_consts = _cls.rank_args(parts, group, top_l, bias)
-    head, tail, consts = _partial_args(pl, None, None, False, None)
-    _rank_window_kernel[(sel.shape[0] * sel.shape[1], 1 + pl.n_win)](
-        *rank_args[:4], *rank_args[5:], *head, *tail, **consts,
-        RG_PAD=rank_consts["G_PAD"], C_PAD=rank_consts["C_PAD"], K_PAD=rank_consts["K_PAD"],
-        N_PART=rank_consts["N_PART"], HAS_BIAS=rank_consts["HAS_BIAS"], CAND=rank_consts["CAND"],
-        num_warps=_tc.CONFIG.rank_warps, num_stages=_tc.CONFIG.attn_stages,
-    )
-    return sel
-
-
-def _attend(pl: _Partials, state: BucketIndex | None, buckets: torch.Tensor | None) -> torch.Tensor:
-    """Every partial, then their merge: inline (``CONFIG.attn_merge_inline``, one launch) or launched."""
-    if _tc.CONFIG.attn_merge_inline:
-        out = _buffer(tuple(pl.q.shape), pl.q.dtype, pl.q.device)
-        _launch_partials(pl, state, buckets, True, True, out)
-        return out
-    _launch_partials(pl, state, buckets, True, True)
-    return _merge(pl)
 
 
 def _merge(pl: _Partials) -> torch.Tensor:
@@ -465,7 +356,9 @@ def saap_sparse_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     (or None: dense region only); ``lo = hi = 0``: the whole cache. Returns [B, Hq, D] in q.dtype.
     """
     n_l = 0 if buckets is None else int(buckets.shape[-1])
-    return _attend(_plan(q, k_cache, v_cache, n_l, lo, hi, scale), state, buckets)
+    pl = _plan(q, k_cache, v_cache, n_l, lo, hi, scale)
+    _launch_partials(pl, state, buckets, True, True)
+    return _merge(pl)
 
 
 __all__ = ["saap_classifier_logits_triton", "saap_decode_attention_triton", "saap_rank_buckets_triton",
@@ -496,16 +389,10 @@ def _sparse_step(q: torch.Tensor, q_derope: torch.Tensor, k_cache: torch.Tensor,
         side.wait_stream(main)
         with torch.cuda.stream(side):
             _launch_partials(pl, None, None, True, False)
-    if _tc.CONFIG.rank_with_window and not overlap and min(int(top_l), c) > 0:
-        parts, bias = _cls.select_parts(q_derope, params)
-        buckets = _rank_and_window(pl, parts, bias, q.shape[1] // hkv, top_l)
-        _launch_partials(pl, state, buckets, False, True)
-        return _merge(pl)
     buckets = saap_select_buckets_triton(q_derope, params, q.shape[1] // hkv, top_l)
-    if not overlap:
-        return _attend(pl, state, buckets)
-    _launch_partials(pl, state, buckets, False, True)
-    main.wait_stream(side)
+    _launch_partials(pl, state, buckets, not overlap, True)
+    if overlap:
+        main.wait_stream(side)
     return _merge(pl)
 
 

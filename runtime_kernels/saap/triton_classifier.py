@@ -333,18 +333,7 @@ def _rank_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr, C_PAD: tl.constexpr, K_PAD: tl.constexpr, N_PART: tl.constexpr,
     HAS_BIAS: tl.constexpr, CAND: tl.constexpr,
 ):
-    """:func:`_rank_body` of (batch, KV head) ``program_id(0)``. Grid: (B · Hkv,)."""
-    _rank_body(tl.program_id(0), logits_ptr, bias_ptr, sel_ptr, scratch_ptr, n_kv, C, L, sl_b, sl_h, sl_c, sl_p,
-               G, G_PAD, C_PAD, K_PAD, N_PART, HAS_BIAS, CAND)
-
-
-@triton.jit
-def _rank_body(
-    pid, logits_ptr, bias_ptr, sel_ptr, scratch_ptr, n_kv, C, L, sl_b, sl_h, sl_c, sl_p,
-    G: tl.constexpr, G_PAD: tl.constexpr, C_PAD: tl.constexpr, K_PAD: tl.constexpr, N_PART: tl.constexpr,
-    HAS_BIAS: tl.constexpr, CAND: tl.constexpr,
-):
-    """Top-ℓ buckets of (batch, KV head) ``pid``: ``sel[b, h, :L]`` (int32, best first; ties: lower bucket).
+    """Top-ℓ buckets of one (batch, KV head): ``sel[b, h, :L]`` (int32, best first; ties: lower bucket).
 
     logits: [N_PART, B, Hq, C] float32 (query heads ``h*G .. h*G+G-1`` of KV head ``h``), summed over the
     ``N_PART`` split-K chunks in order (stride ``sl_p``) plus ``bias [Hq, C]`` when ``HAS_BIAS`` (the GEMV
@@ -358,6 +347,7 @@ def _rank_body(
     store to ``scratch [B·Hkv, CAND]`` and a reload) and only those are sorted; otherwise (flat scores,
     padded chunks) all C_PAD keys are, as without the filter. Same result either way.
     """
+    pid = tl.program_id(0)
     b = pid // n_kv
     h = pid % n_kv
     offs_g = tl.arange(0, G_PAD)
@@ -548,39 +538,13 @@ def saap_select_buckets_triton(q_derope: torch.Tensor, params: SaapLayerParams, 
     ranking kernel sums itself (no logits round trip); else :func:`saap_classifier_logits_triton` then
     :func:`saap_rank_buckets_triton`. Same buckets as :func:`reference.rank_buckets` on
     :func:`reference.classify_queries` (up to float32 rounding at exact near-ties)."""
-    parts, bias = select_parts(q_derope, params)
-    return _rank(parts, group, top_l, bias=bias)
-
-
-def select_parts(q_derope: torch.Tensor, params: SaapLayerParams) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The classifier half of :func:`saap_select_buckets_triton`: ``(parts [P, B, Hq, C] float32, bias
-    [Hq, C] or None)`` whose in-order sum plus bias is the logits (what the ranking kernel consumes)."""
     _check_device(q_derope, params)
     if _use_bmm(q_derope, params):
-        return _bmm_partials(q_derope, params), params.b2.contiguous()
+        return _rank(_bmm_partials(q_derope, params), group, top_l, bias=params.b2.contiguous())
     if not _use_gemv(q_derope.shape[0]):
-        return saap_classifier_logits_triton(q_derope, params)[None], None
+        return saap_rank_buckets_triton(saap_classifier_logits_triton(q_derope, params), group, top_l)
     part, has_bias = _gemv_partials(q_derope, params)
-    return part, None if has_bias else params.b2.contiguous()
-
-
-def rank_args(parts: torch.Tensor, group: int, top_l: int, bias: torch.Tensor | None = None
-              ) -> tuple[torch.Tensor, tuple, dict]:
-    """``(sel [B, Hkv, min(ℓ, C)] int32, positional args, constexprs)`` of :func:`_rank_body` (after the
-    program id) for ``parts [P, B, Hq, C]``: shared by :func:`_rank` and the decode step's combined
-    ranking + window launch."""
-    n_part, b, hq, c = parts.shape
-    n_l = min(int(top_l), c)
-    hkv = hq // group
-    sel = _buffer((b, hkv, n_l), torch.int32, parts.device)
-    c_pad, k_pad = max(2, _pow2(c)), max(2, _pow2(n_l))  # tl.topk needs k >= 2
-    cand = _tc.CONFIG.rank_filter * k_pad if _tc.CONFIG.rank_filter else 0
-    cand = cand if 0 < cand < c_pad else 0  # a filter that keeps everything is no filter
-    scratch = _buffer((b * hkv * max(cand, 1),), torch.int64, parts.device)
-    args = (parts, parts if bias is None else bias, sel, scratch, hkv, c, n_l, *parts.stride()[1:], parts.stride(0))
-    consts = dict(G=group, G_PAD=_pow2(group), C_PAD=c_pad, K_PAD=k_pad, N_PART=n_part, HAS_BIAS=bias is not None,
-                  CAND=cand)
-    return sel, args, consts
+    return _rank(part, group, top_l, bias=None if has_bias else params.b2.contiguous())
 
 
 def saap_classifier_logits_triton(q_derope: torch.Tensor, params: SaapLayerParams) -> torch.Tensor:
@@ -631,8 +595,19 @@ def saap_rank_buckets_triton(logits: torch.Tensor, group: int, top_l: int) -> to
 
 def _rank(parts: torch.Tensor, group: int, top_l: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Launch :func:`_rank_kernel` on ``parts [P, B, Hq, C]`` (summed in order, plus ``bias [Hq, C]``)."""
-    sel, args, consts = rank_args(parts, group, top_l, bias)
-    if sel.shape[-1] == 0:
+    n_part, b, hq, c = parts.shape
+    n_l = min(int(top_l), c)
+    hkv = hq // group
+    sel = _buffer((b, hkv, n_l), torch.int32, parts.device)
+    if n_l == 0:
         return sel
-    _rank_kernel[(sel.shape[0] * sel.shape[1],)](*args, **consts, num_warps=_tc.CONFIG.rank_warps)
+    c_pad, k_pad = max(2, _pow2(c)), max(2, _pow2(n_l))  # tl.topk needs k >= 2
+    cand = _tc.CONFIG.rank_filter * k_pad if _tc.CONFIG.rank_filter else 0
+    cand = cand if 0 < cand < c_pad else 0  # a filter that keeps everything is no filter
+    scratch = _buffer((b * hkv * max(cand, 1),), torch.int64, parts.device)
+    _rank_kernel[(b * hkv,)](
+        parts, parts if bias is None else bias, sel, scratch, hkv, c, n_l, *parts.stride()[1:], parts.stride(0),
+        G=group, G_PAD=_pow2(group), C_PAD=c_pad, K_PAD=k_pad, N_PART=n_part, HAS_BIAS=bias is not None, CAND=cand,
+        num_warps=_tc.CONFIG.rank_warps,
+    )
     return sel

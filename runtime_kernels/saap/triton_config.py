@@ -76,13 +76,6 @@ class SaapTritonConfig:
                               # random classifier is flat: ~90-140 candidates of 1024; a trained one is peakier)
     rank_warps: int = 8       # the per-(batch, KV head) softmax + group sum + bitonic top-ℓ program (bmm path,
                               # 128k B=1: 2 warps 60.8 us, 4: 51.8, 8: 51.1, 16: 52.4)
-    rank_with_window: int = 0  # 1: the window partials run in the ranking's launch (B·Hkv ranking programs
-                               # leave most SMs idle), the bucket partials in their own. H200 graphed, 128k
-                               # B=1: 53.7 vs 51.2 us, B=8 8k 90.5 vs 85.2 (the combined kernel carries the
-                               # ranking's registers into every window program)
-    attn_merge_inline: int = 0  # 1: the last partial program of each (batch, KV head) merges (no merge launch);
-                                # H200 graphed, 128k B=1: 58.2 vs 51.0 us, B=8 8k: 100.9 vs 85.4 (one program
-                                # per row does the whole merge: slower than the 4-program launch)
     merge_block_p: int = 16
     merge_block_d: int = 32
     poison: bool = False  # fill outputs and partials with NaN before the launches (tests)

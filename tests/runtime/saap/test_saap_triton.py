@@ -141,10 +141,6 @@ SCHEDULES = [  # CONFIG switches that change how the work is cut, never the resu
     {"cls_gemv_max_b": 16, "gemv_k_split": 4, "gemv_block_k": 8, "gemv_atomic": 1},  # chunks summed by atomics
     {"cls_bmm_max_b": 16},  # layer 1 GEMV + layer 2 as a bmm (float32 weights here: one term)
     {"rank_filter": 2},  # top-ℓ over the keys above the smallest chunk maximum (compacted)
-    {"rank_with_window": 1},  # the window partials in the ranking's launch
-    {"rank_with_window": 1, "cls_bmm_max_b": 16},
-    {"attn_merge_inline": 1},  # the last partial program of each (batch, KV head) merges
-    {"attn_merge_inline": 1, "merge_block_p": 4, "bkt_split": 2},  # several merge steps, split buckets
 ]
 
 

@@ -71,11 +71,10 @@ from runtime_kernels.saap.reference import (  # noqa: E402
     BucketIndex,
     SaapLayerParams,
     classify_queries,
-    merge_partials,
-    partial_attention,
     rank_buckets,
     saap_decode_attention_reference,
     searchable_range,
+    sparse_attention_reference,
 )
 
 
@@ -88,27 +87,7 @@ from runtime_kernels.saap.reference import (  # noqa: E402
 def saap_attention_with_buckets(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, index: BucketIndex,
                                 params: SaapLayerParams, buckets: torch.Tensor, scale: float) -> torch.Tensor:
     """``saap_decode_attention_reference`` with ``buckets [B, Hkv, L]`` given: ``q [B, Hq, D]`` -> ``[B, Hq, D]``."""
-    b, hq, d = q.shape
-    hkv, t = k_cache.shape[1], k_cache.shape[2]
-    g = hq // hkv
-    qg = q.view(b, hkv, g, d)
-    lo, hi = searchable_range(t, params.sink, params.recent)
-    dense_pos = torch.cat([torch.arange(lo, device=q.device), torch.arange(hi, t, device=q.device)])
-    valid = torch.ones(b, hkv, dense_pos.numel(), dtype=torch.bool, device=q.device)
-    o0, m0, s0 = partial_attention(qg, k_cache[:, :, dense_pos], v_cache[:, :, dense_pos], valid, scale)
-    if hi == lo or buckets.shape[-1] == 0:
-        return (o0 / s0.unsqueeze(-1)).reshape(b, hq, d).to(q.dtype)
-    pos, valid = index.gather_buckets(buckets)
-    nl, mm = pos.shape[-2], pos.shape[-1]
-    flat = pos.flatten(2).unsqueeze(-1).expand(-1, -1, -1, d)
-    kb = k_cache.gather(2, flat).view(b, hkv, nl, mm, d)
-    vb = v_cache.gather(2, flat).view(b, hkv, nl, mm, d)
-    ob, mb, sb = partial_attention(qg.unsqueeze(2).expand(-1, -1, nl, -1, -1), kb, vb, valid, scale)
-    o = torch.cat([o0.unsqueeze(2), ob], 2).transpose(2, 3)
-    m = torch.cat([m0.unsqueeze(2), mb], 2).transpose(2, 3)
-    s = torch.cat([s0.unsqueeze(2), sb], 2).transpose(2, 3)
-    out, _ = merge_partials(o, m, s)
-    return out.reshape(b, hq, d).to(q.dtype)
+    return sparse_attention_reference(q, k_cache, v_cache, index, params, buckets, scale)
 
 
 def true_attention(q: torch.Tensor, k_cache: torch.Tensor, scale: float) -> torch.Tensor:

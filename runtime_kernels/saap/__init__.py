@@ -13,6 +13,7 @@ from runtime_kernels.saap.reference import (
     saap_decode_attention_reference,
     searchable_range,
     select_buckets,
+    sparse_attention_reference,
 )
 
 __all__ = [
@@ -30,4 +31,5 @@ __all__ = [
     "saap_decode_attention_reference",
     "searchable_range",
     "select_buckets",
+    "sparse_attention_reference",
 ]

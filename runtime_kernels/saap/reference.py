@@ -447,16 +447,31 @@ def saap_decode_attention_reference(q: torch.Tensor, q_derope: torch.Tensor, k_c
     if index is None or index.length != t:
         raise ValueError(f"bucket index covers {None if index is None else index.length} keys, cache has {t}")
     g = hq // hkv
+    lo, hi = searchable_range(t, params.sink, params.recent)
+    if top_l <= 0 or lo == hi:  # nothing outside the dense region to rank
+        buckets = torch.zeros(b, hkv, 0, dtype=torch.long, device=q.device)
+    else:
+        buckets = select_buckets(classify_queries(q_derope, params), index.bucket_count, g, top_l, ranking)
+    return sparse_attention_reference(q, k_cache, v_cache, index, params, buckets, scale)
+
+
+def sparse_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, index: BucketIndex,
+                               params: SaapLayerParams, buckets: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention over the dense region plus every key of ``buckets [B, Hkv, L]`` (``-1``: none), merged
+    exactly: the attention half of :func:`saap_decode_attention_reference`, for a bucket choice made
+    elsewhere (a diagnostic oracle, another ranking). ``q [B, Hq, D]`` -> ``[B, Hq, D]`` in ``q.dtype``."""
+    b, hq, d = q.shape
+    hkv, t = k_cache.shape[1], k_cache.shape[2]
+    g = hq // hkv
     qg = q.view(b, hkv, g, d)
     lo, hi = searchable_range(t, params.sink, params.recent)
     # partial 0: the dense region (sink + recent window)
     dense_pos = torch.cat([torch.arange(lo, device=q.device), torch.arange(hi, t, device=q.device)])
     valid = torch.ones(b, hkv, dense_pos.numel(), dtype=torch.bool, device=q.device)
     o0, m0, s0 = partial_attention(qg, k_cache[:, :, dense_pos], v_cache[:, :, dense_pos], valid, scale)
-    if hi == lo or top_l <= 0:
+    if hi == lo or buckets.shape[-1] == 0:
         return (o0 / s0.unsqueeze(-1)).reshape(b, hq, d).to(q.dtype)
-    # partials 1..ℓ: every key of each visited bucket
-    buckets = select_buckets(classify_queries(q_derope, params), index.bucket_count, g, top_l, ranking)  # [B,Hkv,L]
+    # partials 1..L: every key of each visited bucket
     pos, valid = index.gather_buckets(buckets)  # [B, Hkv, L, M]
     nl, mm = pos.shape[-2], pos.shape[-1]
     flat = pos.flatten(2).unsqueeze(-1).expand(-1, -1, -1, d)  # [B, Hkv, L*M, D]

@@ -1,5 +1,6 @@
 """What the Triton modules of ``runtime_kernels`` share: interpreter detection, one interpreter fix,
-the scaled ``q·kᵀ`` tile helper and the arrival counters of last-program reductions. Imported only by those modules (it needs triton).
+the scaled ``q·kᵀ`` tile helper, the arrival counters of last-program reductions and the check for
+programmatic dependent launch. Imported only by those modules (it needs triton).
 
 Without a GPU, the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``; ``tests/conftest.py``
 sets it on CPU-only machines), so CI exercises the same kernel code a GPU compiles.
@@ -75,3 +76,25 @@ def scaled_scores(q, kk, sm_scale, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     else:
         s = tl.dot(q, tl.trans(kk))
     return s * sm_scale
+
+
+_PDL: dict[str, bool] = {}
+
+
+def pdl_available(device: torch.device) -> bool:
+    """Programmatic dependent launch (Hopper and later, compiled kernels only): a kernel launched with
+    ``launch_pdl=True`` may start once every program of the kernel before it has executed
+    ``gdc_launch_dependents`` (or exited), and must ``gdc_wait`` before it reads what that kernel writes.
+    False under the interpreter, on the CPU, before sm_90, or when this Triton lacks the GDC ops."""
+    if interpreting() or device.type != "cuda":
+        return False
+    key = str(device)
+    if key not in _PDL:
+        try:
+            from triton.language.extra import cuda as tl_cuda
+            ok = (hasattr(tl_cuda, "gdc_wait") and hasattr(tl_cuda, "gdc_launch_dependents")
+                  and torch.cuda.get_device_capability(device)[0] >= 9)
+        except (ImportError, RuntimeError):
+            ok = False
+        _PDL[key] = ok
+    return _PDL[key]

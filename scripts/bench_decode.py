@@ -25,7 +25,7 @@ Methods:
   (an upper bound: heads of a group may share rows).
 
 The last table checks the issue's targets (floor/t, sdpa/t) and says by how much a missed one misses.
-``--json PATH`` writes every row.
+``--json PATH`` writes every row; ``--report PATH`` prints the table and targets of such a file again.
 """
 
 from __future__ import annotations
@@ -356,6 +356,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--flush", choices=["read", "write"], default="read",
                    help="cold-L2 flush before each timed call (benchutil: a write leaves dirty lines)")
     p.add_argument("--json", type=Path, default=None, help="write all rows here")
+    p.add_argument("--report", type=Path, default=None, metavar="JSON",
+                   help="print the table and targets of a saved --json run (no timing, no GPU)")
     p.add_argument("--saap-variants", nargs="*", default=None, metavar="NAME",
                    help=f"time named SAAP configs side by side instead of the full table (B 1 8 x T 8192 131072, "
                         f"l=32); no name: all of {', '.join(SAAP_VARIANTS)}")
@@ -415,6 +417,11 @@ SAAP_VARIANTS: dict[str, dict[str, int]] = {
     "bmm-rank2": {"cls_bmm_max_b": 16, "rank_warps": 2},
     "bmm-l1n32": {"cls_bmm_max_b": 16, "gemv1_block_n": 32},
     "bmm-l1n128": {"cls_bmm_max_b": 16, "gemv1_block_n": 128},
+    # ranking -> partials -> merge as programmatic dependent launches: the window beside the ranking
+    "nopdl": {"pdl_min_b": 0},
+    "pdl1": {"pdl_min_b": 1},
+    "pdl1-split2": {"pdl_min_b": 1, "bkt_split": 2},
+    "pdl1-prefetch": {"pdl_min_b": 1, "attn_prefetch_v": 1},
     "rank-filter2": {"rank_filter": 2},  # sort only the candidates above the smallest chunk maximum
     "rank-filter4": {"rank_filter": 4},
     "rank-filter4-w4": {"rank_filter": 4, "rank_warps": 4},
@@ -518,8 +525,21 @@ def _print_header(cuda: bool) -> None:
     print(f"bench_decode {when} | {dev} | torch {torch.__version__} | triton {triton.__version__}", flush=True)
 
 
+def load_rows(path: Path) -> list[Row]:
+    """Rows of a ``--json`` file (``t_us`` is derived, not stored back)."""
+    fields = set(Row.__dataclass_fields__)
+    return [Row(**{k: v for k, v in rec.items() if k in fields}) for rec in json.loads(path.read_text())]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.report is not None:
+        rows = load_rows(args.report)
+        sh = Shapes(batches=tuple(sorted({r.batch for r in rows})), lengths=tuple(sorted({r.length for r in rows})))
+        print(f"bench_decode report of {args.report}")
+        print_rows(rows)
+        print_targets(targets(rows, sh), "targets (ratios from graphed times where captured)", 44)
+        return 0
     if args.saap_variants is not None:
         if args.smoke or not torch.cuda.is_available():
             os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported

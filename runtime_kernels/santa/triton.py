@@ -55,8 +55,9 @@ Performance model (Llama-3.1-8B decode: Hq=32, Hkv=8, D=128, bf16, N keys; H200 
   / 8 KB smem, so ~5 programs per SM; before: 117 regs + 66 KB smem = 2 per SM, K in registers).
   Predicted 32k B=1: 17 + ~6 ≈ 23-26 µs (target 25.6); B=8 128k: K 511 µs + scores 2·134 MB
   (64 µs) + V rows ≈ 620 µs (SDPA 961).
-* Launches: prop 3, flash 2 (stream + merge; split with inline merge 2, fused 1), + the api's offset
-  draw; no host syncs, no per-call memsets.
+* Launches: prop 3 (chained by programmatic dependent launch on sm_90+: ``CONFIG.pdl``), flash 2
+  (stream + merge; split with inline merge 2, fused 1), + the api's offset draw; no host syncs, no
+  per-call memsets.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime_kernels._triton_support import arrival_counters, interpreting, patch_interpreter
+from runtime_kernels._triton_support import arrival_counters, interpreting, patch_interpreter, pdl_available
 from runtime_kernels.santa import reference
 from runtime_kernels.santa.reference import DecodeSamples
 from runtime_kernels.santa.triton_device import (
@@ -128,6 +129,10 @@ class KernelConfig:
     flash_warps: int = 8  # fused flash kernel
     merge_rows: int = 4  # flash merge: partial rows per step (registers: rows · GP · BLOCK_D floats)
     flash_gather_warps: int = 4  # split flash gather kernel
+    pdl: bool = True  # prop: score -> budgets -> gather as programmatic dependent launches (sm_90+: each launch
+    #   is resident before the one it waits for ends; the gather loads its keys and offsets before waiting).
+    #   H200 2026-11-21 graphed: 32k B=1 41.6 -> 40.2 us, 8k B=1 23.0 -> 21.5, B=8 -0.4..-0.9 us. The same
+    #   for flash's stream -> merge cost 1-10 us (the early merge programs crowd the last wave): not used.
 
 
 VARIANTS: dict[str, KernelConfig] = {
@@ -153,6 +158,7 @@ VARIANTS: dict[str, KernelConfig] = {
     "propsum_maxs8": KernelConfig(prop_reduce="launch", gather_samples=8),
     "stream": KernelConfig(flash_mode="stream", flash_merge="launch"),
     "stream_bk32": KernelConfig(flash_mode="stream", flash_merge="launch", score_bk=32, score_stages=4),
+    "nopdl": KernelConfig(pdl=False),
 }
 CONFIG: KernelConfig = VARIANTS[os.environ.get("SANTA_TRITON_VARIANT", "default")]
 
@@ -171,13 +177,16 @@ def _score_kernel(
     scale, G, Hkv, Hq, D, tile, T_all, Tk_pad,
     sqb, sqh, sqd, skb, skh, skn, skd, sls,
     GP: tl.constexpr, BK: tl.constexpr, NCH: tl.constexpr, TPP: tl.constexpr, BLOCK_D: tl.constexpr,
-    STAGES: tl.constexpr, IEEE: tl.constexpr,
+    STAGES: tl.constexpr, IEEE: tl.constexpr, RELEASE: tl.constexpr,
 ):
     """Scores [GP, BK] per K chunk (stored float32 ``[B·Hq, Tk_pad]``) and per tile ``m_t``, ``ℓ_t``.
 
     One program = TPP consecutive tiles of one KV head, streamed as NCH chunks of BK keys per tile in a
     software-pipelined loop (STAGES chunks in flight); ``ℓ_t`` is kept online over the chunks.
+    ``RELEASE``: the next launch (programmatic dependent launch) may start once every program has begun.
     """
+    if RELEASE:
+        tl.extra.cuda.gdc_launch_dependents()
     bh = tl.program_id(1)
     b = bh // Hkv
     kvh = bh % Hkv
@@ -215,10 +224,14 @@ def _score_kernel(
 def _prop_budget_kernel(
     m_ptr, l_ptr, bud_ptr, acc_ptr, len_ptr, ns_ptr, Hq, tile, T_all, sls, sns,
     HP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-    FRAC_BITS: tl.constexpr, RADIX_BITS: tl.constexpr,
+    FRAC_BITS: tl.constexpr, RADIX_BITS: tl.constexpr, GDC: tl.constexpr,
 ):
     """Largest-remainder budgets of HP query heads (rows ``pid·HP + [0, HP)`` of ``B·Hq``, one batch
-    row: HP divides Hq) from the score pass's tile statistics; zeroes their output accumulator rows."""
+    row: HP divides Hq) from the score pass's tile statistics; zeroes their output accumulator rows.
+    ``GDC``: a programmatic dependent launch after the score pass (waits for it, releases the gather)."""
+    if GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     h = tl.arange(0, HP)
     first = tl.program_id(0) * HP
     b = first // Hq
@@ -238,12 +251,13 @@ def _prop_gather_kernel(
     G, Hkv, Hq, D, tile, T_all, Tk_pad,
     svb, svh, svn, svd, sub, suh, sut, sob, soh, sod, sls, sns,
     GP: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr, MAXS: tl.constexpr,
-    WRITE_COUNTS: tl.constexpr, ATOMIC: tl.constexpr,
+    WRITE_COUNTS: tl.constexpr, ATOMIC: tl.constexpr, GDC: tl.constexpr,
 ):
     """Tile t's samples of each head of the group: ``Σ V[key_j]`` added into ``acc`` with float32 atomics,
     the last tile writing ``acc / S`` (``ATOMIC``), or stored as the tile's row of ``acc [B·Hkv·T_all, GP,
     BLOCK_D]`` (zeros without budget) for :func:`_sum_tiles_kernel` (deterministic, no contended atomics:
-    128 tiles adding into the same 512 floats serialize in L2)."""
+    128 tiles adding into the same 512 floats serialize in L2). ``GDC``: a programmatic dependent launch
+    after the budgets: the tile's keys and offsets load before ``gdc_wait``, budgets and scores after."""
     t = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // Hkv
@@ -255,11 +269,13 @@ def _prop_gather_kernel(
     head = (kvh * G + g).to(tl.int64)
     length = tl.load(len_ptr + b * sls).to(tl.int32)
     key, kmask = _tile_keys(t, tile, length, BN)
-    # Scores (4 KB, L2) and offsets are loaded together with the budgets: one round trip, not two.
+    u = tl.load(u_ptr + b.to(tl.int64) * sub + head * suh + t * sut, mask=gmask, other=0.0)
+    if GDC:
+        tl.extra.cuda.gdc_wait()
+    # Scores (4 KB, L2) are loaded together with the budgets: one round trip, not two.
     budget = tl.load(bud_ptr + row * T_all + t, mask=gmask, other=0)
     s = tl.load(s_ptr + row[:, None] * Tk_pad + key[None, :], mask=gmask[:, None] & kmask[None, :],
                 other=float("-inf"))
-    u = tl.load(u_ptr + b.to(tl.int64) * sub + head * suh + t * sut, mask=gmask, other=0.0)
     o = tl.zeros((GP, BLOCK_D), tl.float32)
     if tl.max(budget, axis=0) > 0:
         m = tl.max(s, axis=1)
@@ -419,6 +435,15 @@ def _flash_merge_kernel(
 # ------------------------------------------------------------------------------------- host side
 
 
+def _pdl(device: torch.device) -> bool:
+    """Chain this call's launches by programmatic dependent launch (``CONFIG.pdl``, sm_90+, compiled)."""
+    return CONFIG.pdl and pdl_available(device)
+
+
+def _pdl_launch(pdl: bool) -> dict[str, bool]:
+    return {"launch_pdl": True} if pdl else {}
+
+
 def _counters(device: torch.device, n: int) -> torch.Tensor:
     return arrival_counters("santa", device, n)
 
@@ -505,19 +530,20 @@ def _launch_scores(q: torch.Tensor, k: torch.Tensor, cache_len: torch.Tensor, sc
         float(scale), geo.G, geo.Hkv, geo.Hq, geo.D, geo.tile, geo.T_all, geo.Tk_pad,
         *q.stride(), *k.stride(), cache_len.stride(0),
         GP=geo.GP, BK=bk, NCH=geo.BN // bk, TPP=cfg.score_tpp, BLOCK_D=geo.BLOCK_D, STAGES=cfg.score_stages,
-        IEEE=q.dtype == torch.float32, num_warps=cfg.score_warps,
+        IEEE=q.dtype == torch.float32, RELEASE=_pdl(q.device), num_warps=cfg.score_warps,
     )
 
 
 def _launch_budgets(num_samples: torch.Tensor, cache_len: torch.Tensor, geo: _Geometry, bufs: _Scores) -> None:
     """prop budgets (largest remainder over the tile masses) and the zeroed accumulator."""
+    pdl = _pdl(num_samples.device)
     hp = CONFIG.budget_heads if geo.Hq % CONFIG.budget_heads == 0 else 1
     block_t = _pow2(geo.T_all, 2)
     _prop_budget_kernel[(geo.B * geo.Hq // hp,)](
         bufs.m, bufs.ell, bufs.budgets, bufs.acc, cache_len, num_samples, geo.Hq, geo.tile, geo.T_all,
         cache_len.stride(0), num_samples.stride(0),
         HP=hp, BLOCK_T=block_t, BLOCK_D=geo.BLOCK_D, FRAC_BITS=_FRAC_BITS, RADIX_BITS=_radix_bits(hp * block_t),
-        num_warps=4,
+        GDC=pdl, num_warps=4, **_pdl_launch(pdl),
     )
 
 
@@ -534,6 +560,7 @@ def _launch_prop_gather(v: torch.Tensor, num_samples: torch.Tensor, uniforms: to
                         cache_len: torch.Tensor, geo: _Geometry, bufs: _Scores, out: torch.Tensor,
                         counts: torch.Tensor | None) -> None:
     atomic = CONFIG.prop_reduce == "atomic"
+    pdl = _pdl(v.device)
     acc = bufs.acc if atomic else _alloc((geo.BH * geo.T_all * geo.GP * geo.BLOCK_D,), torch.float32, v.device)
     _prop_gather_kernel[(geo.T_all, geo.BH)](
         v, uniforms, cache_len, num_samples, bufs.scores, bufs.budgets, acc, _counters(v.device, geo.BH), out,
@@ -541,7 +568,8 @@ def _launch_prop_gather(v: torch.Tensor, num_samples: torch.Tensor, uniforms: to
         geo.G, geo.Hkv, geo.Hq, geo.D, geo.tile, geo.T_all, geo.Tk_pad,
         *v.stride(), *uniforms.stride(), *out.stride(), cache_len.stride(0), num_samples.stride(0),
         GP=geo.GP, BN=geo.BN, BLOCK_D=geo.BLOCK_D, MAXS=CONFIG.gather_samples,
-        WRITE_COUNTS=counts is not None, ATOMIC=atomic, num_warps=CONFIG.gather_warps,
+        WRITE_COUNTS=counts is not None, ATOMIC=atomic, GDC=pdl, num_warps=CONFIG.gather_warps,
+        **_pdl_launch(pdl),
     )
     if not atomic:
         md = min(geo.BLOCK_D, _pow2(CONFIG.merge_cols, 16))

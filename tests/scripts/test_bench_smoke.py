@@ -6,6 +6,7 @@ lines are printed, and nothing crashes, so a refactor of a kernel API cannot sil
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -35,3 +36,27 @@ def test_bench_smoke_runs_every_part(script, must):
     missing = [word for word in must if word not in out]
     assert not missing, f"{script} --smoke printed no {missing}:\n{out[-2000:]}"
     assert "Traceback" not in out
+
+
+def test_report_reprints_a_saved_run(tmp_path, capsys):
+    """``--report`` rebuilds the table and the target verdicts from a ``--json`` file alone."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_decode
+
+    def row(method, params, b, t, graph_us, floor_us, sdpa_us):
+        return {"method": method, "params": params, "batch": b, "length": t, "eager_us": graph_us + 5,
+                "graph_us": graph_us, "bytes_read": 1e6, "floor_us": floor_us, "sdpa_us": sdpa_us, "note": "",
+                "extra": {}, "t_us": graph_us}
+
+    rows = [row("sdpa", "gqa flash", 1, 131072, 130.0, 128.0, 130.0),
+            row("saap", "C=1024 l=32", 1, 131072, 40.0, 128.0, 130.0),   # 3.2x under the floor: met
+            row("sdpa", "gqa flash", 8, 131072, 960.0, 1000.0, 960.0),
+            row("saap", "C=1024 l=32", 8, 131072, 250.0, 1000.0, 960.0)]  # 4.0x: missed by 1.25x
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(rows))
+    assert bench_decode.main(["--report", str(path)]) == 0
+    out = capsys.readouterr().out
+    lines = {ln.split(":")[0].strip(): ln for ln in out.splitlines() if "floor/t" in ln}
+    assert "MET" in lines["saap T=131072 B=1 l=32"] and "3.20" in lines["saap T=131072 B=1 l=32"]
+    assert "MISSED by 1.25x" in lines["saap T=131072 B=8 l=32"]
+    assert bench_decode.load_rows(path)[1].t_us == 40.0

@@ -417,11 +417,16 @@ SAAP_VARIANTS: dict[str, dict[str, int]] = {
     "bmm-rank2": {"cls_bmm_max_b": 16, "rank_warps": 2},
     "bmm-l1n32": {"cls_bmm_max_b": 16, "gemv1_block_n": 32},
     "bmm-l1n128": {"cls_bmm_max_b": 16, "gemv1_block_n": 128},
-    # ranking -> partials -> merge as programmatic dependent launches: the window beside the ranking
-    "nopdl": {"pdl_min_b": 0},
-    "pdl1": {"pdl_min_b": 1},
-    "pdl1-split2": {"pdl_min_b": 1, "bkt_split": 2},
-    "pdl1-prefetch": {"pdl_min_b": 1, "attn_prefetch_v": 1},
+    # window tiles per (batch, KV head) capped by a program budget: B=8 streams longer tiles
+    "winp0": {"win_programs": 0},  # the window cut by max_win_tiles alone (before 2026-11-21 18:00)
+    "winp128": {"win_programs": 128},
+    "winp256": {"win_programs": 256},
+    "winp512": {"win_programs": 512},
+    "winp256-s3": {"win_programs": 256, "attn_stages": 3},
+    "winp512-s3": {"win_programs": 512, "attn_stages": 3},
+    "winp1024-s3": {"win_programs": 1024, "attn_stages": 3},
+    "s3": {"attn_stages": 3},
+    "winp512-s3-w8": {"win_programs": 512, "attn_stages": 3, "attn_warps": 8},
     "rank-filter2": {"rank_filter": 2},  # sort only the candidates above the smallest chunk maximum
     "rank-filter4": {"rank_filter": 4},
     "rank-filter4-w4": {"rank_filter": 4, "rank_warps": 4},

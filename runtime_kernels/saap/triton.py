@@ -36,10 +36,11 @@ hidden 1024, window 1 + 2047, balanced buckets of ``N_s / C`` keys, ``N_vis = 20
   own launch (58.2 vs 51.0 µs: one program per row merges slower than the launch's four), and the window
   partials inside the ranking's launch on the SMs its B·Hkv programs leave idle (53.7 vs 51.2 µs: the
   combined kernel carries the ranking's registers into every window program);
-  ``docs/bench/2026-11-21-h200/saap_santa_variants_late.txt``.
-* programmatic dependent launch (``CONFIG.pdl_min_b``): the partials kernel is resident while the ranking
-  runs, its window programs run beside it, its bucket programs ``gdc_wait``. B=8 128k: 111.8 -> 105.3 µs;
-  B=1: no gain (128k 50.2 vs 51.7 µs), so only for B >= 2 (``docs/bench/2026-11-21-h200/pdl_variants.txt``).
+  ``docs/bench/2026-11-21-h200/saap_santa_variants_late.txt``; and ranking -> partials -> merge as
+  programmatic dependent launches (window partials beside the ranking, bucket partials waiting for it):
+  no gain once the variants' order was rotated (128k B=8 105.7 vs 105.0-105.6 µs, B=1 49.7 vs 50.0;
+  the first variant timed in a run reads ~7 µs slow, which an earlier run had taken for a PDL gain;
+  ``docs/bench/2026-11-21-h200/saap_win_programs.txt``). SANTA-prop keeps its chain (it gains there).
 * classifier: ``Hq · (D·Hd + Hd·C) · 2 B`` = 75.5 MB of weights per call whatever B (≤ 16). First
   version (two launches, 256 programs streaming K = 1024): measured 46 µs (1.65 TB/s). Fused: 512
   programs (2 resident per SM: 244 registers, 80 KB smem at 3 stages), each 16 KB of w1 then 8 steps of
@@ -81,7 +82,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without triton
     raise ModuleNotFoundError("runtime_kernels.saap.triton needs the 'triton' package",
                               name="triton") from exc
 
-from runtime_kernels._triton_support import patch_interpreter, pdl_available
+from runtime_kernels._triton_support import patch_interpreter
 from runtime_kernels._triton_support import interpreting as _interpreting
 from runtime_kernels.saap.reference import (
     BucketIndex,
@@ -128,7 +129,7 @@ def _partial_kernel(
     sq_b, sq_h, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
     sst_b, sst_h, sst_c, scn_b, scn_h, scn_c, ssl_b, ssl_h, ssl_s,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, F32: tl.constexpr, PREFETCH_V: tl.constexpr, GDC: tl.constexpr,
+    BLOCK_N: tl.constexpr, F32: tl.constexpr, PREFETCH_V: tl.constexpr,
 ):
     """One partial softmax ``(o [G, D], m [G], l [G])`` of the query heads of one (batch, KV head).
 
@@ -140,13 +141,7 @@ def _partial_kernel(
     ``i < bucket_count[b, h, c]``. ``m`` is in log2 units (scores times ``scale · log2 e``), ``-inf`` and
     ``l = 0`` when the partial has no key. Partials are contiguous ``o [B, Hkv, P, G, D]``,
     ``m, l [B, Hkv, P, G]`` float32. Grid: (B · Hkv, number of partials of this launch).
-
-    ``GDC`` (launched with programmatic dependent launch after the ranking): window programs start while
-    the ranking still runs (they read only q, K, V); bucket programs ``gdc_wait`` for it before reading
-    ``sel``; every program releases the merge launch at its start (the merge waits for this kernel).
     """
-    if GDC:
-        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     p = p_base + tl.program_id(1)
     b = pid // n_kv
@@ -171,9 +166,6 @@ def _partial_kernel(
     m_i = tl.full([G_PAD], -float("inf"), dtype=tl.float32)
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
-    if GDC:
-        if is_bkt:
-            tl.extra.cuda.gdc_wait()
     for e in range(0, n_seg):
         c = tl.load(sel_ptr + pid.to(tl.int64) * L + e0 + e, mask=is_bkt, other=0)
         slot0 = tl.load(start_ptr + b64 * sst_b + h * sst_h + c * sst_c, mask=is_bkt, other=0)
@@ -217,14 +209,10 @@ def _partial_kernel(
 def _merge_kernel(
     o_ptr, m_ptr, l_ptr, out_ptr, n_kv, n_part, so_b, so_h, so_d,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
-    GDC: tl.constexpr,
 ):
     """``out[b, h*G + g, d] = Σ_p 2^(m_p - M) o_p / Σ_p 2^(m_p - M) l_p`` (exact log-sum-exp merge; empty
     partials weigh 0). Partials as in :func:`_partial_kernel`, read ``BLOCK_P`` at a time (one vector load
-    each, running max); out: [B, Hq, D]. Grid: (B · Hkv, cdiv(D, BLOCK_D)). ``GDC``: launched with
-    programmatic dependent launch, so it waits for the partials kernel before reading them."""
-    if GDC:
-        tl.extra.cuda.gdc_wait()
+    each, running max); out: [B, Hq, D]. Grid: (B · Hkv, cdiv(D, BLOCK_D))."""
     pid = tl.program_id(0)
     b = pid // n_kv
     h = pid % n_kv
@@ -259,12 +247,6 @@ def _merge_kernel(
 # --------------------------------------------------------------------------------------------------
 # Host wrappers
 # --------------------------------------------------------------------------------------------------
-
-
-def _pdl_launch(pdl: bool) -> dict[str, bool]:
-    """Launch keyword of a programmatic dependent launch (none otherwise: the interpreter has no such
-    option)."""
-    return {"launch_pdl": True} if pdl else {}
 
 
 def _index_tensors(state: BucketIndex | None, b: int, hkv: int, device: torch.device
@@ -313,7 +295,10 @@ def _plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, n_l: in
     hkv, t = k_cache.shape[1], k_cache.shape[2]
     cfg = _tc.CONFIG
     n_dense = lo + (t - hi)
-    win_tile = cfg.block_n * max(cfg.min_win_steps, triton.cdiv(n_dense, cfg.max_win_tiles * cfg.block_n))
+    max_tiles = cfg.max_win_tiles
+    if cfg.win_programs > 0:  # fewer, longer window tiles when the batch already fills the GPU
+        max_tiles = max(1, min(max_tiles, triton.cdiv(cfg.win_programs, b * hkv)))
+    win_tile = cfg.block_n * max(cfg.min_win_steps, triton.cdiv(n_dense, max_tiles * cfg.block_n))
     n_win = triton.cdiv(n_dense, win_tile)
     n_per = max(1, cfg.bkt_per_prog)
     n_split = max(1, cfg.bkt_split)
@@ -327,9 +312,8 @@ def _plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, n_l: in
 
 
 def _launch_partials(pl: _Partials, state: BucketIndex | None, buckets: torch.Tensor | None, window: bool,
-                     bucket: bool, pdl: bool = False) -> None:
-    """Launch :func:`_partial_kernel` for the window partials, the bucket partials, or both; ``pdl``: as a
-    programmatic dependent launch after the ranking (see the kernel's ``GDC``)."""
+                     bucket: bool) -> None:
+    """Launch :func:`_partial_kernel` for the window partials, the bucket partials, or both."""
     q, k_cache, v_cache = pl.q, pl.k, pl.v
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
@@ -351,12 +335,12 @@ def _launch_partials(pl: _Partials, state: BucketIndex | None, buckets: torch.Te
         pl.n_per, pl.scale * LOG2E, *q.stride(), *k_cache.stride(), *v_cache.stride(), *start.stride(),
         *count.stride(), *slots.stride(),
         G=g, G_PAD=max(_ROWS, _pow2(g)), D=d, D_PAD=_pow2(d), BLOCK_N=_tc.CONFIG.block_n, F32=f32,
-        PREFETCH_V=bool(_tc.CONFIG.attn_prefetch_v), GDC=pdl,
-        num_warps=_tc.CONFIG.attn_warps, num_stages=_tc.CONFIG.attn_stages, **_pdl_launch(pdl),
+        PREFETCH_V=bool(_tc.CONFIG.attn_prefetch_v),
+        num_warps=_tc.CONFIG.attn_warps, num_stages=_tc.CONFIG.attn_stages,
     )
 
 
-def _merge(pl: _Partials, pdl: bool = False) -> torch.Tensor:
+def _merge(pl: _Partials) -> torch.Tensor:
     q = pl.q
     b, hq, d = q.shape
     hkv = pl.k.shape[1]
@@ -365,8 +349,7 @@ def _merge(pl: _Partials, pdl: bool = False) -> torch.Tensor:
     block_d = min(_pow2(d), _tc.CONFIG.merge_block_d)
     _merge_kernel[(b * hkv, triton.cdiv(d, block_d))](
         pl.o, pl.m, pl.l, out, hkv, pl.n_part, *out.stride(),
-        G=g, G_PAD=_pow2(g), D=d, BLOCK_D=block_d, BLOCK_P=_tc.CONFIG.merge_block_p, GDC=pdl, num_warps=4,
-        **_pdl_launch(pdl),
+        G=g, G_PAD=_pow2(g), D=d, BLOCK_D=block_d, BLOCK_P=_tc.CONFIG.merge_block_p, num_warps=4,
     )
     return out
 
@@ -413,14 +396,11 @@ def _sparse_step(q: torch.Tensor, q_derope: torch.Tensor, k_cache: torch.Tensor,
         side.wait_stream(main)
         with torch.cuda.stream(side):
             _launch_partials(pl, None, None, True, False)
-    # programmatic dependent launch: ranking -> partials (window beside the ranking) -> merge
-    min_b = _tc.CONFIG.pdl_min_b
-    pdl = 0 < min_b <= q.shape[0] and not overlap and pdl_available(q.device)
-    buckets = saap_select_buckets_triton(q_derope, params, q.shape[1] // hkv, top_l, release_next=pdl)
-    _launch_partials(pl, state, buckets, not overlap, True, pdl=pdl)
+    buckets = saap_select_buckets_triton(q_derope, params, q.shape[1] // hkv, top_l)
+    _launch_partials(pl, state, buckets, not overlap, True)
     if overlap:
         main.wait_stream(side)
-    return _merge(pl, pdl=pdl)
+    return _merge(pl)
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:

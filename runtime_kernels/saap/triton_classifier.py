@@ -331,7 +331,7 @@ def _gemv_kernel(
 def _rank_kernel(
     logits_ptr, bias_ptr, sel_ptr, scratch_ptr, n_kv, C, L, sl_b, sl_h, sl_c, sl_p,
     G: tl.constexpr, G_PAD: tl.constexpr, C_PAD: tl.constexpr, K_PAD: tl.constexpr, N_PART: tl.constexpr,
-    HAS_BIAS: tl.constexpr, CAND: tl.constexpr, GDC: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CAND: tl.constexpr,
 ):
     """Top-ℓ buckets of one (batch, KV head): ``sel[b, h, :L]`` (int32, best first; ties: lower bucket).
 
@@ -346,13 +346,7 @@ def _rank_kernel(
     K_PAD are among the keys ``>= τ``. When at most CAND keys qualify they are compacted (prefix sum, a
     store to ``scratch [B·Hkv, CAND]`` and a reload) and only those are sorted; otherwise (flat scores,
     padded chunks) all C_PAD keys are, as without the filter. Same result either way.
-
-    ``GDC``: let the next kernel (the attention partials, launched with programmatic dependent launch)
-    start now: its window programs need nothing from this kernel and run beside it on the idle SMs; its
-    bucket programs wait for this kernel to finish (``gdc_wait``) before they read ``sel``.
     """
-    if GDC:
-        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     b = pid // n_kv
     h = pid % n_kv
@@ -536,24 +530,21 @@ def _check_device(q_derope: torch.Tensor, p: SaapLayerParams) -> None:
         raise ValueError(f"classifier weights on {p.w1.device}, query on {q_derope.device}")
 
 
-def saap_select_buckets_triton(q_derope: torch.Tensor, params: SaapLayerParams, group: int, top_l: int,
-                               *, release_next: bool = False) -> torch.Tensor:
+def saap_select_buckets_triton(q_derope: torch.Tensor, params: SaapLayerParams, group: int, top_l: int
+                               ) -> torch.Tensor:
     """Classifier + ranking of one decode step: ``[B, Hkv, min(ℓ, C)]`` int32 bucket ids, best first.
 
     ``B <= CONFIG.cls_gemv_max_b``: the GEMV classifier, whose split-K partial logits (and ``b2``) the
     ranking kernel sums itself (no logits round trip); else :func:`saap_classifier_logits_triton` then
     :func:`saap_rank_buckets_triton`. Same buckets as :func:`reference.rank_buckets` on
-    :func:`reference.classify_queries` (up to float32 rounding at exact near-ties).
-
-    ``release_next``: the ranking kernel lets the next launch start early (programmatic dependent launch;
-    the caller launches it with ``launch_pdl=True`` and makes it ``gdc_wait`` before reading the result)."""
+    :func:`reference.classify_queries` (up to float32 rounding at exact near-ties)."""
     _check_device(q_derope, params)
     if _use_bmm(q_derope, params):
-        return _rank(_bmm_partials(q_derope, params), group, top_l, bias=params.b2.contiguous(), pdl=release_next)
+        return _rank(_bmm_partials(q_derope, params), group, top_l, bias=params.b2.contiguous())
     if not _use_gemv(q_derope.shape[0]):
-        return _rank(saap_classifier_logits_triton(q_derope, params)[None], group, top_l, pdl=release_next)
+        return saap_rank_buckets_triton(saap_classifier_logits_triton(q_derope, params), group, top_l)
     part, has_bias = _gemv_partials(q_derope, params)
-    return _rank(part, group, top_l, bias=None if has_bias else params.b2.contiguous(), pdl=release_next)
+    return _rank(part, group, top_l, bias=None if has_bias else params.b2.contiguous())
 
 
 def saap_classifier_logits_triton(q_derope: torch.Tensor, params: SaapLayerParams) -> torch.Tensor:
@@ -602,10 +593,8 @@ def saap_rank_buckets_triton(logits: torch.Tensor, group: int, top_l: int) -> to
     return _rank(logits[None], group, top_l)
 
 
-def _rank(parts: torch.Tensor, group: int, top_l: int, bias: torch.Tensor | None = None, pdl: bool = False
-          ) -> torch.Tensor:
-    """Launch :func:`_rank_kernel` on ``parts [P, B, Hq, C]`` (summed in order, plus ``bias [Hq, C]``);
-    ``pdl``: its programs release the next launch at their start (``GDC``)."""
+def _rank(parts: torch.Tensor, group: int, top_l: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Launch :func:`_rank_kernel` on ``parts [P, B, Hq, C]`` (summed in order, plus ``bias [Hq, C]``)."""
     n_part, b, hq, c = parts.shape
     n_l = min(int(top_l), c)
     hkv = hq // group
@@ -619,6 +608,6 @@ def _rank(parts: torch.Tensor, group: int, top_l: int, bias: torch.Tensor | None
     _rank_kernel[(b * hkv,)](
         parts, parts if bias is None else bias, sel, scratch, hkv, c, n_l, *parts.stride()[1:], parts.stride(0),
         G=group, G_PAD=_pow2(group), C_PAD=c_pad, K_PAD=k_pad, N_PART=n_part, HAS_BIAS=bias is not None, CAND=cand,
-        GDC=pdl, num_warps=_tc.CONFIG.rank_warps,
+        num_warps=_tc.CONFIG.rank_warps,
     )
     return sel

@@ -37,6 +37,10 @@ class SaapTritonConfig:
     block_n: int = 64
     min_win_steps: int = 2
     max_win_tiles: int = 64
+    win_programs: int = 256   # > 0: at most ceil(this / (B·Hkv)) window tiles per (batch, KV head), so large
+                              # batches stream the window in longer tiles (0: max_win_tiles alone). H200
+                              # 2026-11-21 graphed, l=32, two runs: B=8 8k 84.1 -> 79.7 us (128: 88.4); B=1 and
+                              # B=8 128k unchanged (docs/bench/2026-11-21-h200/saap_win_programs.txt)
     bkt_split: int = 1
     bkt_per_prog: int = 1
     # Defaults from the H200 variant run (2026-11-21, bench_decode.py --saap-variants, graphed, ℓ=32): the
@@ -76,11 +80,6 @@ class SaapTritonConfig:
                               # random classifier is flat: ~90-140 candidates of 1024; a trained one is peakier)
     rank_warps: int = 8       # the per-(batch, KV head) softmax + group sum + bitonic top-ℓ program (bmm path,
                               # 128k B=1: 2 warps 60.8 us, 4: 51.8, 8: 51.1, 16: 52.4)
-    pdl_min_b: int = 2        # B >= this (0: never): ranking -> partials -> merge as programmatic dependent
-                              # launches (sm_90+): the window partials run beside the ranking, the merge is
-                              # resident early. H200 2026-11-21 graphed, l=32: B=8 128k 111.8 -> 105.3 us, 8k
-                              # 84.8 -> 84.0; B=1 8k 47.1 = 47.1, 128k 50.2 -> 51.7 (the window was not on the
-                              # B=1 critical path: ranking, then the bucket programs' dependent loads)
     merge_block_p: int = 16
     merge_block_d: int = 32
     poison: bool = False  # fill outputs and partials with NaN before the launches (tests)

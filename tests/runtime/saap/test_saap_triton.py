@@ -141,6 +141,8 @@ SCHEDULES = [  # CONFIG switches that change how the work is cut, never the resu
     {"cls_gemv_max_b": 16, "gemv_k_split": 4, "gemv_block_k": 8, "gemv_atomic": 1},  # chunks summed by atomics
     {"cls_bmm_max_b": 16},  # layer 1 GEMV + layer 2 as a bmm (float32 weights here: one term)
     {"rank_filter": 2},  # top-ℓ over the keys above the smallest chunk maximum (compacted)
+    {"win_programs": 4},  # window tiles capped by a program budget (one or two long tiles per KV head)
+    {"win_programs": 0},  # window tiles cut by max_win_tiles alone
 ]
 
 
@@ -385,34 +387,3 @@ def test_gpu_dense_layer_and_graph_capture():
     torch.cuda.synchronize()
     assert torch.equal(captured, eager)
 
-
-def test_programmatic_dependent_launch_is_off_without_a_compiled_gpu():
-    """The interpreter and CPU tensors never get ``launch_pdl`` (the interpreter has no such option)."""
-    support = pytest.importorskip("runtime_kernels._triton_support")
-    assert not support.pdl_available(torch.device("cpu"))
-    if support.interpreting() and torch.cuda.is_available():
-        assert not support.pdl_available(torch.device("cuda"))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("b", [1, 3])
-def test_gpu_programmatic_dependent_launch_changes_nothing(b, monkeypatch):
-    """ranking -> partials -> merge chained by programmatic dependent launch (window programs beside the
-    ranking, bucket programs waiting for it, the merge waiting for the partials) gives the bit-identical
-    output of plain launches, eager and replayed from a CUDA graph (NaN-poisoned buffers)."""
-    q, qd, k, v, p, idx = _case(b, 32, 8, 32768 + 3, 128, 1024, 1, 2047, structured=True, dtype=torch.bfloat16,
-                                hd=256, device="cuda")
-    step = lambda: triton_mod.saap_decode_attention_triton(q, qd, k, v, idx, p, top_l=32, scale=None)  # noqa: E731
-    monkeypatch.setattr(tconf, "CONFIG", replace(tconf.CONFIG, pdl_min_b=0))
-    plain = step()
-    monkeypatch.setattr(tconf, "CONFIG", replace(tconf.CONFIG, pdl_min_b=1))
-    assert torch.equal(step(), plain)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
-    for _ in range(3):
-        captured.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(captured, plain)
-    assert _row_rel_err(plain, _ref(q, qd, k, v, idx, p, 32)) < GPU_TOL

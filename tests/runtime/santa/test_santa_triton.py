@@ -386,3 +386,10 @@ def test_gpu_prop_programmatic_dependent_launch_draws_the_same(monkeypatch):
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(captured, plain_out, rtol=1e-2, atol=1e-3)
+
+
+def test_programmatic_dependent_launch_is_off_without_a_compiled_gpu():
+    """The interpreter and CPU tensors never get ``launch_pdl`` (the interpreter has no such option)."""
+    assert not _triton_support.pdl_available(torch.device("cpu"))
+    if _triton_support.interpreting() and torch.cuda.is_available():
+        assert not _triton_support.pdl_available(torch.device("cuda"))

@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from runtime_kernels.blocksparse.mask import BlockMask, causal_block_mask
+from runtime_kernels.blocksparse.mask import BlockMask
 
 _PRECISIONS = {4: "int4", 8: "int8", None: "float"}
 

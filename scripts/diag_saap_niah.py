@@ -265,13 +265,11 @@ class DiagDecode(SaapDecode):
                ctx) -> torch.Tensor | None:
         if layer == min(i for i, p in enumerate(self.layers)):
             self.step += 1
-        idx = self.index.get(layer)
-        t = k.shape[2]
-        if idx is None or self.layers[layer].dense or self._padded(ctx, k.shape[0]) or idx.length != t - 1:
-            self.index.pop(layer, None)
+        step = self.advance(layer, q, k, ctx)
+        if step is None:
             return None
-        idx.append(self._derope(k[:, :, -1:], ctx, t - 1))
-        q_de = self._derope(q, ctx, t - 1)[:, :, 0]
+        idx, q_de = step
+        t = k.shape[2]
         params = self._params(layer, q.device)
         q0 = q[:, :, 0]
         p = true_attention(q0, k, scale)  # [B, Hq, T]

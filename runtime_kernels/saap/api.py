@@ -198,16 +198,26 @@ class SaapDecode:
         pp = self._params(layer, k.device)
         self.index[layer] = BucketIndex.build(self._derope(k, ctx, 0), pp.centroids, sink=p.sink, recent=p.recent)
 
-    def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-               ctx) -> torch.Tensor | None:
-        """``q [B, Hq, 1, D]``, ``k, v [B, Hkv, T, D]`` (the cache, new token last) -> ``[B, Hq, 1, D]`` or None."""
+    def advance(self, layer: int, q: torch.Tensor, k: torch.Tensor, ctx) -> tuple[BucketIndex, torch.Tensor] | None:
+        """One decode step's index upkeep: the new (last) key of ``k [B, Hkv, T, D]`` appended to layer
+        ``layer``'s index, and the de-RoPE'd query ``[B, Hq, D]``; None (index dropped) when this step
+        runs dense: no index, a dense layer, a padded batch, or an index out of step with the cache."""
         idx = self.index.get(layer)
         t = k.shape[2]
         if idx is None or self.layers[layer].dense or self._padded(ctx, k.shape[0]) or idx.length != t - 1:
             self.index.pop(layer, None)
             return None
         idx.append(self._derope(k[:, :, -1:], ctx, t - 1))
-        q_de = self._derope(q, ctx, t - 1)[:, :, 0]
+        return idx, self._derope(q, ctx, t - 1)[:, :, 0]
+
+    def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               ctx) -> torch.Tensor | None:
+        """``q [B, Hq, 1, D]``, ``k, v [B, Hkv, T, D]`` (the cache, new token last) -> ``[B, Hq, 1, D]`` or None."""
+        step = self.advance(layer, q, k, ctx)
+        if step is None:
+            return None
+        idx, q_de = step
+        t = k.shape[2]
         out = saap_decode_attention(q[:, :, 0], k, v, idx, self._params(layer, q.device), top_l=self.top_l,
                                     q_derope=q_de, scale=scale, impl=self.impl, ranking=self.ranking)
         if self.stats:

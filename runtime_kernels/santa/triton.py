@@ -46,8 +46,10 @@ Performance model (Llama-3.1-8B decode: Hq=32, Hkv=8, D=128, bf16, N keys; H200 
 
 * Dense floor: K+V = ``2·N·Hkv·D·2`` B per batch row = 128 MiB at N=32k ≈ 32 µs.
 * score pass: all of K (67 MB at 32k, 16 µs) + float32 scores written (``N·Hq·4`` = 4 MB per batch row).
-  FLOPs ``2·N·Hq·D``: memory bound. ptxas sm_90 (default config): 58 regs, 34 KB smem (2 chunks of
-  16 KB in flight per program, ~6 programs = 192 KB per SM) vs 164-255 regs / 1 tile in registers before.
+  FLOPs ``2·N·Hq·D``: memory bound. ptxas sm_90 at 64-key chunks, 3 deep, 4 warps (the first pipelined
+  config): 58 regs, 34 KB smem (2 chunks of 16 KB in flight per program, ~6 programs = 192 KB per SM) vs
+  164-255 regs / 1 tile in registers before; now 32-key chunks 4 deep at 2 warps (3 chunks of 8 KB in
+  flight, smaller programs: more of them resident, measured faster, see ``KernelConfig``).
 * prop: score pass + budgets (32 programs at B=1; T=128 tiles: ~2-3 µs, latency) + gather (scores of
   tiles with a budget re-read, <= min(S, T) tiles per head, + <= S V rows per head; ~3-5 µs at B=1).
   Predicted 32k B=1: ~17 + 3 + 4 + launch gaps ≈ 25 µs (target 22.8).
@@ -109,12 +111,15 @@ class KernelConfig:
     group merges it, the last group the row: arrival counters) or ``launch`` (a separate merge kernel).
     """
 
-    score_bk: int = 64
-    score_stages: int = 3
+    score_bk: int = 32  # H200 2026-11-21, graphed, variants in their own processes, at 2 warps (jobs/run41.sh,
+    score_stages: int = 4  # santa_variants_bk32.txt): 32-key chunks 4 deep vs 64 x 3: 32k B=1 prop 39.5 -> 37.4 us,
+    #   flash S=2048 48.8 -> 42.6; B=8 8k flash 93.2 -> 86.5, 32k 2-4 % faster; 8k B=1 prop +1.4 us
     score_tpp: int = 1
-    score_warps: int = 4
+    score_warps: int = 2  # H200 2026-11-21, graphed, each variant in its own process (santa_variants_1845.txt):
+    #   2 warps vs 4 for score / gather / flash gather: B=8 8k prop S=128 70.0 -> 63.6 us, flash S=2048 114.1 ->
+    #   93.4, 32k 5-13 % faster; B=1 equal or better (the programs are latency-bound; more fit per SM)
     budget_heads: int = 1  # query heads per budget program (divides Hq; 1 = one program per head)
-    gather_warps: int = 4
+    gather_warps: int = 2
     gather_samples: int = 4  # prop gather: samples per head resolved to keys per step ([GP, this, tile] compare;
     #   H200 eager gather stage, 16 / 8 / 4: 32k B=1 21.8 / 22.1 / 16.3 µs, B=8 100.7 / 86.0 / 80.3, 8k B=8 36.4 / 31.6 / 29.9)
     flash_samples: int = 16  # the same for flash's tiles (32k B=1 stream: 16 -> 37.6 us, 8 -> 42.0)
@@ -128,7 +133,7 @@ class KernelConfig:
     flash_values: str = "rows"  # flash: ``rows`` (sampled V rows, as prop) or ``dot`` (counts @ V tile)
     flash_warps: int = 8  # fused flash kernel
     merge_rows: int = 4  # flash merge: partial rows per step (registers: rows · GP · BLOCK_D floats)
-    flash_gather_warps: int = 4  # split flash gather kernel
+    flash_gather_warps: int = 2  # split flash gather kernel
     pdl: bool = True  # prop: score -> budgets -> gather as programmatic dependent launches (sm_90+: each launch
     #   is resident before the one it waits for ends; the gather loads its keys and offsets before waiting).
     #   H200 2026-11-21 graphed: 32k B=1 41.6 -> 40.2 us, 8k B=1 23.0 -> 21.5, B=8 -0.4..-0.9 us. The same
@@ -137,10 +142,11 @@ class KernelConfig:
 
 VARIANTS: dict[str, KernelConfig] = {
     "default": KernelConfig(),
-    "bk32": KernelConfig(score_bk=32, score_stages=4),
+    "bk64": KernelConfig(score_bk=64, score_stages=3),  # the default before 2026-11-21 19:30
     "bk128": KernelConfig(score_bk=128, score_stages=2),
     "tpp4": KernelConfig(score_tpp=4),
-    "w2": KernelConfig(score_warps=2, gather_warps=2, flash_gather_warps=2),
+    "w4": KernelConfig(score_warps=4, gather_warps=4, flash_gather_warps=4),  # the default before 2026-11-21 19:00
+    "w1": KernelConfig(score_warps=1, gather_warps=1, flash_gather_warps=1),
     "w8": KernelConfig(score_warps=8, gather_warps=8, flash_gather_warps=8),
     "nopipe": KernelConfig(score_bk=256, score_stages=1),  # one 256-key load per tile, as before
     "fused": KernelConfig(flash_mode="fused", flash_merge="inline"),
@@ -157,8 +163,12 @@ VARIANTS: dict[str, KernelConfig] = {
     "propsum": KernelConfig(prop_reduce="launch"),
     "propsum_maxs8": KernelConfig(prop_reduce="launch", gather_samples=8),
     "stream": KernelConfig(flash_mode="stream", flash_merge="launch"),
-    "stream_bk32": KernelConfig(flash_mode="stream", flash_merge="launch", score_bk=32, score_stages=4),
     "nopdl": KernelConfig(pdl=False),
+    "streamdot": KernelConfig(flash_values="dot"),  # flash: counts @ V tile (dense sampling at short contexts)
+    "bk64s2": KernelConfig(score_bk=64, score_stages=2),  # less shared memory per program: more resident programs
+    "bk32s2": KernelConfig(score_stages=2),
+    "bk32s3": KernelConfig(score_stages=3),
+    "fmaxs32": KernelConfig(flash_samples=32),  # flash: 32 samples per step; slower everywhere (santa_variants_bk32.txt)
 }
 CONFIG: KernelConfig = VARIANTS[os.environ.get("SANTA_TRITON_VARIANT", "default")]
 

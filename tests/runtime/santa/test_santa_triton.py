@@ -237,7 +237,7 @@ def test_strided_inputs_and_counter_reset(tiling):
     assert torch.allclose(again, base, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("variant", ["nopipe", "tpp4", "bk32", "fused_dot", "split", "launchmerge", "propsum"])
+@pytest.mark.parametrize("variant", ["nopipe", "tpp4", "bk64", "fused_dot", "split", "launchmerge", "propsum"])
 @pytest.mark.parametrize("tiling", ["prop", "flash"])
 def test_launch_variants_draw_the_same_samples(tiling, variant, monkeypatch):
     """Every launch config in VARIANTS (chunked / pipelined K pass, tiles per program, fused flash with

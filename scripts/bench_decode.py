@@ -444,6 +444,12 @@ SAAP_VARIANTS: dict[str, dict[str, int]] = {
     "win-big": {"min_win_steps": 4, "max_win_tiles": 16, "attn_stages": 3},
     "bkt-split2": {"bkt_split": 2},
     "bkt-per4": {"bkt_per_prog": 4},
+    # the window on a side stream in few long programs, so the classifier's kernels have SMs beside it
+    "overlap-winp64": {"overlap_window": 1, "win_programs": 64},
+    "overlap-winp128": {"overlap_window": 1, "win_programs": 128},
+    "overlap-winp64-per4": {"overlap_window": 1, "win_programs": 64, "bkt_per_prog": 4},
+    "l1n32": {"gemv1_block_n": 32},  # layer 1: twice the programs (B=8: 15.5 us alone at 64)
+    "l1n16": {"gemv1_block_n": 16},
 }
 
 

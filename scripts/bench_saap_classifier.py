@@ -1,16 +1,19 @@
-"""Where SAAP's per-step bucket ranking spends its time: each launch of the small-batch GEMV path alone.
+"""Where SAAP's per-step bucket ranking spends its time: each launch alone.
 
-    python scripts/bench_saap_classifier.py          # H200: Llama-3.1-8B shapes, B = 1
+    python scripts/bench_saap_classifier.py             # H200: Llama-3.1-8B shapes, B = 1
+    python scripts/bench_saap_classifier.py --batch 8
 
-Layer 1 (query -> hidden, batch-norm, ReLU), layer 2 (hidden -> split-K partial logits), the ranking
-(partials + b2 -> group softmax sum -> top-ℓ), and for scale cuBLAS ``bmm`` on the same layer-2
-weights (bf16 hidden: not the kernel's precision) and a copy of them. Each line is its own CUDA graph
-(so each carries one launch gap), timed like ``bench_decode.py`` (events, warm-up, read-flushed L2,
-median). Needs CUDA.
+The default path (B <= ``cls_bmm_max_b``): layer 1 as a GEMV writing three bf16 hidden terms, layer 2
+as one cuBLAS ``bmm`` with float32 output, the ranking of the three term rows; beside it the same bmm
+over w2 stored transposed (``[Hq, C, Hd]``, cuBLAS's other operand order), a plain bf16 bmm (one term:
+not the kernel's precision) and a copy of w2 (what the GPU streams). At B = 1 also the GEMV path's
+launches (layer 2 split-K on CUDA cores). Each line is its own CUDA graph (so each carries one launch
+gap), timed like ``bench_decode.py`` (events, warm-up, read-flushed L2, median). Needs CUDA.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -22,7 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import Shapes, Timer, saap_setup  # noqa: E402
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, default=1, help="decode batch B (default 1)")
+    args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: bench_saap_classifier.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -30,68 +36,71 @@ def main() -> int:
     from runtime_kernels.saap import triton_config
 
     cfg = triton_config.CONFIG
-    sh = Shapes(batches=(1,), lengths=(8192,))
-    p, _, qd = saap_setup(sh, 1, 8192, "cuda")
+    bsz = args.batch
+    sh = Shapes(batches=(bsz,), lengths=(8192,))
+    p, _, qd = saap_setup(sh, bsz, 8192, "cuda")
     hq, d = qd.shape[1], qd.shape[2]
     hd, c = p.w2.shape[1], p.w2.shape[2]
     group, top_l = sh.hq // sh.hkv, 32
-    hidden = torch.randn(1, hq, hd, device="cuda")
-    part, _ = tc._gemv_partials(qd, p)
-    k_chunk = hd // part.shape[0]
-
-    def layer1() -> None:
-        tc._gemv_kernel[(hq, triton_cdiv(hd, cfg.gemv1_block_n), 1)](
-            qd, p.w1, p.b1, p.bn_mean, p.bn_var, p.bn_weight, p.bn_bias, hidden, part, p.b2,
-            1, hq, d, hd, d, float(p.bn_eps), c, *qd.stride(), *p.w1.stride(),
-            FIRST=True, R=1, BLOCK_K=min(cfg.gemv_block_k, d), BLOCK_N=cfg.gemv1_block_n, ATOMIC=False,
-            num_warps=cfg.gemv_warps)
-
-    def layer2() -> None:
-        tc._gemv_kernel[(hq, triton_cdiv(c, cfg.gemv_block_n), part.shape[0])](
-            hidden, p.w2, hidden, hidden, hidden, hidden, hidden, part, part, p.b2,
-            1, hq, hd, c, k_chunk, 0.0, c, *hidden.stride(), *p.w2.stride(),
-            FIRST=False, R=1, BLOCK_K=cfg.gemv_block_k, BLOCK_N=cfg.gemv_block_n, ATOMIC=False,
-            num_warps=cfg.gemv_warps)
-
-    hb = hidden.to(p.w2.dtype).view(hq, 1, hd)
-    h3 = hidden.to(p.w2.dtype).view(hq, 1, hd).expand(hq, 3, hd).contiguous()  # three-term operand shape
-    bmm_parts = tc._bmm_partials(qd, p) if tc._bmm_supported(qd.device, p.w2.dtype) else None
-    w2_copy = torch.empty_like(p.w2)
     w1_mb, w2_mb = p.w1.numel() * p.w1.element_size() / 1e6, p.w2.numel() * p.w2.element_size() / 1e6
+    hid3 = tc._layer1_terms(qd, p)  # [Hq, 3·B, Hd] bf16: the default path's layer-2 operand
+    parts3 = tc._bmm_partials(qd, p)
+    w2t = p.w2.transpose(1, 2).contiguous()  # [Hq, C, Hd]: the transposed storage
+    hid_t = hid3.transpose(1, 2)  # [Hq, Hd, 3·B] view
+    hb = hid3[:, :bsz].contiguous()  # one bf16 term per row
+    w2_copy = torch.empty_like(p.w2)
     cases = [
-        ("layer1 gemv", layer1, w1_mb),
-        (f"layer2 gemv ({part.shape[0]} chunks)", layer2, w2_mb),
-        (f"rank ({part.shape[0]} partials)", lambda: tc._rank(part, group, top_l, bias=p.b2), part.numel() * 4 / 1e6),
-        ("torch.bmm layer 2 (cuBLAS)", lambda: torch.bmm(hb, p.w2), w2_mb),
+        (f"layer1 gemv, 3 terms (B={bsz})", lambda: tc._layer1_terms(qd, p), w1_mb),
+        ("bmm 3 terms, fp32 out", lambda: tc._bmm_f32(hid3, p.w2), w2_mb),
+        ("bmm w2 transposed, fp32 out", lambda: torch.bmm(w2t, hid_t, out_dtype=torch.float32), w2_mb),
+        ("bmm 1 term, bf16 out", lambda: torch.bmm(hb, p.w2), w2_mb),
+        ("layer1 + bmm", lambda: tc._bmm_partials(qd, p), w1_mb + w2_mb),
+        ("rank (3 bmm terms)", lambda: tc._rank(parts3, group, top_l, bias=p.b2), parts3.numel() * 4 / 1e6),
+        ("whole select (default)", lambda: tc.saap_select_buckets_triton(qd, p, group, top_l), w1_mb + w2_mb),
         ("copy of w2 (read+write)", lambda: w2_copy.copy_(p.w2), 2 * w2_mb),
     ]
-    if bmm_parts is not None:  # the cls_bmm_max_b path: layer 1 + three-term bmm + ranking of 3 terms
-        cases += [
-            ("bmm 3 terms, fp32 out", lambda: torch.bmm(h3, p.w2, out_dtype=torch.float32), w2_mb),
-            ("bmm path: layer1 + bmm", lambda: tc._bmm_partials(qd, p), w1_mb + w2_mb),
-            ("rank (3 bmm terms)", lambda: tc._rank(bmm_parts, group, top_l, bias=p.b2), bmm_parts.numel() * 4 / 1e6),
-        ]
-    cases += [
-        ("whole select", lambda: tc.saap_select_buckets_triton(qd, p, group, top_l), w1_mb + w2_mb),
-    ]
-    if bmm_parts is not None:
-        bmm_cfg = replace(cfg, cls_bmm_max_b=16)
+    if bsz <= 2:  # the GEMV path's launches (cls_gemv_max_b): layer 2 split-K on CUDA cores
+        hidden = torch.randn(bsz, hq, hd, device="cuda")
+        part, _ = tc._gemv_partials(qd, p)
+        k_chunk = hd // part.shape[0]
 
-        def bmm_select() -> None:
-            triton_config.CONFIG = bmm_cfg
+        def layer1() -> None:
+            tc._gemv_kernel[(hq, triton_cdiv(hd, cfg.gemv1_block_n), 1)](
+                qd, p.w1, p.b1, p.bn_mean, p.bn_var, p.bn_weight, p.bn_bias, hidden, part, p.b2,
+                bsz, hq, d, hd, d, float(p.bn_eps), c, *qd.stride(), *p.w1.stride(),
+                FIRST=True, R=tc._pow2(bsz), BLOCK_K=min(cfg.gemv_block_k, d), BLOCK_N=cfg.gemv1_block_n,
+                ATOMIC=False, num_warps=cfg.gemv_warps)
+
+        def layer2() -> None:
+            tc._gemv_kernel[(hq, triton_cdiv(c, cfg.gemv_block_n), part.shape[0])](
+                hidden, p.w2, hidden, hidden, hidden, hidden, hidden, part, part, p.b2,
+                bsz, hq, hd, c, k_chunk, 0.0, c, *hidden.stride(), *p.w2.stride(),
+                FIRST=False, R=tc._pow2(bsz), BLOCK_K=cfg.gemv_block_k, BLOCK_N=cfg.gemv_block_n, ATOMIC=False,
+                num_warps=cfg.gemv_warps)
+
+        gemv_cfg = replace(cfg, cls_bmm_max_b=0, cls_gemv_max_b=16)
+
+        def gemv_select() -> None:
+            triton_config.CONFIG = gemv_cfg
             try:
                 tc.saap_select_buckets_triton(qd, p, group, top_l)
             finally:
                 triton_config.CONFIG = cfg
 
-        cases.append(("whole select, bmm path", bmm_select, w1_mb + w2_mb))
+        cases += [
+            ("gemv path: layer1 (fp32)", layer1, w1_mb),
+            (f"gemv path: layer2 ({part.shape[0]} chunks)", layer2, w2_mb),
+            (f"gemv path: rank ({part.shape[0]} partials)", lambda: tc._rank(part, group, top_l, bias=p.b2),
+             part.numel() * 4 / 1e6),
+            ("gemv path: whole select", gemv_select, w1_mb + w2_mb),
+        ]
     timer = Timer(True, 5, 30)
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | {cfg}")
     for name, fn, mb in cases:
         us, note = timer.graphed(fn)
         if us is None:
             us = timer.eager(fn)
-        print(f"{name:<28} {us:7.1f} us  {mb:6.1f} MB  {mb / us:5.2f} TB/s {note}", flush=True)
+        print(f"{name:<32} {us:7.1f} us  {mb:6.1f} MB  {mb / us:5.2f} TB/s {note}", flush=True)
     return 0
 
 

@@ -41,6 +41,11 @@ hidden 1024, window 1 + 2047, balanced buckets of ``N_s / C`` keys, ``N_vis = 20
   no gain once the variants' order was rotated (128k B=8 105.7 vs 105.0-105.6 µs, B=1 49.7 vs 50.0;
   the first variant timed in a run reads ~7 µs slow, which an earlier run had taken for a PDL gain;
   ``docs/bench/2026-11-21-h200/saap_win_programs.txt``). SANTA-prop keeps its chain (it gains there).
+  Also removed: layer 2 as Triton programs that each request their whole w2 slice (64 KB) before
+  waiting for layer 1 as its programmatic dependent, the ranking chained after (to hide layer 1's ~7 µs
+  under the weight stream): classifier + ranking 38.9-56.8 µs across block shapes vs 33.9 for layer 1 +
+  cuBLAS + ranking at 128k B=1, 52-80 vs 42.3 at B=8; the chain itself bought ~2 µs
+  (``docs/bench/2026-11-21-h200/saap_prefetch_l2.txt``).
 * classifier: ``Hq · (D·Hd + Hd·C) · 2 B`` = 75.5 MB of weights per call whatever B (≤ 16). First
   version (two launches, 256 programs streaming K = 1024): measured 46 µs (1.65 TB/s). Fused: 512
   programs (2 resident per SM: 244 registers, 80 KB smem at 3 stages), each 16 KB of w1 then 8 steps of

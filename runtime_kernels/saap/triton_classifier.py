@@ -501,15 +501,12 @@ def _use_bmm(q_derope: torch.Tensor, p: SaapLayerParams) -> bool:
             and _bmm_supported(q_derope.device, p.w2.dtype))
 
 
-def _bmm_partials(q_derope: torch.Tensor, p: SaapLayerParams) -> torch.Tensor:
-    """Layer 1 as a GEMV (:func:`_gemv_kernel`, hidden written as three 16-bit terms, or float32 for
-    float32 weights), layer 2 as one cuBLAS ``bmm`` over the query heads: ``hidden [Hq, T·B, Hd] @ w2
-    [Hq, Hd, C]`` with float32 output (T = 3 terms: every product exact, accumulation float32, so the
-    logits carry the float32 classifier's precision). Returns the per-term partial logits as a
-    ``[T, B, Hq, C]`` view (without ``b2``); the ranking sums the T terms in order and adds ``b2``.
-    Layer 2 then streams the 67 MB of w2 at cuBLAS's rate instead of the GEMV's."""
+def _layer1_terms(q_derope: torch.Tensor, p: SaapLayerParams) -> torch.Tensor:
+    """Layer 1 as a GEMV (:func:`_gemv_kernel`) whose epilogue writes the hidden as three 16-bit terms of
+    the weights' dtype (:func:`_split3`), or as float32 for float32 weights: ``[Hq, T·B, Hd]``, rows
+    ``t·B + i``."""
     b, hq, d = q_derope.shape
-    hd, c = p.w2.shape[1], p.w2.shape[2]
+    hd = p.w2.shape[1]
     cfg = _tc.CONFIG
     terms = 1 if p.w2.dtype == torch.float32 else 3
     rows = _pow2(b)
@@ -521,8 +518,20 @@ def _bmm_partials(q_derope: torch.Tensor, p: SaapLayerParams) -> torch.Tensor:
         FIRST=True, R=rows, BLOCK_K=block_k, BLOCK_N=cfg.gemv1_block_n, ATOMIC=False, OUT_TERMS=terms,
         num_warps=cfg.gemv_warps,
     )
+    return hidden
+
+
+def _bmm_partials(q_derope: torch.Tensor, p: SaapLayerParams) -> torch.Tensor:
+    """Layer 1 (:func:`_layer1_terms`), layer 2 as one cuBLAS ``bmm`` over the query heads: ``hidden
+    [Hq, T·B, Hd] @ w2 [Hq, Hd, C]`` with float32 output (T = 3 terms: every product exact, accumulation
+    float32, so the logits carry the float32 classifier's precision). Returns the per-term partial logits
+    as a ``[T, B, Hq, C]`` view (without ``b2``); the ranking sums the T terms in order and adds ``b2``.
+    Layer 2 then streams the 67 MB of w2 at cuBLAS's rate instead of the GEMV's."""
+    b, hq, _ = q_derope.shape
+    c = p.w2.shape[2]
+    hidden = _layer1_terms(q_derope, p)
     logits = _bmm_f32(hidden, p.w2)  # [Hq, T·B, C] float32
-    return logits.view(hq, terms, b, c).permute(1, 2, 0, 3)
+    return logits.view(hq, hidden.shape[1] // b, b, c).permute(1, 2, 0, 3)
 
 
 def _check_device(q_derope: torch.Tensor, p: SaapLayerParams) -> None:

@@ -450,6 +450,7 @@ SAAP_VARIANTS: dict[str, dict[str, int]] = {
     "overlap-winp64-per4": {"overlap_window": 1, "win_programs": 64, "bkt_per_prog": 4},
     "l1n32": {"gemv1_block_n": 32},  # layer 1: twice the programs (B=8: 15.5 us alone at 64)
     "l1n16": {"gemv1_block_n": 16},
+    "split2-pv": {"bkt_split": 2, "attn_prefetch_v": 1},  # bucket chains halved, V loaded with K
 }
 
 

@@ -451,6 +451,13 @@ SAAP_VARIANTS: dict[str, dict[str, int]] = {
     "l1n32": {"gemv1_block_n": 32},  # layer 1: twice the programs (B=8: 15.5 us alone at 64)
     "l1n16": {"gemv1_block_n": 16},
     "split2-pv": {"bkt_split": 2, "attn_prefetch_v": 1},  # bucket chains halved, V loaded with K
+    # layer 1 (bmm path) in fewer, wider k steps: B=8 walks D = 128 in 8 steps of 16 at the default
+    "l1-k256": {"gemv_block_k": 256},
+    "l1-k256-w8": {"gemv_block_k": 256, "gemv_warps": 8},
+    "l1-k512-w8": {"gemv_block_k": 512, "gemv_warps": 8},
+    "l1-gemv": {"l1_dot_min_b": 0},  # layer 1 as the GEMV at every batch (the default before 2026-11-21 20:00)
+    "l1-dot": {"l1_dot_min_b": 1},  # layer 1 on tensor cores at B = 1 too (the default since)
+    "l1-dot-n32": {"l1_dot_block_n": 32},
 }
 
 

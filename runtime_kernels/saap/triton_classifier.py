@@ -301,15 +301,7 @@ def _gemv_kernel(
         y = _bn_relu(y + bias[None, :], vec, n_ok, mean_ptr, var_ptr, gamma_ptr, beta_ptr, eps)
         rows = offs_r.to(tl.int64)
         if OUT_TERMS > 0:  # [H, OUT_TERMS, B, N]: the rows of one head's bmm operand
-            ok = r_ok[:, None] & n_ok[None, :]
-            dst = out_ptr + ((h * OUT_TERMS).to(tl.int64) * n_rows + rows[:, None]) * N + offs_n[None, :]
-            if OUT_TERMS == 3:
-                t0, t1, t2 = _split3(y, out_ptr.dtype.element_ty)
-                tl.store(dst, t0, mask=ok)
-                tl.store(dst + n_rows * N, t1, mask=ok)
-                tl.store(dst + 2 * n_rows * N, t2, mask=ok)
-            else:
-                tl.store(dst, y.to(out_ptr.dtype.element_ty), mask=ok)
+            _store_terms(out_ptr, y, h, rows, r_ok, offs_n, n_ok, n_rows, N, OUT_TERMS)
         if ATOMIC:  # logits <- b2 for layer 2's atomics; this program's share of the columns
             stride = tl.num_programs(1) * BLOCK_N
             for c0 in range(tl.program_id(1) * BLOCK_N, n_init, stride):
@@ -325,6 +317,53 @@ def _gemv_kernel(
         tl.atomic_add(out, y, mask=r_ok[:, None] & n_ok[None, :], sem="relaxed")
     elif OUT_TERMS == 0:
         tl.store(out, y, mask=r_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _store_terms(out_ptr, y, h, rows, r_ok, offs_n, n_ok, n_rows, N, OUT_TERMS: tl.constexpr):
+    """Hidden ``y [R, BLOCK_N]`` (float32) of head h as the layer-2 ``bmm`` operand ``out [H, OUT_TERMS, B,
+    N]``: three 16-bit terms of out's dtype (:func:`_split3`), or float32 as is (``OUT_TERMS = 1``)."""
+    ok = r_ok[:, None] & n_ok[None, :]
+    dst = out_ptr + ((h * OUT_TERMS).to(tl.int64) * n_rows + rows[:, None]) * N + offs_n[None, :]
+    if OUT_TERMS == 3:
+        t0, t1, t2 = _split3(y, out_ptr.dtype.element_ty)
+        tl.store(dst, t0, mask=ok)
+        tl.store(dst + n_rows * N, t1, mask=ok)
+        tl.store(dst + 2 * n_rows * N, t2, mask=ok)
+    else:
+        tl.store(dst, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _layer1_dot_kernel(
+    x_ptr, w_ptr, bias_ptr, mean_ptr, var_ptr, gamma_ptr, beta_ptr, out_ptr,
+    n_rows, K, N, eps, sx_b, sx_h, sx_k, sw_h, sw_k, sw_n,
+    ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, OUT_TERMS: tl.constexpr, F32: tl.constexpr,
+):
+    """Layer 1 of query head ``h`` (program 0) for ``BLOCK_N`` hidden units (program 1) and ``ROWS`` batch
+    rows (program 2) on tensor cores, for a query of the weights' own 16-bit dtype: every bf16 / fp16
+    product is exact in the fp32 accumulator, so this is the GEMV's float32 result up to summation order.
+    Epilogue as :func:`_gemv_kernel`'s (``+ b1``, eval batch-norm, ReLU, the hidden stored as ``OUT_TERMS``
+    terms). ``F32``: both operands in fp32, IEEE (the interpreter, whose 16-bit ``tl.dot`` is wrong)."""
+    h = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_r = tl.program_id(2) * ROWS + tl.arange(0, ROWS)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok = offs_n < N
+    r_ok = offs_r < n_rows
+    x_rows = x_ptr + offs_r.to(tl.int64)[:, None] * sx_b + h * sx_h
+    w_head = w_ptr + h.to(tl.int64) * sw_h + offs_n[None, :] * sw_n
+    acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        k_ok = kk < K
+        x = tl.load(x_rows + kk[None, :] * sx_k, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_head + kk[:, None] * sw_k, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc += _dot(x, w, F32, 4)
+    vec = h * N + offs_n
+    bias = tl.load(bias_ptr + vec, mask=n_ok, other=0.0).to(tl.float32)
+    y = _bn_relu(acc + bias[None, :], vec, n_ok, mean_ptr, var_ptr, gamma_ptr, beta_ptr, eps)
+    _store_terms(out_ptr, y, h, offs_r.to(tl.int64), r_ok, offs_n, n_ok, n_rows, N, OUT_TERMS)
 
 
 @triton.jit
@@ -502,21 +541,29 @@ def _use_bmm(q_derope: torch.Tensor, p: SaapLayerParams) -> bool:
 
 
 def _layer1_terms(q_derope: torch.Tensor, p: SaapLayerParams) -> torch.Tensor:
-    """Layer 1 as a GEMV (:func:`_gemv_kernel`) whose epilogue writes the hidden as three 16-bit terms of
-    the weights' dtype (:func:`_split3`), or as float32 for float32 weights: ``[Hq, T·B, Hd]``, rows
-    ``t·B + i``."""
+    """Layer 1 whose epilogue writes the hidden as three 16-bit terms of the weights' dtype
+    (:func:`_split3`), or as float32 for float32 weights: ``[Hq, T·B, Hd]``, rows ``t·B + i``. A query of
+    the weights' 16-bit dtype at ``B >= CONFIG.l1_dot_min_b`` takes tensor cores
+    (:func:`_layer1_dot_kernel`), anything else the GEMV (:func:`_gemv_kernel`)."""
     b, hq, d = q_derope.shape
     hd = p.w2.shape[1]
     cfg = _tc.CONFIG
     terms = 1 if p.w2.dtype == torch.float32 else 3
-    rows = _pow2(b)
     hidden = _buffer((hq, terms * b, hd), p.w2.dtype, q_derope.device)
+    vecs = tuple(t.contiguous() for t in (p.b1, p.bn_mean, p.bn_var, p.bn_weight, p.bn_bias))
+    if 0 < cfg.l1_dot_min_b <= b and terms == 3 and q_derope.dtype == p.w1.dtype:
+        _layer1_dot_kernel[(hq, triton.cdiv(hd, cfg.l1_dot_block_n), triton.cdiv(b, _ROWS))](
+            q_derope, p.w1, *vecs, hidden, b, d, hd, float(p.bn_eps), *q_derope.stride(), *p.w1.stride(),
+            ROWS=_ROWS, BLOCK_K=min(_pow2(d), 64), BLOCK_N=cfg.l1_dot_block_n, OUT_TERMS=terms, F32=_interpreting(),
+            num_warps=4,
+        )
+        return hidden
+    rows = _pow2(b)
     block_k = max(16, min(_pow2(d), cfg.gemv_block_k // rows))  # [R, BLOCK_K, BLOCK_N] stays in registers
     _gemv_kernel[(hq, triton.cdiv(hd, cfg.gemv1_block_n), 1)](
-        q_derope, p.w1, *(t.contiguous() for t in (p.b1, p.bn_mean, p.bn_var, p.bn_weight, p.bn_bias)), hidden,
-        hidden, hidden, b, hq, d, hd, d, float(p.bn_eps), 0, *q_derope.stride(), *p.w1.stride(),
-        FIRST=True, R=rows, BLOCK_K=block_k, BLOCK_N=cfg.gemv1_block_n, ATOMIC=False, OUT_TERMS=terms,
-        num_warps=cfg.gemv_warps,
+        q_derope, p.w1, *vecs, hidden, hidden, hidden, b, hq, d, hd, d, float(p.bn_eps), 0, *q_derope.stride(),
+        *p.w1.stride(), FIRST=True, R=rows, BLOCK_K=block_k, BLOCK_N=cfg.gemv1_block_n, ATOMIC=False,
+        OUT_TERMS=terms, num_warps=cfg.gemv_warps,
     )
     return hidden
 

@@ -66,6 +66,10 @@ class SaapTritonConfig:
                               # bf16 terms, layer 2 one cuBLAS bmm with float32 output (the ranking sums the
                               # terms). H200 2026-11-21, 128k l=32 graphed: B=1 step 59.9 -> 51.8 us (select
                               # 43.6 -> 35.4: bmm 20.1 us = 3.3 TB/s vs the GEMV's 28.5), B=8 116.2 -> 107.6
+    l1_dot_min_b: int = 1     # bmm path, B >= this and a query of the weights' 16-bit dtype: layer 1 on tensor
+                              # cores (exact products; 0: always the GEMV). H200 2026-11-21: layer 1 alone at B=8
+                              # 15.5 -> 7.7 us; step 8k B=8 79.5 -> 71.9 us, 128k B=1 50.0 -> 49.1 (saap_layer1_dot.txt)
+    l1_dot_block_n: int = 64
     gemv1_block_n: int = 64   # layer 1: hidden units per program (K = D in one pass)
     gemv_block_k: int = 64    # k rows per step (both layers)
     gemv_block_n: int = 128   # layer 2: logit columns per program (256 B of each weight row); H200 variants

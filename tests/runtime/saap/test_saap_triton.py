@@ -284,6 +284,43 @@ def test_bmm_classifier_three_terms_keep_float32_precision(b, monkeypatch):
         assert torch.equal(triton_mod.saap_select_buckets_triton(qd, p, 4, top_l).long().sort(-1).values, ref_sel)
 
 
+@pytest.mark.parametrize("b", [1, 5, 17])
+def test_tensor_core_layer1_equals_gemv_for_16bit_queries(b, monkeypatch):
+    """A bf16 query with bf16 weights takes layer 1 on tensor cores (B >= l1_dot_min_b): every product is
+    exact in fp32, so its logits equal the GEMV layer 1's up to float32 summation order, and both equal a
+    float64 evaluation of the same bf16 values to float32 rounding; the ranking is the same. B = 17
+    spans two 16-row blocks."""
+    _, qd, _, _, p, _ = _case(b, 8, 2, 40, 64, 24, 1, 8, hd=96, dtype=torch.bfloat16, wdtype=torch.bfloat16)
+    assert qd.dtype == p.w1.dtype == torch.bfloat16
+    tcls = pytest.importorskip("runtime_kernels.saap.triton_classifier")
+    launched = []
+    kernel = tcls._layer1_dot_kernel
+
+    class Spy:  # records that the tensor-core layer 1 is the one launched
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(tcls, "_layer1_dot_kernel", Spy())
+    monkeypatch.setattr(tconf, "CONFIG", replace(tconf.CONFIG, cls_bmm_max_b=32, l1_dot_min_b=1, l1_dot_block_n=32))
+    dot = triton_mod.saap_classifier_logits_triton(qd, p).double()
+    assert launched and launched[0][2] == -(-b // 16)
+    monkeypatch.setattr(tconf, "CONFIG", replace(tconf.CONFIG, l1_dot_min_b=0))
+    gemv = triton_mod.saap_classifier_logits_triton(qd, p).double()
+    p64 = replace(p, w1=p.w1.double(), w2=p.w2.double(), b1=p.b1.double(), b2=p.b2.double(),
+                  bn_mean=p.bn_mean.double(), bn_var=p.bn_var.double(), bn_weight=p.bn_weight.double(),
+                  bn_bias=p.bn_bias.double())
+    hid = torch.relu((torch.einsum("bhd,hdn->bhn", qd.double(), p64.w1) + p64.b1 - p64.bn_mean)
+                     / torch.sqrt(p64.bn_var + p.bn_eps) * p64.bn_weight + p64.bn_bias)
+    ref = torch.einsum("bhk,hkn->bhn", hid, p64.w2) + p64.b2
+    scale = ref.abs().amax(-1, keepdim=True)
+    assert ((dot - ref).abs() / scale).max() < 1e-5
+    assert ((dot - gemv).abs() / scale).max() < 1e-5
+    ref_sel = rank_buckets(torch.softmax(ref, -1), 4, 5).sort(-1).values
+    monkeypatch.setattr(tconf, "CONFIG", replace(tconf.CONFIG, l1_dot_min_b=1))
+    assert torch.equal(triton_mod.saap_select_buckets_triton(qd, p, 4, 5).long().sort(-1).values, ref_sel)
+
+
 def test_all_buckets_dense_layer_and_short_cache_equal_dense_attention():
     q, qd, k, v, p, idx = _case(2, 8, 2, 121, 64, 6, 1, 10)
     dense = _dense64(q, k, v)  # independent float64 softmax attention

@@ -261,6 +261,17 @@ def test_incremental_index_with_slack():
     assert _row_rel_err(out, _ref(q, qd, k, v, full, p, 3)) < TOL32
 
 
+def _classifier64(qd, p):
+    """Float64 classifier on the same (possibly bf16-valued) weights and query: ``(hidden, logits)``,
+    an independent reference for the kernels' float32-exact paths."""
+    p64 = replace(p, w1=p.w1.double(), w2=p.w2.double(), b1=p.b1.double(), b2=p.b2.double(),
+                  bn_mean=p.bn_mean.double(), bn_var=p.bn_var.double(), bn_weight=p.bn_weight.double(),
+                  bn_bias=p.bn_bias.double())
+    hid = torch.relu((torch.einsum("bhd,hdn->bhn", qd.double(), p64.w1) + p64.b1 - p64.bn_mean)
+                     / torch.sqrt(p64.bn_var + p.bn_eps) * p64.bn_weight + p64.bn_bias)
+    return hid, torch.einsum("bhk,hkn->bhn", hid, p64.w2) + p64.b2
+
+
 @pytest.mark.parametrize("b", [1, 3])
 def test_bmm_classifier_three_terms_keep_float32_precision(b, monkeypatch):
     """bf16 weights through the cuBLAS-style layer 2: the hidden enters as three bf16 terms, so the logits
@@ -269,15 +280,10 @@ def test_bmm_classifier_three_terms_keep_float32_precision(b, monkeypatch):
     monkeypatch.setattr(tconf, "CONFIG", replace(tconf.CONFIG, cls_bmm_max_b=16))
     _, qd, _, _, p, _ = _case(b, 8, 2, 40, 64, 24, 1, 8, hd=96, wdtype=torch.bfloat16)
     logits = triton_mod.saap_classifier_logits_triton(qd, p).double()
-    p64 = replace(p, w1=p.w1.double(), w2=p.w2.double(), b1=p.b1.double(), b2=p.b2.double(),
-                  bn_mean=p.bn_mean.double(), bn_var=p.bn_var.double(), bn_weight=p.bn_weight.double(),
-                  bn_bias=p.bn_bias.double())
-    hid = torch.relu((torch.einsum("bhd,hdn->bhn", qd.double(), p64.w1) + p64.b1 - p64.bn_mean)
-                     / torch.sqrt(p64.bn_var + p.bn_eps) * p64.bn_weight + p64.bn_bias)
-    ref = torch.einsum("bhk,hkn->bhn", hid, p64.w2) + p64.b2
+    hid, ref = _classifier64(qd, p)
     scale = ref.abs().amax(-1, keepdim=True)
     assert ((logits - ref).abs() / scale).max() < 1e-5
-    one_term = torch.einsum("bhk,hkn->bhn", hid.bfloat16().double(), p64.w2) + p64.b2
+    one_term = torch.einsum("bhk,hkn->bhn", hid.bfloat16().double(), p.w2.double()) + p.b2.double()
     assert ((one_term - ref).abs() / scale).max() > 1e-4  # the split is what buys the precision
     for top_l in (3, 7):
         ref_sel = rank_buckets(torch.softmax(ref, -1), 4, top_l).sort(-1).values
@@ -307,12 +313,7 @@ def test_tensor_core_layer1_equals_gemv_for_16bit_queries(b, monkeypatch):
     assert launched and launched[0][2] == -(-b // 16)
     monkeypatch.setattr(tconf, "CONFIG", replace(tconf.CONFIG, l1_dot_min_b=0))
     gemv = triton_mod.saap_classifier_logits_triton(qd, p).double()
-    p64 = replace(p, w1=p.w1.double(), w2=p.w2.double(), b1=p.b1.double(), b2=p.b2.double(),
-                  bn_mean=p.bn_mean.double(), bn_var=p.bn_var.double(), bn_weight=p.bn_weight.double(),
-                  bn_bias=p.bn_bias.double())
-    hid = torch.relu((torch.einsum("bhd,hdn->bhn", qd.double(), p64.w1) + p64.b1 - p64.bn_mean)
-                     / torch.sqrt(p64.bn_var + p.bn_eps) * p64.bn_weight + p64.bn_bias)
-    ref = torch.einsum("bhk,hkn->bhn", hid, p64.w2) + p64.b2
+    _, ref = _classifier64(qd, p)
     scale = ref.abs().amax(-1, keepdim=True)
     assert ((dot - ref).abs() / scale).max() < 1e-5
     assert ((dot - gemv).abs() / scale).max() < 1e-5

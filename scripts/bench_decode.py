@@ -458,6 +458,11 @@ SAAP_VARIANTS: dict[str, dict[str, int]] = {
     "l1-gemv": {"l1_dot_min_b": 0},  # layer 1 as the GEMV at every batch (the default before 2026-11-21 20:00)
     "l1-dot": {"l1_dot_min_b": 1},  # layer 1 on tensor cores at B = 1 too (the default since)
     "l1-dot-n32": {"l1_dot_block_n": 32},
+    # the merge reads all partials of a row in one step (36-48 partials: 3 steps of 16 at the default)
+    "merge-p64": {"merge_block_p": 64},
+    "merge-p64-d16": {"merge_block_p": 64, "merge_block_d": 16},
+    "merge-p32": {"merge_block_p": 32},
+    "merge-p64-d64": {"merge_block_p": 64, "merge_block_d": 64},
 }
 
 

@@ -17,7 +17,7 @@ fastest on the H200 (two-launch classifier, no side stream); the alternatives be
    accumulation), online softmax in exp2 units; writes ``(o, m, l)`` in float32. An empty bucket writes
    ``m = -inf, l = 0`` and weighs nothing in the merge.
 4. :func:`_merge_kernel`: exact log-sum-exp merge of the partials, one program per (batch, KV head,
-   32 output columns), 16 partials per vector load.
+   32 output columns), 64 partials per vector load (one step for the usual 36-48: ``merge_block_p``).
 
 A dense layer (``params.dense``) is steps 3-4 with the whole cache as the window (flash-decoding).
 

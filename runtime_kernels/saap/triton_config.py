@@ -84,7 +84,8 @@ class SaapTritonConfig:
                               # random classifier is flat: ~90-140 candidates of 1024; a trained one is peakier)
     rank_warps: int = 8       # the per-(batch, KV head) softmax + group sum + bitonic top-ℓ program (bmm path,
                               # 128k B=1: 2 warps 60.8 us, 4: 51.8, 8: 51.1, 16: 52.4)
-    merge_block_p: int = 16
+    merge_block_p: int = 64   # partials per merge step: one step for the usual 36-48 partials. H200 2026-11-21
+                              # graphed vs 16: 128k B=1 49.1 -> 46.3 us, 8k B=8 71.3 -> 68.2 (saap_merge_variants.txt)
     merge_block_d: int = 32
     poison: bool = False  # fill outputs and partials with NaN before the launches (tests)
 

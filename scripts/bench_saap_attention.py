@@ -1,0 +1,82 @@
+"""Where SAAP's decode attention spends its time: each launch of the attention half alone.
+
+    python scripts/bench_saap_attention.py --batch 8 --length 8192     # H200: Llama-3.1-8B shapes, l = 32
+
+On fixed buckets (the classifier's choice for a random query, computed once): the window partials
+alone, the bucket partials alone, the merge alone, the whole attention (partials in one launch +
+merge) and the window-only step (no buckets). Beside them SDPA over the window's keys alone (the same
+bytes streamed by cuDNN) and over the whole cache. Each line is its own CUDA graph (so each carries one
+launch gap), timed like ``bench_decode.py`` (events, warm-up, read-flushed L2, median). Needs CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_decode import Shapes, Timer, _randn, saap_setup  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, default=8, help="decode batch B (default 8)")
+    ap.add_argument("--length", type=int, default=8192, help="cache length T (default 8192)")
+    ap.add_argument("--top-l", type=int, default=32, help="buckets visited per KV head (default 32)")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("error: bench_saap_attention.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from runtime_kernels.saap import triton as st
+    from runtime_kernels.saap.reference import searchable_range
+
+    b, t = args.batch, args.length
+    sh = Shapes(batches=(b,), lengths=(t,))
+    params, index, qd = saap_setup(sh, b, t, "cuda")
+    q = _randn(b, sh.hq, sh.d, device="cuda", dtype=torch.bfloat16)
+    k, v = (_randn(b, sh.hkv, t, sh.d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    group = sh.hq // sh.hkv
+    sel = st.saap_select_buckets_triton(qd, params, group, args.top_l)
+    lo, hi = searchable_range(t, params.sink, params.recent)
+    scale = sh.d ** -0.5
+    pl = st._plan(q, k, v, sel.shape[-1], lo, hi, scale)
+    pl_win = st._plan(q, k, v, 0, lo, hi, scale)
+    n_dense = lo + (t - hi)
+    kv_row = 2 * sh.d * k.element_size()  # one key's K and V row
+    win_mb = b * sh.hkv * n_dense * kv_row / 1e6
+    bkt_keys = index.bucket_count.gather(-1, sel.long()).sum().item()
+    bkt_mb = bkt_keys * (kv_row + 4) / 1e6
+    k_win = torch.cat([k[:, :, :lo], k[:, :, hi:]], 2).contiguous()
+    v_win = torch.cat([v[:, :, :lo], v[:, :, hi:]], 2).contiguous()
+
+    def sdpa(kk: torch.Tensor, vv: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(q[:, :, None], kk, vv, enable_gqa=True)
+
+    cases = [
+        (f"window partials ({pl.n_win}/head)", lambda: st._launch_partials(pl, index, sel, True, False), win_mb),
+        (f"bucket partials ({pl.n_bkt_prog}/head)", lambda: st._launch_partials(pl, index, sel, False, True), bkt_mb),
+        (f"merge ({pl.n_part} partials)", lambda: st._merge(pl), pl.o.numel() * 4 / 1e6),
+        ("attention: partials + merge", lambda: st.saap_sparse_attention_triton(q, k, v, index, sel, lo, hi, scale),
+         win_mb + bkt_mb),
+        ("window only: partials + merge", lambda: (st._launch_partials(pl_win, None, None, True, False),
+                                                   st._merge(pl_win)), win_mb),
+        (f"sdpa over the window ({n_dense} keys)", lambda: sdpa(k_win, v_win), win_mb),
+        (f"sdpa over the cache ({t} keys)", lambda: sdpa(k, v), b * sh.hkv * t * kv_row / 1e6),
+    ]
+    timer = Timer(True, 5, 30)
+    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | B={b} T={t} l={args.top_l} "
+          f"| {bkt_keys / (b * sh.hkv):.0f} bucket keys per KV head")
+    for name, fn, mb in cases:
+        us, note = timer.graphed(fn)
+        if us is None:
+            us = timer.eager(fn)
+        print(f"{name:<36} {us:7.1f} us  {mb:7.1f} MB  {mb / us:5.2f} TB/s {note}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

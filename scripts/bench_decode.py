@@ -463,6 +463,10 @@ SAAP_VARIANTS: dict[str, dict[str, int]] = {
     "merge-p64-d16": {"merge_block_p": 64, "merge_block_d": 16},
     "merge-p32": {"merge_block_p": 32},
     "merge-p64-d64": {"merge_block_p": 64, "merge_block_d": 64},
+    # longer window tiles (fewer partials to merge) and one 128-key step per bucket
+    "winsteps4": {"min_win_steps": 4},
+    "winsteps8": {"min_win_steps": 8},
+    "bn128": {"block_n": 128},
 }
 
 

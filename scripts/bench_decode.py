@@ -144,6 +144,16 @@ class Timer:
         return best, ""
 
 
+def print_launch_times(timer: Timer, cases: list[tuple[str, Callable[[], object], float]], width: int = 32) -> None:
+    """One line per ``(name, fn, MB read)``: graphed median (eager where it cannot be captured), MB, TB/s
+    (the stage benchmarks ``bench_saap_classifier.py`` and ``bench_saap_attention.py``)."""
+    for name, fn, mb in cases:
+        us, note = timer.graphed(fn)
+        if us is None:
+            us = timer.eager(fn)
+        print(f"{name:<{width}} {us:7.1f} us  {mb:7.1f} MB  {mb / us:5.2f} TB/s {note}", flush=True)
+
+
 # ------------------------------------------------------------------------------------------------ inputs
 
 

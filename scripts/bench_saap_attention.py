@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_decode import Shapes, Timer, _randn, saap_setup  # noqa: E402
+from bench_decode import Shapes, Timer, print_launch_times, _randn, saap_setup  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,11 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     timer = Timer(True, 5, 30)
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | B={b} T={t} l={args.top_l} "
           f"| {bkt_keys / (b * sh.hkv):.0f} bucket keys per KV head")
-    for name, fn, mb in cases:
-        us, note = timer.graphed(fn)
-        if us is None:
-            us = timer.eager(fn)
-        print(f"{name:<36} {us:7.1f} us  {mb:7.1f} MB  {mb / us:5.2f} TB/s {note}", flush=True)
+    print_launch_times(timer, cases, 36)
     return 0
 
 

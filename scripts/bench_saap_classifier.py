@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_decode import Shapes, Timer, saap_setup  # noqa: E402
+from bench_decode import Shapes, Timer, print_launch_times, saap_setup  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,11 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
     timer = Timer(True, 5, 30)
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | {cfg}")
-    for name, fn, mb in cases:
-        us, note = timer.graphed(fn)
-        if us is None:
-            us = timer.eager(fn)
-        print(f"{name:<32} {us:7.1f} us  {mb:6.1f} MB  {mb / us:5.2f} TB/s {note}", flush=True)
+    print_launch_times(timer, cases, 32)
     return 0
 
 

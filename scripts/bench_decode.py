@@ -477,6 +477,23 @@ SAAP_VARIANTS: dict[str, dict[str, int]] = {
     "winsteps4": {"min_win_steps": 4},
     "winsteps8": {"min_win_steps": 8},
     "bn128": {"block_n": 128},
+    # layer 2 as Triton's pipelined w2 stream (three terms summed in its epilogue) instead of cuBLAS bmm
+    "cublas-l2": {"l2_triton": 0},  # the default before 2026-11-21 20:00
+    "cublas-l2-sort": {"l2_triton": 0, "rank_count": 0, "rank_chunks": 1},  # ... and its ranking
+    "l2t": {"l2_triton": 1, "l2_block_n": 64},
+    "l2t-s6": {"l2_triton": 1, "l2_stages": 6},
+    "l2t-n128": {"l2_triton": 1, "l2_block_n": 128},
+    "l2t-k128": {"l2_triton": 1, "l2_block_k": 128, "l2_stages": 3},
+    "l2t-n32": {"l2_triton": 1, "l2_block_n": 32, "l2_stages": 6},
+    "l2t-w8-n128": {"l2_triton": 1, "l2_block_n": 128, "l2_warps": 8},
+    "rank-count": {"rank_count": 1, "rank_chunks": 1},  # filtered candidates placed by counting, not sorted
+    "l2t-n128-count": {"l2_triton": 1, "l2_block_n": 128, "rank_count": 1},
+    # the ranking's threshold from 2 / 4 x K_PAD chunk maxima (fewer candidates, no fallback to the full sort)
+    "count-ch2": {"rank_count": 1, "rank_chunks": 2},
+    "count-ch4": {"rank_count": 1, "rank_chunks": 4},
+    "l2t-n128-count-ch2": {"l2_triton": 1, "l2_block_n": 128, "rank_count": 1, "rank_chunks": 2},
+    "l2t-n128-count-ch4": {"l2_triton": 1, "l2_block_n": 128, "rank_count": 1, "rank_chunks": 4},
+    "l2t-n128-count-ch4-w4": {"l2_triton": 1, "l2_block_n": 128, "rank_count": 1, "rank_chunks": 4, "rank_warps": 4},
 }
 
 

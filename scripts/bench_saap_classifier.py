@@ -3,10 +3,11 @@
     python scripts/bench_saap_classifier.py             # H200: Llama-3.1-8B shapes, B = 1
     python scripts/bench_saap_classifier.py --batch 8
 
-The default path (B <= ``cls_bmm_max_b``): layer 1 as a GEMV writing three bf16 hidden terms, layer 2
-as one cuBLAS ``bmm`` with float32 output, the ranking of the three term rows; beside it the same bmm
-over w2 stored transposed (``[Hq, C, Hd]``, cuBLAS's other operand order), a plain bf16 bmm (one term:
-not the kernel's precision) and a copy of w2 (what the GPU streams). At B = 1 also the GEMV path's
+The default path (B <= ``cls_bmm_max_b``): layer 1 writing three bf16 hidden terms, layer 2 as Triton's
+w2 stream summing the terms (``l2_triton``), the ranking (candidates counted, ``rank_count``); beside it
+the cuBLAS layer 2 (``bmm`` with float32 output, also over w2 stored transposed ``[Hq, C, Hd]``, and a
+plain bf16 bmm: one term, not the kernel's precision), the ranking's other schedules, and a copy and a
+sum of w2 (what the GPU streams). At B = 1 also the GEMV path's
 launches (layer 2 split-K on CUDA cores). Each line is its own CUDA graph (so each carries one launch
 gap), timed like ``bench_decode.py`` (events, warm-up, read-flushed L2, median). Needs CUDA.
 """
@@ -43,21 +44,50 @@ def main(argv: list[str] | None = None) -> int:
     hd, c = p.w2.shape[1], p.w2.shape[2]
     group, top_l = sh.hq // sh.hkv, 32
     w1_mb, w2_mb = p.w1.numel() * p.w1.element_size() / 1e6, p.w2.numel() * p.w2.element_size() / 1e6
-    hid3 = tc._layer1_terms(qd, p)  # [Hq, 3·B, Hd] bf16: the default path's layer-2 operand
-    parts3 = tc._bmm_partials(qd, p)
+    cublas = replace(cfg, l2_triton=0)  # layer 2 as one cuBLAS bmm (the default before 2026-11-21 20:00)
+    hid3 = tc._layer1_terms(qd, p)  # [Hq, 3·B, Hd] bf16: layer 2's operand
+    triton_config.CONFIG = cublas
+    parts3 = tc._bmm_partials(qd, p)  # [3, B, Hq, C]: the cuBLAS path's per-term partials
+    triton_config.CONFIG = cfg
+    parts1 = tc._bmm_partials(qd, p)  # what the default path ranks
     w2t = p.w2.transpose(1, 2).contiguous()  # [Hq, C, Hd]: the transposed storage
     hid_t = hid3.transpose(1, 2)  # [Hq, Hd, 3·B] view
     hb = hid3[:, :bsz].contiguous()  # one bf16 term per row
     w2_copy = torch.empty_like(p.w2)
+
+    def with_cfg(fn, other):  # noqa: ANN001, ANN202 - fn run under another CONFIG
+        def call() -> None:
+            triton_config.CONFIG = other
+            try:
+                fn()
+            finally:
+                triton_config.CONFIG = cfg
+        return call
+
+    def rank(parts: torch.Tensor, **over: int):  # noqa: ANN202
+        return with_cfg(lambda: tc._rank(parts, group, top_l, bias=p.b2), replace(cfg, **over))
+
+    select = lambda: tc.saap_select_buckets_triton(qd, p, group, top_l)  # noqa: E731
+    r_mb = parts1.numel() * 4 / 1e6
     cases = [
-        (f"layer1 gemv, 3 terms (B={bsz})", lambda: tc._layer1_terms(qd, p), w1_mb),
-        ("bmm 3 terms, fp32 out", lambda: tc._bmm_f32(hid3, p.w2), w2_mb),
-        ("bmm w2 transposed, fp32 out", lambda: torch.bmm(w2t, hid_t, out_dtype=torch.float32), w2_mb),
-        ("bmm 1 term, bf16 out", lambda: torch.bmm(hb, p.w2), w2_mb),
-        ("layer1 + bmm", lambda: tc._bmm_partials(qd, p), w1_mb + w2_mb),
-        ("rank (3 bmm terms)", lambda: tc._rank(parts3, group, top_l, bias=p.b2), parts3.numel() * 4 / 1e6),
-        ("whole select (default)", lambda: tc.saap_select_buckets_triton(qd, p, group, top_l), w1_mb + w2_mb),
+        (f"layer1, 3 terms (B={bsz})", lambda: tc._layer1_terms(qd, p), w1_mb),
+        ("cublas bmm 3 terms, fp32 out", lambda: tc._bmm_f32(hid3, p.w2), w2_mb),
+        ("cublas bmm w2 transposed, fp32 out", lambda: torch.bmm(w2t, hid_t, out_dtype=torch.float32), w2_mb),
+        ("cublas bmm 1 term, bf16 out", lambda: torch.bmm(hb, p.w2), w2_mb),
+        ("triton layer2 (terms summed)", lambda: tc._layer2_triton(hid3, p.w2, bsz), w2_mb),
+        ("layer1 + cublas bmm", with_cfg(lambda: tc._bmm_partials(qd, p), cublas), w1_mb + w2_mb),
+        ("layer1 + triton layer2", with_cfg(lambda: tc._bmm_partials(qd, p), replace(cfg, l2_triton=1)),
+         w1_mb + w2_mb),
+        ("rank (default)", rank(parts1), r_mb),
+        ("rank, sorted candidates (K_PAD chunks)", rank(parts1, rank_count=0, rank_chunks=1), r_mb),
+        ("rank, counted, 4 K_PAD chunk maxima", rank(parts1, rank_count=1, rank_chunks=4), r_mb),
+        ("rank, full bitonic sort (no filter)", rank(parts1, rank_filter=0), r_mb),
+        ("rank of 3 cublas terms", rank(parts3), parts3.numel() * 4 / 1e6),
+        ("whole select (default)", select, w1_mb + w2_mb),
+        ("whole select, cublas layer2 + sorted rank", with_cfg(select, replace(cublas, rank_count=0, rank_chunks=1)),
+         w1_mb + w2_mb),
         ("copy of w2 (read+write)", lambda: w2_copy.copy_(p.w2), 2 * w2_mb),
+        ("sum of w2 (read only)", lambda: p.w2.sum(dtype=torch.float32), w2_mb),
     ]
     if bsz <= 2:  # the GEMV path's launches (cls_gemv_max_b): layer 2 split-K on CUDA cores
         hidden = torch.randn(bsz, hq, hd, device="cuda")
@@ -78,15 +108,8 @@ def main(argv: list[str] | None = None) -> int:
                 FIRST=False, R=tc._pow2(bsz), BLOCK_K=cfg.gemv_block_k, BLOCK_N=cfg.gemv_block_n, ATOMIC=False,
                 num_warps=cfg.gemv_warps)
 
-        gemv_cfg = replace(cfg, cls_bmm_max_b=0, cls_gemv_max_b=16)
-
-        def gemv_select() -> None:
-            triton_config.CONFIG = gemv_cfg
-            try:
-                tc.saap_select_buckets_triton(qd, p, group, top_l)
-            finally:
-                triton_config.CONFIG = cfg
-
+        gemv_select = with_cfg(lambda: tc.saap_select_buckets_triton(qd, p, group, top_l),
+                               replace(cfg, cls_bmm_max_b=0, cls_gemv_max_b=16))
         cases += [
             ("gemv path: layer1 (fp32)", layer1, w1_mb),
             (f"gemv path: layer2 ({part.shape[0]} chunks)", layer2, w2_mb),
@@ -96,6 +119,16 @@ def main(argv: list[str] | None = None) -> int:
         ]
     timer = Timer(True, 5, 30)
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | {cfg}")
+    # the ranking's candidate filter on these inputs (the kernel's rule, recomputed in float32)
+    k_pad = tc._pow2(top_l)
+    score = torch.softmax(parts3.sum(0) + p.b2.float(), -1).view(bsz, sh.hkv, group, c).sum(2)
+    for chunks in (1, 2, 4):  # tau: the k_pad-th largest of chunks * k_pad chunk maxima
+        maxima = score.view(bsz, sh.hkv, chunks * k_pad, -1).amax(-1)
+        tau = maxima.topk(k_pad, -1).values[..., -1:]
+        n_cand = (score >= tau).sum(-1).flatten().float()
+        print(f"rank candidates >= tau ({chunks} x {k_pad} chunks) per (b, KV head): min {n_cand.min():.0f}, "
+              f"median {n_cand.median():.0f}, max {n_cand.max():.0f}; compacted path (<= "
+              f"{cfg.rank_filter * k_pad}) in {int((n_cand <= cfg.rank_filter * k_pad).sum())} of {n_cand.numel()}")
     print_launch_times(timer, cases, 32)
     return 0
 

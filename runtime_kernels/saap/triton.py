@@ -27,13 +27,18 @@ hidden 1024, window 1 + 2047, balanced buckets of ``N_s / C`` keys, ``N_vis = 20
 * classifier, B ≤ ``cls_bmm_max_b`` (16, the default path): layer 1 (on tensor cores for a query of the
   weights' 16-bit dtype, whose products are exact in fp32: 7.7 µs alone at B=8 vs 15.5 for the CUDA-core
   GEMV it replaced, ~1 µs less at B=1; the GEMV for float32 queries) whose epilogue writes the hidden as
-  three bf16 terms, layer 2 as one cuBLAS ``bmm`` (float32 output) over the
+  three bf16 terms, layer 2 as one cuBLAS ``bmm`` (float32 output, ``l2_triton = 0``) over the
   query heads, the ranking summing the three term rows: float32-exact logits with w2 streamed at 3.3
   TB/s (20 µs). Measured with the ranking at 128k B=1: 35 µs (H200 2026-11-21, read-flushed L2) vs 43 µs
   for the GEMV path (``cls_bmm_max_b = 0``, B ≤ ``cls_gemv_max_b``: layer 2 in 4 hidden chunks at 2.35
-  TB/s) and 48 µs for the tensor-core path. Left: layer 1 (~7 µs in sequence, latency) and the ranking
-  (~8 µs, one program per KV head: a bitonic top-ℓ over the scores at or above the smallest of ℓ chunk
-  maxima when at most ``rank_filter · ℓ`` of them qualify, else over all 1024).
+  TB/s) and 48 µs for the tensor-core path. Since 2026-11-21 20:00 layer 2 is Triton's own w2 stream
+  (``l2_triton``: ``[64, 128]`` tiles 4 deep, the three terms stacked in one 16-row tile and summed in its
+  epilogue, so the ranking reads one logits row instead of three): 128k B=1 step 47.5 -> 45.7 µs, 8k B=8
+  69.2 -> 67.7; and the ranking places its filtered candidates by counting (``rank_count``) under a
+  threshold from 2ℓ chunk maxima (``rank_chunks``: ~44 candidates instead of ~110, never the full sort
+  on the bench's flat classifier). Alone, layer 2 streams like cuBLAS (19.8 vs 19.5 µs at B=1); the gain
+  is the ranking reading one row instead of three. Left: layer 1 (~7-8 µs in sequence, latency) and
+  the ranking (8.0-8.8 µs alone whichever way it sorts: one program per KV head, a chain of reductions).
 * tried and removed (H200, graphed, 128k B=1): the merge done by the last partial program instead of its
   own launch (58.2 vs 51.0 µs: one program per row merges slower than the launch's four), and the window
   partials inside the ranking's launch on the SMs its B·Hkv programs leave idle (53.7 vs 51.2 µs: the
@@ -47,7 +52,12 @@ hidden 1024, window 1 + 2047, balanced buckets of ``N_s / C`` keys, ``N_vis = 20
   waiting for layer 1 as its programmatic dependent, the ranking chained after (to hide layer 1's ~7 µs
   under the weight stream): classifier + ranking 38.9-56.8 µs across block shapes vs 33.9 for layer 1 +
   cuBLAS + ranking at 128k B=1, 52-80 vs 42.3 at B=8; the chain itself bought ~2 µs
-  (``docs/bench/2026-11-21-h200/saap_prefetch_l2.txt``).
+  (``docs/bench/2026-11-21-h200/saap_prefetch_l2.txt``). Session 10 (``saap_layer2_triton.txt``): layer 1's
+  programs first asking L2 for part of w2 (``cp.async.bulk.prefetch.L2``, 25-100 % of each head's rows)
+  made the classifier 1.7-6 µs slower; the Triton layer 2 as layer 1's programmatic dependent, its first
+  one or two w2 tiles requested before ``gdc_wait``: +6 µs at 128k B=1; both layers in one split-K launch
+  (each program a 128-unit hidden slice and its share of every logit; partials summed by the ranking):
+  46.2 vs 45.3 µs at 128k B=1, 64-unit slices +20 µs. All three removed.
 * classifier: ``Hq · (D·Hd + Hd·C) · 2 B`` = 75.5 MB of weights per call whatever B (≤ 16). First
   version (two launches, 256 programs streaming K = 1024): measured 46 µs (1.65 TB/s). Fused: 512
   programs (2 resident per SM: 244 registers, 80 KB smem at 3 stages), each 16 KB of w1 then 8 steps of

@@ -367,10 +367,46 @@ def _layer1_dot_kernel(
 
 
 @triton.jit
+def _layer2_kernel(
+    h_ptr, w_ptr, out_ptr, n_rows, n_q, K, N, sh_h, sh_r, sh_k, sw_h, sw_k, sw_n,
+    BP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr,
+):
+    """Layer 2 of query head ``h`` (program 0) for ``BLOCK_N`` logits (program 1) and ``BP`` batch rows
+    (program 2) from the three-term hidden of :func:`_layer1_dot_kernel` / :func:`_gemv_kernel`
+    (``h [Hq, 3·B, Hd]``, rows ``t·B + i``): the tile's row ``4·j + t`` holds term ``t`` of batch row
+    ``j`` (row ``4·j + 3`` is zero), so one ``tl.dot`` per k step multiplies every term by the streamed
+    ``w2 [BLOCK_K, BLOCK_N]`` tile (exact products, fp32 accumulation) and the epilogue sums each row's
+    three terms: ``out [B, Hq, N]`` float32 = the cuBLAS path's three partials summed (to float32
+    rounding), without ``b2``. The w2 tiles are the whole cost: ``num_stages`` deep cp.async pipelines
+    over ``Hq · N / BLOCK_N`` programs. ``F32``: operands in fp32, IEEE (the interpreter)."""
+    h = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, 4 * BP)
+    row_b = tl.program_id(2) * BP + offs_r // 4
+    term = offs_r % 4
+    r_ok = (term < 3) & (row_b < n_rows)
+    n_ok = offs_n < N
+    x_rows = h_ptr + h.to(tl.int64) * sh_h + (term * n_rows + row_b).to(tl.int64) * sh_r
+    w_head = w_ptr + h.to(tl.int64) * sw_h + offs_n[None, :] * sw_n
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([4 * BP, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        k_ok = kk < K
+        x = tl.load(x_rows[:, None] + kk[None, :] * sh_k, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_head + kk[:, None] * sw_k, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc += _dot(x, w, F32, 4)
+    logits = tl.sum(tl.reshape(acc, [BP, 4, BLOCK_N]), axis=1)  # t0 + t1 + t2 (+ the zero row)
+    rows = tl.program_id(2) * BP + tl.arange(0, BP)
+    dst = out_ptr + (rows.to(tl.int64)[:, None] * n_q + h) * N + offs_n[None, :]
+    tl.store(dst, logits, mask=(rows < n_rows)[:, None] & n_ok[None, :])
+
+
+@triton.jit
 def _rank_kernel(
     logits_ptr, bias_ptr, sel_ptr, scratch_ptr, n_kv, C, L, sl_b, sl_h, sl_c, sl_p,
     G: tl.constexpr, G_PAD: tl.constexpr, C_PAD: tl.constexpr, K_PAD: tl.constexpr, N_PART: tl.constexpr,
-    HAS_BIAS: tl.constexpr, CAND: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CAND: tl.constexpr, COUNT: tl.constexpr = False, N_CHUNK: tl.constexpr = 0,
 ):
     """Top-ℓ buckets of one (batch, KV head): ``sel[b, h, :L]`` (int32, best first; ties: lower bucket).
 
@@ -385,6 +421,16 @@ def _rank_kernel(
     K_PAD are among the keys ``>= τ``. When at most CAND keys qualify they are compacted (prefix sum, a
     store to ``scratch [B·Hkv, CAND]`` and a reload) and only those are sorted; otherwise (flat scores,
     padded chunks) all C_PAD keys are, as without the filter. Same result either way.
+
+    ``N_CHUNK > K_PAD`` (``CONFIG.rank_chunks`` · K_PAD chunks): ``τ`` = the K_PAD-th largest of the
+    N_CHUNK chunk maxima (K_PAD distinct keys reach it, so the top K_PAD are still among the keys ``>= τ``;
+    the smallest of K_PAD maxima is the case N_CHUNK = K_PAD): fewer candidates, so flat scores fall back
+    to the full sort less often (ties of padded chunks' -1 maxima only make ``τ`` lower).
+
+    ``COUNT`` (``CONFIG.rank_count``): the compacted candidates are placed by counting instead of sorted:
+    candidate i's position is the number of candidates with a larger key (keys are distinct: the bucket id
+    is in the low bits), one ``[CAND, CAND]`` comparison and one row sum in place of a bitonic network;
+    positions below L are stored. Same output.
     """
     pid = tl.program_id(0)
     b = pid // n_kv
@@ -408,7 +454,12 @@ def _rank_kernel(
     bits = score.to(tl.int32, bitcast=True).to(tl.int64)
     key = tl.where(c_ok, (bits << 32) | (C_PAD - 1 - offs_c).to(tl.int64), -1)
     if CAND > 0:
-        tau = tl.min(tl.max(tl.reshape(key, [K_PAD, C_PAD // K_PAD]), axis=1), axis=0)
+        if N_CHUNK == K_PAD:
+            tau = tl.min(tl.max(tl.reshape(key, [K_PAD, C_PAD // K_PAD]), axis=1), axis=0)
+        else:  # the K_PAD-th largest of N_CHUNK chunk maxima: a tighter bound, found by counting
+            mx = tl.max(tl.reshape(key, [N_CHUNK, C_PAD // N_CHUNK]), axis=1)
+            above = tl.sum((mx[None, :] > mx[:, None]).to(tl.int32), axis=1)
+            tau = tl.min(tl.where(above < K_PAD, mx, 0x7FFFFFFFFFFFFFFF), axis=0)
         cand = key >= tau
         n_cand = tl.sum(cand.to(tl.int32), axis=0)
         if n_cand <= CAND:
@@ -416,11 +467,22 @@ def _rank_kernel(
             tl.store(row + tl.cumsum(cand.to(tl.int32), axis=0) - 1, key, mask=cand)
             tl.debug_barrier()  # the compacted candidates, stored by every thread, are visible to all
             offs_k = tl.arange(0, CAND)
-            top = tl.topk(tl.load(row + offs_k, mask=offs_k < n_cand, other=-1), K_PAD)
+            cand_key = tl.load(row + offs_k, mask=offs_k < n_cand, other=-1)
+            if COUNT:  # padding (-1) is below every real key, so it never lowers a real key's position
+                pos = tl.sum((cand_key[None, :] > cand_key[:, None]).to(tl.int32), axis=1)
+                idx = (C_PAD - 1 - (cand_key & 0xFFFFFFFF)).to(tl.int32)
+                tl.store(sel_ptr + pid.to(tl.int64) * L + pos, idx, mask=(pos < L) & (offs_k < n_cand))
+            else:
+                _store_top(sel_ptr, pid, L, tl.topk(cand_key, K_PAD), C_PAD, K_PAD)
         else:
-            top = tl.topk(key, K_PAD)
+            _store_top(sel_ptr, pid, L, tl.topk(key, K_PAD), C_PAD, K_PAD)
     else:
-        top = tl.topk(key, K_PAD)  # [K_PAD] descending
+        _store_top(sel_ptr, pid, L, tl.topk(key, K_PAD), C_PAD, K_PAD)
+
+
+@triton.jit
+def _store_top(sel_ptr, pid, L, top, C_PAD: tl.constexpr, K_PAD: tl.constexpr):
+    """The first L of ``top`` ([K_PAD] keys, descending) as bucket ids in ``sel[pid, :L]``."""
     idx = (C_PAD - 1 - (top & 0xFFFFFFFF)).to(tl.int32)
     offs_l = tl.arange(0, K_PAD)
     tl.store(sel_ptr + pid.to(tl.int64) * L + offs_l, idx, mask=offs_l < L)
@@ -568,15 +630,34 @@ def _layer1_terms(q_derope: torch.Tensor, p: SaapLayerParams) -> torch.Tensor:
     return hidden
 
 
+def _layer2_triton(hidden: torch.Tensor, w2: torch.Tensor, b: int) -> torch.Tensor:
+    """:func:`_layer2_kernel` on the three-term hidden ``[Hq, 3·B, Hd]``: logits ``[B, Hq, C]`` float32
+    without ``b2``."""
+    hq, hd, c = w2.shape
+    cfg = _tc.CONFIG
+    bp = max(4, min(_pow2(b), cfg.l2_rows))  # tl.dot needs 4·BP >= 16 rows
+    logits = _buffer((b, hq, c), torch.float32, hidden.device)
+    _layer2_kernel[(hq, triton.cdiv(c, cfg.l2_block_n), triton.cdiv(b, bp))](
+        hidden, w2, logits, b, hq, hd, c, *hidden.stride(), *w2.stride(),
+        BP=bp, BLOCK_K=cfg.l2_block_k, BLOCK_N=cfg.l2_block_n, F32=_interpreting(),
+        num_warps=cfg.l2_warps, num_stages=cfg.l2_stages,
+    )
+    return logits
+
+
 def _bmm_partials(q_derope: torch.Tensor, p: SaapLayerParams) -> torch.Tensor:
     """Layer 1 (:func:`_layer1_terms`), layer 2 as one cuBLAS ``bmm`` over the query heads: ``hidden
     [Hq, T·B, Hd] @ w2 [Hq, Hd, C]`` with float32 output (T = 3 terms: every product exact, accumulation
     float32, so the logits carry the float32 classifier's precision). Returns the per-term partial logits
     as a ``[T, B, Hq, C]`` view (without ``b2``); the ranking sums the T terms in order and adds ``b2``.
-    Layer 2 then streams the 67 MB of w2 at cuBLAS's rate instead of the GEMV's."""
+    Layer 2 then streams the 67 MB of w2 at cuBLAS's rate instead of the GEMV's. ``CONFIG.l2_triton``
+    (three-term hidden only): layer 2 as :func:`_layer2_kernel` instead, the terms already summed
+    (``[1, B, Hq, C]``)."""
     b, hq, _ = q_derope.shape
     c = p.w2.shape[2]
     hidden = _layer1_terms(q_derope, p)
+    if _tc.CONFIG.l2_triton and hidden.shape[1] == 3 * b:
+        return _layer2_triton(hidden, p.w2, b)[None]
     logits = _bmm_f32(hidden, p.w2)  # [Hq, T·B, C] float32
     return logits.view(hq, hidden.shape[1] // b, b, c).permute(1, 2, 0, 3)
 
@@ -664,6 +745,7 @@ def _rank(parts: torch.Tensor, group: int, top_l: int, bias: torch.Tensor | None
     _rank_kernel[(b * hkv,)](
         parts, parts if bias is None else bias, sel, scratch, hkv, c, n_l, *parts.stride()[1:], parts.stride(0),
         G=group, G_PAD=_pow2(group), C_PAD=c_pad, K_PAD=k_pad, N_PART=n_part, HAS_BIAS=bias is not None, CAND=cand,
+        COUNT=bool(_tc.CONFIG.rank_count), N_CHUNK=min(c_pad, k_pad * max(1, _tc.CONFIG.rank_chunks)),
         num_warps=_tc.CONFIG.rank_warps,
     )
     return sel

@@ -70,6 +70,14 @@ class SaapTritonConfig:
                               # cores (exact products; 0: always the GEMV). H200 2026-11-21: layer 1 alone at B=8
                               # 15.5 -> 7.7 us; step 8k B=8 79.5 -> 71.9 us, 128k B=1 50.0 -> 49.1 (saap_layer1_dot.txt)
     l1_dot_block_n: int = 64
+    l2_triton: int = 1        # bmm path: layer 2 as Triton's pipelined w2 stream (_layer2_kernel, the three
+                              # terms summed in its epilogue; 0: cuBLAS bmm). H200 2026-11-21 graphed, l=32, three
+                              # runs: 128k B=1 step -1.5..-1.9 us, 8k B=8 -1.5 (saap_layer2_triton.txt)
+    l2_block_k: int = 64
+    l2_block_n: int = 128     # 64: ~0.1-0.8 us slower; 32: +8 us
+    l2_rows: int = 16         # batch rows per layer-2 program (4 tile rows each: three terms and a zero row)
+    l2_warps: int = 4
+    l2_stages: int = 4
     gemv1_block_n: int = 64   # layer 1: hidden units per program (K = D in one pass)
     gemv_block_k: int = 64    # k rows per step (both layers)
     gemv_block_n: int = 128   # layer 2: logit columns per program (256 B of each weight row); H200 variants
@@ -82,6 +90,14 @@ class SaapTritonConfig:
                               # rank_filter * K_PAD of them qualify (compacted through a small scratch row).
                               # H200 graphed, 128k l=32: B=1 51.1 -> 50.3 us, B=8 112.9 -> 105.6 (the bench's
                               # random classifier is flat: ~90-140 candidates of 1024; a trained one is peakier)
+    rank_chunks: int = 2      # the filter's threshold: the K_PAD-th largest of rank_chunks · K_PAD chunk maxima
+                              # (1: the smallest of K_PAD). The bench's flat random classifier at l=32: ~110 (up
+                              # to 209) candidates at 1, so some rows fell back to sorting all 1024; ~44 (max 55) at 2
+    rank_count: int = 1       # 1: the filtered candidates placed by counting larger keys, not a bitonic sort.
+                              # H200: on three cuBLAS term rows the ranking alone 10.9 -> 8.5 us at B=1; on the
+                              # Triton layer 2's one row all four schedules (sorted / counted, 1 / 4 chunk
+                              # multiples, no filter) are 8.0-8.8 us alone, the step within its spread
+                              # (saap_classifier_stages_2000.txt): kept for never falling back to a 1024 sort
     rank_warps: int = 8       # the per-(batch, KV head) softmax + group sum + bitonic top-ℓ program (bmm path,
                               # 128k B=1: 2 warps 60.8 us, 4: 51.8, 8: 51.1, 16: 52.4)
     merge_block_p: int = 64   # partials per merge step: one step for the usual 36-48 partials. H200 2026-11-21

@@ -189,7 +189,8 @@ def test_classifier_and_ranking_match_reference(b, gemv_max_b, atomic, bmm_max_b
 def test_rank_filter_matches_full_sort(kind, top_l, monkeypatch):
     """The candidate filter (``rank_filter``) picks the same buckets as sorting all of them, whether few
     keys pass the chunk-maximum threshold (compacted path) or nearly all do (fallback: flat scores, ties,
-    a padded last chunk at C = 96)."""
+    a padded last chunk at C = 96); so does placing the compacted candidates by counting (``rank_count``),
+    with the threshold from K_PAD or from 4 K_PAD chunk maxima (``rank_chunks``)."""
     g = torch.Generator().manual_seed(top_l)
     b, hq = 3, 8
     compacted = 0
@@ -208,9 +209,12 @@ def test_rank_filter_matches_full_sort(kind, top_l, monkeypatch):
             compacted += int(((score >= tau).sum(-1) <= 2 * k_pad).sum())
         monkeypatch.setattr(tconf, "CONFIG", replace(tconf.CONFIG, rank_filter=0))
         full = triton_mod.saap_rank_buckets_triton(logits, 4, top_l)
-        monkeypatch.setattr(tconf, "CONFIG", replace(tconf.CONFIG, rank_filter=2))
+        monkeypatch.setattr(tconf, "CONFIG", replace(tconf.CONFIG, rank_filter=2, rank_count=0))
         filtered = triton_mod.saap_rank_buckets_triton(logits, 4, top_l)
         assert torch.equal(filtered, full)  # same buckets in the same order
+        for chunks in (1, 4):  # placed by counting; threshold from K_PAD or 4 K_PAD chunk maxima
+            monkeypatch.setattr(tconf, "CONFIG", replace(tconf.CONFIG, rank_filter=2, rank_count=1, rank_chunks=chunks))
+            assert torch.equal(triton_mod.saap_rank_buckets_triton(logits, 4, top_l), full)
         if kind in ("peaked", "random"):  # no exact ties: the reference's set too
             assert torch.equal(filtered.long().sort(-1).values, rank_buckets(probs, 4, top_l).sort(-1).values)
     if kind == "peaked":
@@ -322,6 +326,38 @@ def test_tensor_core_layer1_equals_gemv_for_16bit_queries(b, monkeypatch):
     assert torch.equal(triton_mod.saap_select_buckets_triton(qd, p, 4, 5).long().sort(-1).values, ref_sel)
 
 
+@pytest.mark.parametrize("b", [1, 5, 17])
+def test_triton_layer2_equals_cublas_terms(b, monkeypatch):
+    """Layer 2 as Triton's w2 stream (``l2_triton``: the three terms in one tile, summed in its epilogue)
+    gives the cuBLAS path's logits up to float32 summation order, both float64's to float32 rounding, and
+    the same buckets. B = 5 pads the tile's batch rows; B = 17 spans two row blocks; C = 40 in column
+    blocks of 16 (a ragged last block), hidden 96 in k steps of 32."""
+    _, qd, _, _, p, _ = _case(b, 8, 2, 40, 64, 40, 1, 8, hd=96, dtype=torch.bfloat16, wdtype=torch.bfloat16)
+    tcls = pytest.importorskip("runtime_kernels.saap.triton_classifier")
+    launched = []
+    kernel = tcls._layer2_kernel
+
+    class Spy:  # records that the Triton layer 2 is the one launched
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(tcls, "_layer2_kernel", Spy())
+    small = dict(cls_bmm_max_b=32, l1_dot_min_b=1, l1_dot_block_n=32, l2_block_k=32, l2_block_n=16)
+    monkeypatch.setattr(tconf, "CONFIG", replace(tconf.CONFIG, l2_triton=0, **small))
+    cublas = triton_mod.saap_classifier_logits_triton(qd, p).double()
+    assert not launched
+    monkeypatch.setattr(tconf, "CONFIG", replace(tconf.CONFIG, l2_triton=1, **small))
+    tri = triton_mod.saap_classifier_logits_triton(qd, p).double()
+    assert launched and launched[0][1] == 3 and launched[0][2] == (2 if b > 16 else 1)
+    _, ref = _classifier64(qd, p)
+    scale = ref.abs().amax(-1, keepdim=True)
+    assert ((tri - ref).abs() / scale).max() < 1e-5
+    assert ((tri - cublas).abs() / scale).max() < 1e-5
+    ref_sel = rank_buckets(torch.softmax(ref, -1), 4, 6).sort(-1).values
+    assert torch.equal(triton_mod.saap_select_buckets_triton(qd, p, 4, 6).long().sort(-1).values, ref_sel)
+
+
 def test_all_buckets_dense_layer_and_short_cache_equal_dense_attention():
     q, qd, k, v, p, idx = _case(2, 8, 2, 121, 64, 6, 1, 10)
     dense = _dense64(q, k, v)  # independent float64 softmax attention
@@ -386,13 +422,23 @@ def test_gpu_matches_reference(b, hq, hkv, t, d, c, top_l, structured, dtype):
     assert _row_rel_err(out, ref) < GPU_TOL
 
 
+GPU_CLASSIFIERS = {  # named CONFIG overrides: every classifier path and ranking variant
+    "chunks": dict(gemv_atomic=0, cls_bmm_max_b=0),
+    "atomic": dict(gemv_atomic=1, cls_bmm_max_b=0),
+    "cublas-l2": dict(cls_bmm_max_b=16, l2_triton=0),
+    "triton-l2": dict(cls_bmm_max_b=16, l2_triton=1),
+    "rank-sort": dict(cls_bmm_max_b=16, rank_count=0, rank_chunks=1),
+    "rank-count": dict(cls_bmm_max_b=16, rank_count=1, rank_chunks=2),
+}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("atomic, bmm", [(0, 0), (1, 0), (0, 16)], ids=["chunks", "atomic", "bmm"])
-@pytest.mark.parametrize("b", [1, 2, 4])  # GEMV classifier at B <= 2 (default CONFIG), tensor cores above
-def test_gpu_bf16_classifier_ranks_like_reference(b, atomic, bmm, monkeypatch):
-    monkeypatch.setattr(tconf, "CONFIG", replace(tconf.CONFIG, gemv_atomic=atomic, cls_bmm_max_b=bmm))
+@pytest.mark.parametrize("name", list(GPU_CLASSIFIERS))
+@pytest.mark.parametrize("b", [1, 2, 4, 16])  # GEMV classifier at B <= 2 (default CONFIG), tensor cores above
+def test_gpu_bf16_classifier_ranks_like_reference(b, name, monkeypatch):
     """bf16 weights at Llama shapes (hidden 1024, C = 1024): the kernel's top-ℓ is the reference's set,
     except where the ℓ-th and (ℓ+1)-th group scores are within float32 rounding (1e-5 relative)."""
+    monkeypatch.setattr(tconf, "CONFIG", replace(tconf.CONFIG, **GPU_CLASSIFIERS[name]))
     _, qd, _, _, p, _ = _case(b, 32, 8, 64, 128, 1024, 1, 16, hd=1024, wdtype=torch.bfloat16, device="cuda",
                               dtype=torch.bfloat16)
     logits = triton_mod.saap_classifier_logits_triton(qd, p)

@@ -494,6 +494,13 @@ SAAP_VARIANTS: dict[str, dict[str, int]] = {
     "l2t-n128-count-ch2": {"l2_triton": 1, "l2_block_n": 128, "rank_count": 1, "rank_chunks": 2},
     "l2t-n128-count-ch4": {"l2_triton": 1, "l2_block_n": 128, "rank_count": 1, "rank_chunks": 4},
     "l2t-n128-count-ch4-w4": {"l2_triton": 1, "l2_block_n": 128, "rank_count": 1, "rank_chunks": 4, "rank_warps": 4},
+    # session 11: b2 added by layer 2 and sorted candidates became the default; the earlier ranking, and more
+    "b2-in-rank-counted": {"l2_bias": 0, "rank_count": 1},  # the default before session 11
+    "b2-in-rank": {"l2_bias": 0},
+    "counted": {"rank_count": 1},
+    "nofilter": {"rank_filter": 0},
+    "rank-w4": {"rank_warps": 4},
+    "l1-k128": {"l1_dot_block_k": 128},
 }
 
 

@@ -4,7 +4,8 @@
     python scripts/bench_saap_classifier.py --batch 8
 
 The default path (B <= ``cls_bmm_max_b``): layer 1 writing three bf16 hidden terms, layer 2 as Triton's
-w2 stream summing the terms (``l2_triton``), the ranking (candidates counted, ``rank_count``); beside it
+w2 stream summing the terms and adding b2 (``l2_triton``, ``l2_bias``), the ranking (filtered candidates
+sorted); beside it
 the cuBLAS layer 2 (``bmm`` with float32 output, also over w2 stored transposed ``[Hq, C, Hd]``, and a
 plain bf16 bmm: one term, not the kernel's precision), the ranking's other schedules, and a copy and a
 sum of w2 (what the GPU streams). At B = 1 also the GEMV path's
@@ -47,9 +48,12 @@ def main(argv: list[str] | None = None) -> int:
     cublas = replace(cfg, l2_triton=0)  # layer 2 as one cuBLAS bmm (the default before 2026-11-21 20:00)
     hid3 = tc._layer1_terms(qd, p)  # [Hq, 3·B, Hd] bf16: layer 2's operand
     triton_config.CONFIG = cublas
-    parts3 = tc._bmm_partials(qd, p)  # [3, B, Hq, C]: the cuBLAS path's per-term partials
+    parts3 = tc._bmm_partials(qd, p).parts  # [3, B, Hq, C]: the cuBLAS path's per-term partials
+    triton_config.CONFIG = replace(cfg, l2_bias=0)
+    parts1 = tc._bmm_partials(qd, p).parts  # Triton layer 2's summed terms, b2 left to the ranking
+    triton_config.CONFIG = replace(cfg, l2_bias=1)
+    with_b2 = tc._bmm_partials(qd, p).parts  # b2 added by layer 2 (the default)
     triton_config.CONFIG = cfg
-    parts1 = tc._bmm_partials(qd, p)  # what the default path ranks
     w2t = p.w2.transpose(1, 2).contiguous()  # [Hq, C, Hd]: the transposed storage
     hid_t = hid3.transpose(1, 2)  # [Hq, Hd, 3·B] view
     hb = hid3[:, :bsz].contiguous()  # one bf16 term per row
@@ -75,15 +79,30 @@ def main(argv: list[str] | None = None) -> int:
         ("cublas bmm w2 transposed, fp32 out", lambda: torch.bmm(w2t, hid_t, out_dtype=torch.float32), w2_mb),
         ("cublas bmm 1 term, bf16 out", lambda: torch.bmm(hb, p.w2), w2_mb),
         ("triton layer2 (terms summed)", lambda: tc._layer2_triton(hid3, p.w2, bsz), w2_mb),
+        ("triton layer2 + b2", lambda: tc._layer2_triton(hid3, p.w2, bsz, p.b2), w2_mb),
         ("layer1 + cublas bmm", with_cfg(lambda: tc._bmm_partials(qd, p), cublas), w1_mb + w2_mb),
         ("layer1 + triton layer2", with_cfg(lambda: tc._bmm_partials(qd, p), replace(cfg, l2_triton=1)),
          w1_mb + w2_mb),
-        ("rank (default)", rank(parts1), r_mb),
+        ("rank of logits without b2", rank(parts1), r_mb),
+        ("rank, b2 in the logits", with_cfg(lambda: tc._rank(with_b2, group, top_l), cfg), r_mb),
+        *[(f"rank, profile: {what}", with_cfg(lambda st=st: tc._rank(with_b2, group, top_l, stop=st), cfg),
+           r_mb) for st, what in ((-1, "launch only"), (1, "logits loaded"), (2, "+ group scores"),
+                                  (3, "+ threshold, count"), (4, "+ compaction"))],
+        *[(f"layer1 + layer2 + rank profile: {what}",
+           lambda st=st: tc._rank(tc._bmm_partials(qd, p).parts, group, top_l, stop=st), w1_mb + w2_mb)
+          for st, what in ((-1, "launch only"), (1, "logits loaded"), (2, "+ group scores"),
+                           (3, "+ threshold, count"), (4, "+ compaction"), (0, "whole"))],
+        *[(f"rank, {w} warps", rank(parts1, rank_warps=w), r_mb) for w in (2, 4, 16)],
         ("rank, sorted candidates (K_PAD chunks)", rank(parts1, rank_count=0, rank_chunks=1), r_mb),
+        ("rank, counted candidates", rank(parts1, rank_count=1), r_mb),
         ("rank, counted, 4 K_PAD chunk maxima", rank(parts1, rank_count=1, rank_chunks=4), r_mb),
         ("rank, full bitonic sort (no filter)", rank(parts1, rank_filter=0), r_mb),
         ("rank of 3 cublas terms", rank(parts3), parts3.numel() * 4 / 1e6),
         ("whole select (default)", select, w1_mb + w2_mb),
+        ("whole select, b2 by the ranking", with_cfg(select, replace(cfg, l2_bias=0)), w1_mb + w2_mb),
+        ("whole select, counted candidates", with_cfg(select, replace(cfg, rank_count=1)), w1_mb + w2_mb),
+        ("whole select, no candidate filter", with_cfg(select, replace(cfg, rank_filter=0)), w1_mb + w2_mb),
+        ("whole select, layer 1 in one k step", with_cfg(select, replace(cfg, l1_dot_block_k=128)), w1_mb + w2_mb),
         ("whole select, cublas layer2 + sorted rank", with_cfg(select, replace(cublas, rank_count=0, rank_chunks=1)),
          w1_mb + w2_mb),
         ("copy of w2 (read+write)", lambda: w2_copy.copy_(p.w2), 2 * w2_mb),

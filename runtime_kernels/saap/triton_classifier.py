@@ -22,6 +22,8 @@ the ``G`` heads of the group, top-ℓ by a bitonic ``tl.topk`` over ``score bits
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 try:
@@ -383,8 +385,8 @@ def _layer1_dot_kernel(
 
 @triton.jit
 def _layer2_kernel(
-    h_ptr, w_ptr, out_ptr, n_rows, n_q, K, N, sh_h, sh_r, sh_k, sw_h, sw_k, sw_n,
-    BP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr,
+    h_ptr, w_ptr, b2_ptr, out_ptr, n_rows, n_q, K, N, sh_h, sh_r, sh_k, sw_h, sw_k, sw_n,
+    BP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr, BIAS: tl.constexpr,
 ):
     """Layer 2 of query head ``h`` (program 0) for ``BLOCK_N`` logits (program 1) and ``BP`` batch rows
     (program 2) from the three-term hidden of :func:`_layer1_dot_kernel` / :func:`_gemv_kernel`
@@ -392,8 +394,12 @@ def _layer2_kernel(
     ``j`` (row ``4·j + 3`` is zero), so one ``tl.dot`` per k step multiplies every term by the streamed
     ``w2 [BLOCK_K, BLOCK_N]`` tile (exact products, fp32 accumulation) and the epilogue sums each row's
     three terms: ``out [B, Hq, N]`` float32 = the cuBLAS path's three partials summed (to float32
-    rounding), without ``b2``. The w2 tiles are the whole cost: ``num_stages`` deep cp.async pipelines
-    over ``Hq · N / BLOCK_N`` programs. ``F32``: operands in fp32, IEEE (the interpreter)."""
+    rounding). The w2 tiles are the whole cost: ``num_stages`` deep cp.async pipelines over
+    ``Hq · N / BLOCK_N`` programs. ``F32``: operands in fp32, IEEE (the interpreter).
+
+    ``BIAS`` (``CONFIG.l2_bias``): ``b2 [Hq, N]`` added in the epilogue, requested before the k loop, so
+    its DRAM round trip hides under the stream instead of opening the ranking (the same float32 add).
+    """
     h = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, 4 * BP)
@@ -401,6 +407,8 @@ def _layer2_kernel(
     term = offs_r % 4
     r_ok = (term < 3) & (row_b < n_rows)
     n_ok = offs_n < N
+    if BIAS:
+        bias = tl.load(b2_ptr + h * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     x_rows = h_ptr + h.to(tl.int64) * sh_h + (term * n_rows + row_b).to(tl.int64) * sh_r
     w_head = w_ptr + h.to(tl.int64) * sw_h + offs_n[None, :] * sw_n
     offs_k = tl.arange(0, BLOCK_K)
@@ -412,6 +420,8 @@ def _layer2_kernel(
         w = tl.load(w_head + kk[:, None] * sw_k, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc += _dot(x, w, F32, 4)
     logits = tl.sum(tl.reshape(acc, [BP, 4, BLOCK_N]), axis=1)  # t0 + t1 + t2 (+ the zero row)
+    if BIAS:
+        logits += bias[None, :]
     rows = tl.program_id(2) * BP + tl.arange(0, BP)
     dst = out_ptr + (rows.to(tl.int64)[:, None] * n_q + h) * N + offs_n[None, :]
     tl.store(dst, logits, mask=(rows < n_rows)[:, None] & n_ok[None, :])
@@ -422,8 +432,23 @@ def _rank_kernel(
     logits_ptr, bias_ptr, sel_ptr, scratch_ptr, n_kv, C, L, sl_b, sl_h, sl_c, sl_p,
     G: tl.constexpr, G_PAD: tl.constexpr, C_PAD: tl.constexpr, K_PAD: tl.constexpr, N_PART: tl.constexpr,
     HAS_BIAS: tl.constexpr, CAND: tl.constexpr, COUNT: tl.constexpr = False, N_CHUNK: tl.constexpr = 0,
+    STOP: tl.constexpr = 0,
 ):
-    """Top-ℓ buckets of one (batch, KV head): ``sel[b, h, :L]`` (int32, best first; ties: lower bucket).
+    """Top-ℓ buckets of one (batch, KV head) per program (:func:`_rank_row`). Grid: (B · Hkv,)."""
+    pid = tl.program_id(0)
+    _rank_row(logits_ptr, bias_ptr, sel_ptr, scratch_ptr, pid, pid // n_kv, pid % n_kv, C, L, sl_b, sl_h, sl_c,
+              sl_p, G, G_PAD, C_PAD, K_PAD, N_PART, HAS_BIAS, CAND, COUNT, N_CHUNK, STOP)
+
+
+@triton.jit
+def _rank_row(
+    logits_ptr, bias_ptr, sel_ptr, scratch_ptr, pid, b, h, C, L, sl_b, sl_h, sl_c, sl_p,
+    G: tl.constexpr, G_PAD: tl.constexpr, C_PAD: tl.constexpr, K_PAD: tl.constexpr, N_PART: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CAND: tl.constexpr, COUNT: tl.constexpr, N_CHUNK: tl.constexpr,
+    STOP: tl.constexpr,
+):
+    """Top-ℓ buckets of batch row ``b``, KV head ``h``: ``sel[pid, :L]`` (``pid = b · Hkv + h``; int32,
+    best first; ties: lower bucket).
 
     logits: [N_PART, B, Hq, C] float32 (query heads ``h*G .. h*G+G-1`` of KV head ``h``), summed over the
     ``N_PART`` split-K chunks in order (stride ``sl_p``) plus ``bias [Hq, C]`` when ``HAS_BIAS`` (the GEMV
@@ -446,21 +471,29 @@ def _rank_kernel(
     candidate i's position is the number of candidates with a larger key (keys are distinct: the bucket id
     is in the low bits), one ``[CAND, CAND]`` comparison and one row sum in place of a bitonic network;
     positions below L are stored. Same output.
+
+    ``STOP`` (time profiles only, ``scripts/bench_saap_classifier.py``; 0 in use): 1 / 2 / 3 / 4 end the
+    program after the logits load / the group score / the threshold and candidate count / the compaction,
+    storing placeholder ids that depend on what was computed (so nothing is eliminated); -1 stores them
+    without loading anything (the launch alone).
     """
-    pid = tl.program_id(0)
-    b = pid // n_kv
-    h = pid % n_kv
+    if STOP == -1:
+        _store_stop(sel_ptr, pid, L, 0, K_PAD)
+        return
     offs_g = tl.arange(0, G_PAD)
     offs_c = tl.arange(0, C_PAD)
     g_ok = offs_g < G
     c_ok = offs_c < C
     ok = g_ok[:, None] & c_ok[None, :]
     ptrs = logits_ptr + b.to(tl.int64) * sl_b + (h * G + offs_g)[:, None] * sl_h + offs_c[None, :] * sl_c
-    x = tl.load(ptrs, mask=ok, other=0.0)
+    x = tl.load(ptrs, mask=ok, other=0.0, cache_modifier=".cg")
     for part in tl.static_range(1, N_PART):
-        x += tl.load(ptrs + part * sl_p, mask=ok, other=0.0)
+        x += tl.load(ptrs + part * sl_p, mask=ok, other=0.0, cache_modifier=".cg")
     if HAS_BIAS:
         x += tl.load(bias_ptr + (h * G + offs_g)[:, None] * C + offs_c[None, :], mask=ok, other=0.0).to(tl.float32)
+    if STOP == 1:
+        _store_stop(sel_ptr, pid, L, (tl.sum(tl.sum(x, 1), 0) != 0.5).to(tl.int32), K_PAD)
+        return
     x = tl.where(ok, x, -float("inf"))
     row_max = tl.where(g_ok, tl.max(x, 1), 0.0)
     e = tl.exp(x - row_max[:, None])  # padded rows and columns: exp(-inf) = 0
@@ -468,6 +501,9 @@ def _rank_kernel(
     score = tl.sum(e / den[:, None], 0)  # [C_PAD]
     bits = score.to(tl.int32, bitcast=True).to(tl.int64)
     key = tl.where(c_ok, (bits << 32) | (C_PAD - 1 - offs_c).to(tl.int64), -1)
+    if STOP == 2:
+        _store_stop(sel_ptr, pid, L, (tl.max(key, 0) == -5).to(tl.int32), K_PAD)
+        return
     if CAND > 0:
         if N_CHUNK == K_PAD:
             tau = tl.min(tl.max(tl.reshape(key, [K_PAD, C_PAD // K_PAD]), axis=1), axis=0)
@@ -477,12 +513,18 @@ def _rank_kernel(
             tau = tl.min(tl.where(above < K_PAD, mx, 0x7FFFFFFFFFFFFFFF), axis=0)
         cand = key >= tau
         n_cand = tl.sum(cand.to(tl.int32), axis=0)
+        if STOP == 3:
+            _store_stop(sel_ptr, pid, L, (n_cand == -5).to(tl.int32), K_PAD)
+            return
         if n_cand <= CAND:
             row = scratch_ptr + pid.to(tl.int64) * CAND
             tl.store(row + tl.cumsum(cand.to(tl.int32), axis=0) - 1, key, mask=cand)
             tl.debug_barrier()  # the compacted candidates, stored by every thread, are visible to all
             offs_k = tl.arange(0, CAND)
             cand_key = tl.load(row + offs_k, mask=offs_k < n_cand, other=-1)
+            if STOP == 4:
+                _store_stop(sel_ptr, pid, L, (tl.max(cand_key, 0) == -5).to(tl.int32), K_PAD)
+                return
             if COUNT:  # padding (-1) is below every real key, so it never lowers a real key's position
                 pos = tl.sum((cand_key[None, :] > cand_key[:, None]).to(tl.int32), axis=1)
                 idx = (C_PAD - 1 - (cand_key & 0xFFFFFFFF)).to(tl.int32)
@@ -493,6 +535,13 @@ def _rank_kernel(
             _store_top(sel_ptr, pid, L, tl.topk(key, K_PAD), C_PAD, K_PAD)
     else:
         _store_top(sel_ptr, pid, L, tl.topk(key, K_PAD), C_PAD, K_PAD)
+
+
+@triton.jit
+def _store_stop(sel_ptr, pid, L, dep, K_PAD: tl.constexpr):
+    """Placeholder ids ``0 .. L-1`` (+ ``dep``, 0 in practice) for the ``STOP`` time profiles."""
+    offs_l = tl.arange(0, K_PAD)
+    tl.store(sel_ptr + pid.to(tl.int64) * L + offs_l, offs_l + dep, mask=offs_l < L)
 
 
 @triton.jit
@@ -631,7 +680,7 @@ def _layer1_terms(q_derope: torch.Tensor, p: SaapLayerParams) -> torch.Tensor:
     if 0 < cfg.l1_dot_min_b <= b and terms == 3 and q_derope.dtype == p.w1.dtype:
         _layer1_dot_kernel[(hq, triton.cdiv(hd, cfg.l1_dot_block_n), triton.cdiv(b, _ROWS))](
             q_derope, p.w1, *vecs, hidden, b, d, hd, float(p.bn_eps), *q_derope.stride(), *p.w1.stride(),
-            ROWS=_ROWS, BLOCK_K=min(_pow2(d), 64), BLOCK_N=cfg.l1_dot_block_n, OUT_TERMS=terms, F32=_interpreting(),
+            ROWS=_ROWS, BLOCK_K=min(_pow2(d), cfg.l1_dot_block_k), BLOCK_N=cfg.l1_dot_block_n, OUT_TERMS=terms, F32=_interpreting(),
             num_warps=4,
         )
         return hidden
@@ -645,36 +694,54 @@ def _layer1_terms(q_derope: torch.Tensor, p: SaapLayerParams) -> torch.Tensor:
     return hidden
 
 
-def _layer2_triton(hidden: torch.Tensor, w2: torch.Tensor, b: int) -> torch.Tensor:
-    """:func:`_layer2_kernel` on the three-term hidden ``[Hq, 3·B, Hd]``: logits ``[B, Hq, C]`` float32
-    without ``b2``."""
+def _layer2_triton(hidden: torch.Tensor, w2: torch.Tensor, b: int, b2: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`_layer2_kernel` on the three-term hidden ``[Hq, 3·B, Hd]``: logits ``[B, Hq, C]`` float32,
+    ``b2`` included when given."""
     hq, hd, c = w2.shape
     cfg = _tc.CONFIG
     bp = max(4, min(_pow2(b), cfg.l2_rows))  # tl.dot needs 4·BP >= 16 rows
     logits = _buffer((b, hq, c), torch.float32, hidden.device)
     _layer2_kernel[(hq, triton.cdiv(c, cfg.l2_block_n), triton.cdiv(b, bp))](
-        hidden, w2, logits, b, hq, hd, c, *hidden.stride(), *w2.stride(),
-        BP=bp, BLOCK_K=cfg.l2_block_k, BLOCK_N=cfg.l2_block_n, F32=_interpreting(),
+        hidden, w2, logits if b2 is None else b2, logits, b, hq, hd, c, *hidden.stride(), *w2.stride(),
+        BP=bp, BLOCK_K=cfg.l2_block_k, BLOCK_N=cfg.l2_block_n, F32=_interpreting(), BIAS=b2 is not None,
         num_warps=cfg.l2_warps, num_stages=cfg.l2_stages,
     )
     return logits
 
 
-def _bmm_partials(q_derope: torch.Tensor, p: SaapLayerParams) -> torch.Tensor:
+@dataclass
+class _Partials:
+    """Layer 2's output as the ranking reads it: ``parts [P, B, Hq, C]`` float32 summed in order, plus
+    ``bias [Hq, C]`` when not yet in (None: it is)."""
+
+    parts: torch.Tensor
+    bias: torch.Tensor | None
+
+    def logits(self) -> torch.Tensor:
+        out = self.parts[0].clone()
+        for term in self.parts[1:]:  # in order, like the ranking kernel
+            out += term
+        return out if self.bias is None else out + self.bias.float()
+
+
+def _bmm_partials(q_derope: torch.Tensor, p: SaapLayerParams) -> _Partials:
     """Layer 1 (:func:`_layer1_terms`), layer 2 as one cuBLAS ``bmm`` over the query heads: ``hidden
     [Hq, T·B, Hd] @ w2 [Hq, Hd, C]`` with float32 output (T = 3 terms: every product exact, accumulation
-    float32, so the logits carry the float32 classifier's precision). Returns the per-term partial logits
-    as a ``[T, B, Hq, C]`` view (without ``b2``); the ranking sums the T terms in order and adds ``b2``.
+    float32, so the logits carry the float32 classifier's precision): the per-term partial logits as a
+    ``[T, B, Hq, C]`` view, ``b2`` left to the ranking, which sums the T terms in order and adds it.
     Layer 2 then streams the 67 MB of w2 at cuBLAS's rate instead of the GEMV's. ``CONFIG.l2_triton``
     (three-term hidden only): layer 2 as :func:`_layer2_kernel` instead, the terms already summed
-    (``[1, B, Hq, C]``)."""
-    b, hq, _ = q_derope.shape
-    c = p.w2.shape[2]
+    (``[1, B, Hq, C]``), ``b2`` added there with ``CONFIG.l2_bias``."""
+    b = q_derope.shape[0]
     hidden = _layer1_terms(q_derope, p)
+    b2 = p.b2.contiguous()
     if _tc.CONFIG.l2_triton and hidden.shape[1] == 3 * b:
-        return _layer2_triton(hidden, p.w2, b)[None]
+        if _tc.CONFIG.l2_bias:
+            return _Partials(_layer2_triton(hidden, p.w2, b, b2)[None], None)
+        return _Partials(_layer2_triton(hidden, p.w2, b)[None], b2)
+    hq, c = p.w2.shape[0], p.w2.shape[2]
     logits = _bmm_f32(hidden, p.w2)  # [Hq, T·B, C] float32
-    return logits.view(hq, hidden.shape[1] // b, b, c).permute(1, 2, 0, 3)
+    return _Partials(logits.view(hq, hidden.shape[1] // b, b, c).permute(1, 2, 0, 3), b2)
 
 
 def _check_device(q_derope: torch.Tensor, p: SaapLayerParams) -> None:
@@ -692,7 +759,8 @@ def saap_select_buckets_triton(q_derope: torch.Tensor, params: SaapLayerParams, 
     :func:`reference.classify_queries` (up to float32 rounding at exact near-ties)."""
     _check_device(q_derope, params)
     if _use_bmm(q_derope, params):
-        return _rank(_bmm_partials(q_derope, params), group, top_l, bias=params.b2.contiguous())
+        pt = _bmm_partials(q_derope, params)
+        return _rank(pt.parts, group, top_l, bias=pt.bias)
     if not _use_gemv(q_derope.shape[0]):
         return saap_rank_buckets_triton(saap_classifier_logits_triton(q_derope, params), group, top_l)
     part, has_bias = _gemv_partials(q_derope, params)
@@ -709,11 +777,7 @@ def saap_classifier_logits_triton(q_derope: torch.Tensor, params: SaapLayerParam
     p = params
     _check_device(q_derope, p)
     if _use_bmm(q_derope, p):
-        part = _bmm_partials(q_derope, p)
-        logits = part[0].clone()
-        for term in part[1:]:  # in order, like the ranking kernel
-            logits += term
-        return logits + p.b2.float()
+        return _bmm_partials(q_derope, p).logits()
     if _use_gemv(q_derope.shape[0]):
         part, has_bias = _gemv_partials(q_derope, p)
         logits = part[0].clone()
@@ -745,22 +809,32 @@ def saap_rank_buckets_triton(logits: torch.Tensor, group: int, top_l: int) -> to
     return _rank(logits[None], group, top_l)
 
 
-def _rank(parts: torch.Tensor, group: int, top_l: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Launch :func:`_rank_kernel` on ``parts [P, B, Hq, C]`` (summed in order, plus ``bias [Hq, C]``)."""
-    n_part, b, hq, c = parts.shape
+def _rank_buffers(b: int, hkv: int, c: int, top_l: int, device: torch.device
+                  ) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """``sel [B, Hkv, min(ℓ, C)]``, the compaction scratch and the ranking's constexprs (:func:`_rank_row`)."""
     n_l = min(int(top_l), c)
-    hkv = hq // group
-    sel = _buffer((b, hkv, n_l), torch.int32, parts.device)
-    if n_l == 0:
-        return sel
+    sel = _buffer((b, hkv, n_l), torch.int32, device)
     c_pad, k_pad = max(2, _pow2(c)), max(2, _pow2(n_l))  # tl.topk needs k >= 2
     cand = _tc.CONFIG.rank_filter * k_pad if _tc.CONFIG.rank_filter else 0
     cand = cand if 0 < cand < c_pad else 0  # a filter that keeps everything is no filter
-    scratch = _buffer((b * hkv * max(cand, 1),), torch.int64, parts.device)
+    scratch = _buffer((b * hkv * max(cand, 1),), torch.int64, device)
+    meta = dict(C_PAD=c_pad, K_PAD=k_pad, CAND=cand, COUNT=bool(_tc.CONFIG.rank_count),
+                N_CHUNK=min(c_pad, k_pad * max(1, _tc.CONFIG.rank_chunks)))
+    return sel, scratch, meta
+
+
+def _rank(parts: torch.Tensor, group: int, top_l: int, bias: torch.Tensor | None = None, stop: int = 0
+          ) -> torch.Tensor:
+    """Launch :func:`_rank_kernel` on ``parts [P, B, Hq, C]`` (summed in order, plus ``bias [Hq, C]``);
+    ``stop``: a time profile's early end (:func:`_rank_row`)."""
+    n_part, b, hq, c = parts.shape
+    hkv = hq // group
+    sel, scratch, meta = _rank_buffers(b, hkv, c, top_l, parts.device)
+    if sel.shape[-1] == 0:
+        return sel
     _rank_kernel[(b * hkv,)](
-        parts, parts if bias is None else bias, sel, scratch, hkv, c, n_l, *parts.stride()[1:], parts.stride(0),
-        G=group, G_PAD=_pow2(group), C_PAD=c_pad, K_PAD=k_pad, N_PART=n_part, HAS_BIAS=bias is not None, CAND=cand,
-        COUNT=bool(_tc.CONFIG.rank_count), N_CHUNK=min(c_pad, k_pad * max(1, _tc.CONFIG.rank_chunks)),
+        parts, parts if bias is None else bias, sel, scratch, hkv, c, sel.shape[-1], *parts.stride()[1:],
+        parts.stride(0), G=group, G_PAD=_pow2(group), N_PART=n_part, HAS_BIAS=bias is not None, **meta, STOP=stop,
         num_warps=_tc.CONFIG.rank_warps,
     )
     return sel

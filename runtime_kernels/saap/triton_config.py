@@ -70,9 +70,15 @@ class SaapTritonConfig:
                               # cores (exact products; 0: always the GEMV). H200 2026-11-21: layer 1 alone at B=8
                               # 15.5 -> 7.7 us; step 8k B=8 79.5 -> 71.9 us, 128k B=1 50.0 -> 49.1 (saap_layer1_dot.txt)
     l1_dot_block_n: int = 64
+    l1_dot_block_k: int = 64  # k step of the tensor-core layer 1 (D = 128: two steps)
     l2_triton: int = 1        # bmm path: layer 2 as Triton's pipelined w2 stream (_layer2_kernel, the three
                               # terms summed in its epilogue; 0: cuBLAS bmm). H200 2026-11-21 graphed, l=32, three
                               # runs: 128k B=1 step -1.5..-1.9 us, 8k B=8 -1.5 (saap_layer2_triton.txt)
+    l2_bias: int = 1          # Triton layer 2 adds b2 in its epilogue (its DRAM load hidden under the w2 stream,
+                              # not opening the ranking). H200 2026-11-21 graphed, l=32, with rank_count=0: 128k
+                              # B=1 44.2 -> 43.5 us, 8k B=1 41.3 -> 40.5 (docs/bench/2026-11-21-h200/saap_rank_b2.txt).
+                              # Also measured there and removed: per-tile softmax max / sum written by layer 2 so the
+                              # ranking skips its reductions over C (layer 2 +0.8 us, ranking -0.2: 44.1)
     l2_block_k: int = 64
     l2_block_n: int = 128     # 64: ~0.1-0.8 us slower; 32: +8 us
     l2_rows: int = 16         # batch rows per layer-2 program (4 tile rows each: three terms and a zero row)
@@ -93,11 +99,10 @@ class SaapTritonConfig:
     rank_chunks: int = 2      # the filter's threshold: the K_PAD-th largest of rank_chunks · K_PAD chunk maxima
                               # (1: the smallest of K_PAD). The bench's flat random classifier at l=32: ~110 (up
                               # to 209) candidates at 1, so some rows fell back to sorting all 1024; ~44 (max 55) at 2
-    rank_count: int = 1       # 1: the filtered candidates placed by counting larger keys, not a bitonic sort.
-                              # H200: on three cuBLAS term rows the ranking alone 10.9 -> 8.5 us at B=1; on the
-                              # Triton layer 2's one row all four schedules (sorted / counted, 1 / 4 chunk
-                              # multiples, no filter) are 8.0-8.8 us alone, the step within its spread
-                              # (saap_classifier_stages_2000.txt): kept for never falling back to a 1024 sort
+    rank_count: int = 0       # 1: the filtered candidates placed by counting larger keys instead of a bitonic
+                              # sort of the compacted ones. Alone on one logits row all schedules are 8.0-8.8 us; in
+                              # the step the sort is 0.6-1.0 us faster at all four shapes (H200 2026-11-21, runs 63,
+                              # 64, 66: 128k B=1 45.0 -> 44.2 us; saap_rank_b2.txt), so 0 since session 11
     rank_warps: int = 8       # the per-(batch, KV head) softmax + group sum + bitonic top-ℓ program (bmm path,
                               # 128k B=1: 2 warps 60.8 us, 4: 51.8, 8: 51.1, 16: 52.4)
     merge_block_p: int = 64   # partials per merge step: one step for the usual 36-48 partials. H200 2026-11-21

@@ -358,6 +358,29 @@ def test_triton_layer2_equals_cublas_terms(b, monkeypatch):
     assert torch.equal(triton_mod.saap_select_buckets_triton(qd, p, 4, 6).long().sort(-1).values, ref_sel)
 
 
+@pytest.mark.parametrize("b", [1, 17])
+def test_layer2_bias_equals_ranking_bias(b, monkeypatch):
+    """``l2_bias``: the Triton layer 2 adds ``b2`` in its epilogue: the same logits, bit for bit, as the
+    ranking adding it (one float32 add either way), so the same buckets in the same order, and the float64
+    classifier's set. C = 40 in 16-wide tiles (a ragged last tile); B = 17: two row blocks."""
+    _, qd, _, _, p, _ = _case(b, 8, 2, 40, 64, 40, 1, 8, hd=96, dtype=torch.bfloat16, wdtype=torch.bfloat16)
+    base = replace(tconf.CONFIG, cls_bmm_max_b=32, l1_dot_min_b=1, l1_dot_block_n=32, l2_block_k=32,
+                   l2_block_n=16, l2_triton=1)
+    tcls = pytest.importorskip("runtime_kernels.saap.triton_classifier")
+    monkeypatch.setattr(tconf, "CONFIG", replace(base, l2_bias=0))
+    assert tcls._bmm_partials(qd, p).bias is not None
+    plain = triton_mod.saap_classifier_logits_triton(qd, p)
+    separate = {top_l: triton_mod.saap_select_buckets_triton(qd, p, 4, top_l) for top_l in (6, 40)}
+    monkeypatch.setattr(tconf, "CONFIG", replace(base, l2_bias=1))
+    assert tcls._bmm_partials(qd, p).bias is None
+    assert torch.equal(triton_mod.saap_classifier_logits_triton(qd, p), plain)
+    _, ref = _classifier64(qd, p)
+    for top_l, sel in separate.items():
+        in_l2 = triton_mod.saap_select_buckets_triton(qd, p, 4, top_l)
+        assert torch.equal(in_l2, sel)
+        assert torch.equal(in_l2.long().sort(-1).values, rank_buckets(torch.softmax(ref, -1), 4, top_l).sort(-1).values)
+
+
 def test_all_buckets_dense_layer_and_short_cache_equal_dense_attention():
     q, qd, k, v, p, idx = _case(2, 8, 2, 121, 64, 6, 1, 10)
     dense = _dense64(q, k, v)  # independent float64 softmax attention
@@ -429,6 +452,7 @@ GPU_CLASSIFIERS = {  # named CONFIG overrides: every classifier path and ranking
     "triton-l2": dict(cls_bmm_max_b=16, l2_triton=1),
     "rank-sort": dict(cls_bmm_max_b=16, rank_count=0, rank_chunks=1),
     "rank-count": dict(cls_bmm_max_b=16, rank_count=1, rank_chunks=2),
+    "l2-no-bias": dict(cls_bmm_max_b=16, l2_triton=1, l2_bias=0),  # b2 added by the ranking
 }
 
 
@@ -456,18 +480,21 @@ def test_gpu_bf16_classifier_ranks_like_reference(b, name, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_dense_layer_and_graph_capture():
+def test_gpu_dense_layer_and_graph_capture(monkeypatch):
     """Dense layer = dense attention; the whole step captures in a CUDA graph (no host sync) and replays."""
     q, qd, k, v, p, idx = _case(2, 32, 8, 8191, 128, 256, 1, 2047, dtype=torch.bfloat16, device="cuda")
     out = triton_mod.saap_decode_attention_triton(q, None, k, v, None, SaapLayerParams(sink=1, recent=7, dense=True),
                                                   top_l=1, scale=None)
     assert _row_rel_err(out, _dense64(q.float(), k.float(), v.float())) < GPU_TOL
     step = lambda: triton_mod.saap_decode_attention_triton(q, qd, k, v, idx, p, top_l=16, scale=None)  # noqa: E731
-    eager = step()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(captured, eager)
+    for cfg in ({}, dict(l2_bias=0, rank_count=1)):  # two ranking schedules, each replayed twice
+        monkeypatch.setattr(tconf, "CONFIG", replace(tconf.CONFIG, **cfg))
+        eager = step()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = step()
+        for _ in range(2):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(captured, eager)
 

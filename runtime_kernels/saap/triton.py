@@ -37,8 +37,13 @@ hidden 1024, window 1 + 2047, balanced buckets of ``N_s / C`` keys, ``N_vis = 20
   69.2 -> 67.7; and the ranking places its filtered candidates by counting (``rank_count``) under a
   threshold from 2ℓ chunk maxima (``rank_chunks``: ~44 candidates instead of ~110, never the full sort
   on the bench's flat classifier). Alone, layer 2 streams like cuBLAS (19.8 vs 19.5 µs at B=1); the gain
-  is the ranking reading one row instead of three. Left: layer 1 (~7-8 µs in sequence, latency) and
-  the ranking (8.0-8.8 µs alone whichever way it sorts: one program per KV head, a chain of reductions).
+  is the ranking reading one row instead of three. Session 11: layer 2 adds ``b2`` in its epilogue
+  (``l2_bias``: the bias's cold DRAM load leaves the ranking's critical path) and the filtered candidates
+  are sorted again (``rank_count = 0``: 0.6-1.0 µs faster in the step than counting): 128k B=1 45.0 ->
+  43.7 µs. Left: layer 1 (~6 µs in sequence, latency) and the ranking (~4.6 µs in sequence: launch 1.2,
+  logits load 1.0, group scores 1.0, threshold + compaction 1.2, sort 0.4; ``docs/bench/2026-11-21-h200/
+  saap_rank_b2.txt`` also has what did not pay: TMA w2 tiles, the ranking on layer 2's last programs or
+  inside the bucket programs, layer-2 softmax statistics, an L2 prefetch of the index rows).
 * tried and removed (H200, graphed, 128k B=1): the merge done by the last partial program instead of its
   own launch (58.2 vs 51.0 µs: one program per row merges slower than the launch's four), and the window
   partials inside the ranking's launch on the SMs its B·Hkv programs leave idle (53.7 vs 51.2 µs: the

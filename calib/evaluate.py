@@ -125,19 +125,30 @@ def summarize(dense: list[PromptResult], sparse: list[PromptResult] | None, resa
 
 def runtime_options(cfg: Any, method: str) -> dict[str, dict[str, Any]]:
     """Runtime overrides from the config: ``eval.top_l`` (SAAP: buckets visited instead of the
-    artifact's ℓ, for an ℓ sweep without recalibrating) and ``eval.ranking`` (SAAP: ``mass`` or
+    artifact's ℓ, for an ℓ sweep without recalibrating), ``eval.top_l_layers`` (SAAP: ``{layer: ℓ}`` for
+    some layers, e.g. a larger ℓ where the retrieval heads are) and ``eval.ranking`` (SAAP: ``mass`` or
     ``density`` bucket selection). Other methods refuse them."""
     top_l, ranking = cfg.eval.get("top_l"), cfg.eval.get("ranking")
-    if top_l is None and ranking is None:
+    per_layer = cfg.eval.get("top_l_layers")
+    if top_l is None and ranking is None and not per_layer:
         return {}
     if method != "saap":
-        name = "eval.top_l" if top_l is not None else "eval.ranking"
+        name = "eval.top_l" if top_l is not None else "eval.ranking" if ranking is not None else "eval.top_l_layers"
         raise UserError(f"{name} is a SAAP setting; this artifact is {method!r}")
     opts: dict[str, Any] = {}
     if top_l is not None:
         if int(top_l) < 1:
             raise UserError(f"eval.top_l must be >= 1 (got {top_l})")
         opts["top_l"] = int(top_l)
+    if per_layer:
+        try:
+            layers = {int(k): int(v) for k, v in dict(per_layer).items()}
+        except (TypeError, ValueError) as exc:
+            raise UserError(f"eval.top_l_layers must map layer numbers to ℓ, e.g. {{3: 192}} (got {per_layer!r})"
+                            ) from exc
+        if any(v < 1 for v in layers.values()) or any(k < 0 for k in layers):
+            raise UserError(f"eval.top_l_layers needs layers >= 0 and ℓ >= 1 (got {layers})")
+        opts["top_l_layers"] = layers
     if ranking is not None:
         from runtime_kernels.saap.reference import RANKINGS
 
@@ -178,7 +189,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     with tracking.start_run(target, f"eval-{method}-{cfg.model.name}", tags={"kind": "eval", "method": method}) as run:
         mlflow.log_params({"artifact": str(cfg.get("artifact")), "model": str(cfg.model.name),
                            "eval.seed": int(cfg.eval.seed), "eval.num_prompts": int(cfg.eval.num_prompts),
-                           "eval.top_l": cfg.eval.get("top_l"), "eval.ranking": cfg.eval.get("ranking")})
+                           "eval.top_l": cfg.eval.get("top_l"), "eval.ranking": cfg.eval.get("ranking"),
+                           "eval.top_l_layers": str(cfg.eval.get("top_l_layers"))})
         t0 = time.perf_counter()
         dense = answer_prompts(loaded, prompts, int(cfg.eval.max_new_tokens))
         timings = {"time_dense_s": time.perf_counter() - t0}

@@ -115,11 +115,16 @@ class SaapDecode:
     phase = "decode"
 
     def __init__(self, layers: list[SaapLayerParams], top_l: int, *, impl: str = "auto", stats: bool = True,
-                 ranking: str = "mass") -> None:
+                 ranking: str = "mass", top_l_layers: dict[int, int] | None = None) -> None:
         if ranking not in RANKINGS:
             raise ArtifactError(f"SAAP ranking must be one of {RANKINGS}, got {ranking!r}")
+        per_layer = {int(k): int(v) for k, v in (top_l_layers or {}).items()}
+        bad = {k: v for k, v in per_layer.items() if v < 1 or not 0 <= k < len(layers)}
+        if bad:
+            raise ArtifactError(f"SAAP top_l_layers must name layers 0..{len(layers) - 1} with ℓ >= 1, got {bad}")
         self.layers = layers
         self.top_l = int(top_l)
+        self.top_l_layers = per_layer
         self.ranking = ranking
         self.impl = impl
         self.stats = stats
@@ -127,12 +132,16 @@ class SaapDecode:
         self._on_device: dict[tuple[int, str], SaapLayerParams] = {}
         self._sums: torch.Tensor | None = None  # [selectivity, selectivity_with_window, count] summed
 
+    def layer_top_l(self, layer: int) -> int:
+        """ℓ of layer ``layer``: its ``top_l_layers`` entry, else ``top_l``."""
+        return self.top_l_layers.get(layer, self.top_l)
+
     def _record(self, layer: int, q_de: torch.Tensor, idx: BucketIndex, t: int) -> None:
         """Add this step's visited fractions for layer ``layer`` (``q_de [B, Hq, D]``, ``t`` keys)."""
         counts = idx.bucket_count.long()  # [B, Hkv, C]: keys in each bucket's list
         g = q_de.shape[1] // counts.shape[1]
-        buckets = select_buckets(classify_queries(q_de, self._params(layer, q_de.device)), counts, g, self.top_l,
-                                 self.ranking)
+        buckets = select_buckets(classify_queries(q_de, self._params(layer, q_de.device)), counts, g,
+                                 self.layer_top_l(layer), self.ranking)
         visited = torch.where(buckets >= 0, counts.gather(-1, buckets.clamp(min=0)), 0).sum(-1).double()  # [B, Hkv]
         candidates = counts.sum(-1).double()
         sel = torch.where(candidates > 0, visited / candidates.clamp(min=1), torch.zeros_like(visited))
@@ -150,9 +159,12 @@ class SaapDecode:
         return {"selectivity": sel / n, "selectivity_with_window": with_window / n}
 
     @classmethod
-    def from_artifact(cls, artifact, model, *, top_l: int | None = None, ranking: str = "mass") -> "SaapDecode":
-        """The runtime of a ``saap`` artifact; ``top_l`` overrides the artifact's ℓ (an ℓ sweep), ``ranking``
-        picks mass or density bucket selection (:func:`reference.select_buckets`)."""
+    def from_artifact(cls, artifact, model, *, top_l: int | None = None, ranking: str = "mass",
+                      top_l_layers: dict[int, int] | None = None) -> "SaapDecode":
+        """The runtime of a ``saap`` artifact; ``top_l`` overrides the artifact's ℓ (an ℓ sweep),
+        ``top_l_layers`` (``{layer: ℓ}``) the ℓ of some layers (default: the artifact's optional
+        ``top_l_layers`` hyper-parameter), ``ranking`` picks mass or density bucket selection
+        (:func:`reference.select_buckets`)."""
         hp = artifact.manifest.hyperparameters
         n_layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
         if n_layers is None:
@@ -164,7 +176,9 @@ class SaapDecode:
                   for i in range(n_layers)]
         if top_l is not None and int(top_l) < 1:
             raise ArtifactError(f"SAAP top_l must be >= 1 (got {top_l})")
-        return cls(layers, int(hp["top_l"] if top_l is None else top_l), ranking=ranking)
+        if top_l_layers is None:
+            top_l_layers = {int(k): int(v) for k, v in (hp.get("top_l_layers") or {}).items()}
+        return cls(layers, int(hp["top_l"] if top_l is None else top_l), ranking=ranking, top_l_layers=top_l_layers)
 
     def _params(self, layer: int, device: torch.device) -> SaapLayerParams:
         key = (layer, str(device))
@@ -218,7 +232,7 @@ class SaapDecode:
             return None
         idx, q_de = step
         t = k.shape[2]
-        out = saap_decode_attention(q[:, :, 0], k, v, idx, self._params(layer, q.device), top_l=self.top_l,
+        out = saap_decode_attention(q[:, :, 0], k, v, idx, self._params(layer, q.device), top_l=self.layer_top_l(layer),
                                     q_derope=q_de, scale=scale, impl=self.impl, ranking=self.ranking)
         if self.stats:
             self._record(layer, q_de, idx, t)

@@ -192,6 +192,13 @@ def test_eval_top_l_is_a_saap_option():
         runtime_options(OmegaConf.create({"eval": {"ranking": "density"}}), "sale")
     with pytest.raises(UserError, match="eval.ranking must be one of"):
         runtime_options(OmegaConf.create({"eval": {"ranking": "size"}}), "saap")
+    per_layer = OmegaConf.create({"eval": {"top_l": None, "top_l_layers": {3: 192, "1": 8}}})
+    assert runtime_options(per_layer, "saap") == {"saap": {"top_l_layers": {3: 192, 1: 8}}}
+    with pytest.raises(UserError, match="eval.top_l_layers is a SAAP setting"):
+        runtime_options(per_layer, "sale")
+    for bad in ({3: 0}, {-1: 4}, {"x": 4}):
+        with pytest.raises(UserError, match="eval.top_l_layers"):
+            runtime_options(OmegaConf.create({"eval": {"top_l_layers": bad}}), "saap")
 
 
 def test_density_ranking_runs_through_hf(result, loaded):

@@ -45,6 +45,12 @@ def test_settings_are_kept_apart_and_identical_runs_give_a_zero_width_interval()
     assert keys == [(16, "density"), (16, "mass"), (32, "density")]
     same = rows[0]
     assert same["diff"] == same["ci_low"] == same["ci_high"] == 0.0
+    layered = [_run(1, None, None, [True], [False]), _run(1, None, None, [True], [True]),
+               _run(2, None, None, [True], [True])]
+    layered[1]["config"]["eval"]["top_l_layers"] = {"3": 192, "1": 8}  # JSON keys are strings
+    layered[2]["config"]["eval"]["top_l_layers"] = {"1": 8, "3": 192}  # the same map, another order
+    rows = pool_evals.pool(layered, resamples=200)
+    assert [(r["top_l_layers"], r["seeds"]) for r in rows] == [("", [1]), ("1:8,3:192", [1, 2])]
 
 
 def test_bad_inputs_are_refused():

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from runtime_kernels import hf
+from runtime_kernels.errors import ArtifactError
 from runtime_kernels.saap import SaapDecode, SaapLayerParams, derope
 from tests.runtime.saap.test_saap_reference import _params
 
@@ -54,6 +55,28 @@ def test_all_buckets_equal_dense_model():
     assert not torch.allclose(_decode_logits(other, ids), dense, atol=1e-4)  # SAAP really ran
 
 
+@torch.no_grad()
+def test_per_layer_top_l():
+    """``top_l_layers``: every bucket on layer 1 and one on layer 2 is neither the all-bucket model nor the
+    one-bucket model; every bucket named per layer equals dense. The stats count each layer at its ℓ."""
+    model = _model()
+    ids = torch.randint(96, (1, 50), generator=torch.Generator().manual_seed(2))
+    dense = _decode_logits(model, ids)
+    outs = {}
+    for name, top_l, per_layer in (("all", 1, {1: C, 2: C}), ("mixed", 1, {1: C}), ("one", 1, {})):
+        m = _model()
+        rt = SaapDecode(_layers(recent=8), top_l=top_l, top_l_layers=per_layer)
+        hf.attach(m, decode=rt)
+        outs[name] = _decode_logits(m, ids)
+        assert rt.layer_top_l(1) == per_layer.get(1, top_l) and rt.layer_top_l(2) == per_layer.get(2, top_l)
+    assert torch.allclose(outs["all"], dense, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(outs["mixed"], dense, atol=1e-4) and not torch.allclose(outs["mixed"], outs["one"], atol=1e-4)
+    with pytest.raises(ArtifactError, match="top_l_layers"):
+        SaapDecode(_layers(recent=8), top_l=1, top_l_layers={7: 2})
+    with pytest.raises(ArtifactError, match="top_l_layers"):
+        SaapDecode(_layers(recent=8), top_l=1, top_l_layers={1: 0})
+
+
 def test_derope_inverts_model_rotary():
     model = _model()
     rot = model.model.rotary_emb
@@ -75,7 +98,13 @@ def test_from_artifact_layout():
                                                                     "dense_layers": [0], "bn_eps": 1e-5}),
                           tensors=tensors)
     rt = SaapDecode.from_artifact(art, SimpleNamespace(config=SimpleNamespace(num_hidden_layers=3)))
-    assert rt.top_l == 3 and rt.layers[0].dense and not rt.layers[2].dense
+    assert rt.top_l == 3 and rt.layers[0].dense and not rt.layers[2].dense and rt.top_l_layers == {}
+    art.manifest.hyperparameters["top_l_layers"] = {"2": 5}  # JSON keys are strings
+    rt = SaapDecode.from_artifact(art, SimpleNamespace(config=SimpleNamespace(num_hidden_layers=3)))
+    assert (rt.layer_top_l(1), rt.layer_top_l(2)) == (3, 5)
+    rt = SaapDecode.from_artifact(art, SimpleNamespace(config=SimpleNamespace(num_hidden_layers=3)),
+                                  top_l_layers={1: 4})  # a runtime option replaces the artifact's map
+    assert (rt.layer_top_l(1), rt.layer_top_l(2)) == (4, 3)
     assert rt.layers[1].recent == 8 and torch.equal(rt.layers[2].w1, layers[2].w1)
 
 

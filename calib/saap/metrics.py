@@ -92,11 +92,14 @@ class LayerEvaluation:
     """Per (head, query) metrics of one layer and prompt.
 
     ``metrics[method][name]`` is ``[len(top_ls), Hq, nq]`` (``[1, Hq, nq]`` for ``window``), names:
-    ``selectivity``, ``selectivity_with_window``, ``recall``, ``rel_error``.
+    ``selectivity``, ``selectivity_with_window``, ``recall``, ``rel_error``. ``top1_distance [Hq, nq]``
+    (optional): how far back each (head, query)'s top-1 key lies (sink excluded, causal;
+    :func:`calib.saap.targets.top1_key_distance`), to split the report by query range.
     """
 
     top_ls: list[int]
     metrics: dict[str, dict[str, torch.Tensor]]
+    top1_distance: torch.Tensor | None = None
 
     def summary(self) -> dict[str, dict[str, list[float]]]:
         """Means over heads and queries: ``{method: {metric: [value per ℓ]}}``."""
@@ -105,9 +108,11 @@ class LayerEvaluation:
     @staticmethod
     def concat(evals: list["LayerEvaluation"]) -> "LayerEvaluation":
         """Join evaluations of several prompts along the query axis."""
+        dist = [e.top1_distance for e in evals]
         return LayerEvaluation(evals[0].top_ls, {
             m: {k: torch.cat([e.metrics[m][k] for e in evals], -1) for k in d}
-            for m, d in evals[0].metrics.items()})
+            for m, d in evals[0].metrics.items()},
+            None if any(x is None for x in dist) else torch.cat(dist, -1))
 
 
 def eval_query_positions(seq_len: int, sink: int, recent: int, n: int,
@@ -131,12 +136,15 @@ def evaluate_layer(q_rope: torch.Tensor, q_derope: torch.Tensor, k_rope: torch.T
                    v: torch.Tensor, query_idx: torch.Tensor, *, params: SaapLayerParams,
                    top_ls=(4, 8, 16, 32, 64, 128), rope_centroids: torch.Tensor | None = None,
                    derope_centroids: torch.Tensor | None = None, baseline_probe: str = "head",
-                   scale: float | None = None) -> LayerEvaluation:
+                   scale: float | None = None, oracle: bool = False) -> LayerEvaluation:
     """SAAP vs the IVF baselines vs window-only on one prompt of one (non-dense) layer.
 
     ``q_rope, q_derope [Hq, T, D]``, ``k_rope, k_derope, v [Hkv, T, D]``, ``query_idx [nq]`` positions
     ``≥ sink + recent`` (:func:`eval_query_positions`). ``derope_centroids`` defaults to SAAP's own
     (``params.centroids``); ``kmeans_rope`` is evaluated only when ``rope_centroids`` is given.
+    ``oracle``: also ``oracle_derope`` / ``oracle_rope`` — each partition's buckets ranked by the group's
+    true attention mass on its candidate keys (a perfect classifier; one bucket set per KV head like the
+    runtime), the upper bound of what any ranking of that partition reaches.
     """
     hq, t, d = q_rope.shape
     hkv, g = k_rope.shape[0], hq // k_rope.shape[0]
@@ -166,7 +174,11 @@ def evaluate_layer(q_rope: torch.Tensor, q_derope: torch.Tensor, k_rope: torch.T
         if rope_buckets is not None:
             methods["kmeans_rope" + suffix] = (
                 rope_buckets, lambda qr, qd, probe=probe: _maybe_group(probe_scores(qr, rope_centroids), g, probe))
-    out: dict[str, dict[str, list[torch.Tensor]]] = {m: _empty() for m in [*methods, "window"]}
+    oracles = {"oracle_derope": derope_buckets} if oracle else {}
+    if oracle and rope_buckets is not None:
+        oracles["oracle_rope"] = rope_buckets
+    n_c = params.centroids.shape[-2]
+    out: dict[str, dict[str, list[torch.Tensor]]] = {m: _empty() for m in [*methods, *oracles, "window"]}
     chunk = max(1, _BUDGET // max(1, hq * t))
     kpos = torch.arange(t, device=q_rope.device)
     for start in range(0, query_idx.numel(), chunk):
@@ -179,8 +191,13 @@ def evaluate_layer(q_rope: torch.Tensor, q_derope: torch.Tensor, k_rope: torch.T
         window = visible & ((kpos[None, :] < sink) | (kpos[None, :] > qi[:, None] - recent))  # [n, T]
         cand = visible & ~window
         _record(out["window"], p, o, v, g, window.expand_as(p), cand.expand_as(p), visible)
-        for name, (kb, scorer) in methods.items():
-            rank = _bucket_rank(scorer(qr, qd))  # [Hq, n, C]
+        scored = [(name, kb, scorer(qr, qd)) for name, (kb, scorer) in methods.items()]
+        for name, kb in oracles.items():  # the group's true mass per bucket on the candidate keys
+            onehot = torch.nn.functional.one_hot(kb, n_c).to(p.dtype)  # [Hkv, T, C]
+            mass = ((p * cand).reshape(hkv, g * qi.numel(), t) @ onehot).view(hq, qi.numel(), n_c)
+            scored.append((name, kb, _group_sum(mass, g)))
+        for name, kb, score in scored:
+            rank = _bucket_rank(score)  # [Hq, n, C]
             key_rank = rank.gather(-1, kb.repeat_interleave(g, 0).unsqueeze(1).expand(-1, qi.numel(), -1))
             for ell in top_ls:
                 picked = cand & (key_rank < ell)  # [Hq, n, T]

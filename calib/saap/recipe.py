@@ -104,6 +104,19 @@ def _get(node: Any, key: str, kind: type, *, optional: bool = False) -> Any:
                         f"{' or null' if optional else ''}; set method.{key}=<value>") from None
 
 
+def _int_map(node: Any, key: str) -> dict[int, int]:
+    """``node[key]`` as ``{int: int}`` (null / missing -> ``{}``); anything else -> one-line UserError."""
+    raw = node.get(key)
+    if raw is None:
+        return {}
+    try:
+        if not hasattr(raw, "items") or any(isinstance(x, bool) for kv in raw.items() for x in kv):
+            raise ValueError
+        return {int(k): int(v) for k, v in raw.items()}
+    except Exception:  # noqa: BLE001
+        raise UserError(f"method.{key} must map layer numbers to ℓ, e.g. {{3: 192}}, got {raw!r}") from None
+
+
 def _int_list(node: Any, key: str, *, optional: bool = False) -> list[int] | None:
     raw = node.get(key)
     if raw is None and optional:
@@ -126,6 +139,7 @@ class Settings:
     sink: int
     long_range: int
     top_l: int
+    top_l_layers: dict[int, int]
     top_ls: list[int]
     dense_layers: list[int]
     causal_targets: bool
@@ -149,6 +163,7 @@ class Settings:
     eval_queries: int
     eval_length: int | None
     baseline_probe: str
+    oracle: bool
     recall_targets: list[float]
 
     @property
@@ -157,8 +172,12 @@ class Settings:
 
     @property
     def evaluated_ls(self) -> list[int]:
-        """``top_ls`` plus the default ``top_l``, sorted."""
-        return sorted(set(self.top_ls) | {self.top_l})
+        """``top_ls`` plus the default ℓ of every layer (``top_l`` and the ``top_l_layers`` values), sorted."""
+        return sorted(set(self.top_ls) | {self.top_l} | set(self.top_l_layers.values()))
+
+    def layer_top_l(self, layer: int) -> int:
+        """The default ℓ the artifact gives ``layer``: its ``top_l_layers`` entry, else ``top_l``."""
+        return self.top_l_layers.get(layer, self.top_l)
 
     @classmethod
     def from_cfg(cls, m: Any) -> "Settings":
@@ -167,7 +186,7 @@ class Settings:
         return cls(
             clusters=_get(m, "clusters", int), iterations=_get(m, "iterations", int), window=_get(m, "window", int),
             sink=_get(m, "sink", int), long_range=_get(m, "long_range", int), top_l=_get(m, "top_l", int),
-            top_ls=_int_list(m, "top_ls"), dense_layers=_int_list(m, "dense_layers") or [],
+            top_l_layers=_int_map(m, "top_l_layers"), top_ls=_int_list(m, "top_ls"), dense_layers=_int_list(m, "dense_layers") or [],
             causal_targets=_get(m, "causal_targets", bool), causal_top1=_get(m, "causal_top1", bool),
             prompts=_get(m, "prompts", int), calib_lengths=_int_list(m, "calib_lengths", optional=True),
             kmeans_backend=str(km.get("backend", "auto")), kmeans_use_gpu=use_gpu,
@@ -182,7 +201,7 @@ class Settings:
             classifier_seed=_get(m, "classifier.seed", int),
             eval_prompts=_get(m, "eval.prompts", int), eval_queries=_get(m, "eval.queries_per_prompt", int),
             eval_length=_get(m, "eval.length", int, optional=True),
-            baseline_probe=str(ev.get("baseline_probe", "both")),
+            baseline_probe=str(ev.get("baseline_probe", "both")), oracle=bool(ev.get("oracle", True)),
             recall_targets=[float(x) for x in (ev.get("recall_at_selectivity") or [])],
         )
 
@@ -196,6 +215,11 @@ def validate(cfg: DictConfig) -> None:
     require(s.window > s.sink, f"method.window must be > method.sink={s.sink} (got {s.window}): the dense region "
                                f"is the sink plus window - sink recent keys (2048 = 1+2047 for llama31)")
     require(s.top_l >= 1, f"method.top_l must be >= 1 (got {s.top_l}): buckets visited per KV head at decode")
+    require(all(v >= 1 for v in s.top_l_layers.values()) and all(k >= 0 for k in s.top_l_layers),
+            f"method.top_l_layers needs layers >= 0 and ℓ >= 1 (got {s.top_l_layers})")
+    require(not set(s.top_l_layers) & set(s.dense_layers),
+            f"method.top_l_layers names dense layers {sorted(set(s.top_l_layers) & set(s.dense_layers))}: "
+            f"they attend to every key and have no ℓ")
     require(s.long_range >= 0, f"method.long_range must be >= 0 (got {s.long_range}); 1024 for llama31")
     require(bool(s.top_ls) and min(s.top_ls) >= 1,
             f"method.top_ls must be a non-empty list of ℓ >= 1 (got {s.top_ls})")
@@ -223,6 +247,9 @@ def validate(cfg: DictConfig) -> None:
                          f"0..{int(n_layers) - 1}")
         require(len(set(s.dense_layers)) < int(n_layers),
                 "method.dense_layers covers every layer: nothing to calibrate")
+        bad = sorted(x for x in s.top_l_layers if x >= int(n_layers))
+        require(not bad, f"method.top_l_layers names layers {bad} out of range: the model has layers "
+                         f"0..{int(n_layers) - 1}")
 
 
 # ------------------------------------------------------------------------------------------ prompts
@@ -444,6 +471,7 @@ def evaluate(loaded: Any, prompts: Sequence[Any], params: dict[int, SaapLayerPar
     from calib.collect import run_layer_callbacks
     from calib.collect.sampling import sample_generator
     from calib.saap.metrics import eval_query_positions, evaluate_layer
+    from calib.saap.targets import top1_key_distance
 
     scales = layer_scales(loaded.model)
     dev_params = {l: p.to(loaded.device) for l, p in params.items()}
@@ -459,9 +487,11 @@ def evaluate(loaded: Any, prompts: Sequence[Any], params: dict[int, SaapLayerPar
                                     sample_generator(seed, cap.prompt_index, cap.layer, "saap-eval"))
         ev = evaluate_layer(cap.q_post.float(), qd, cap.k_post.float(), kd, cap.v.float(), qidx,
                             params=dev_params[cap.layer], top_ls=s.evaluated_ls, rope_centroids=dev_rope[cap.layer],
-                            baseline_probe=s.baseline_probe, scale=scales[cap.layer])
+                            baseline_probe=s.baseline_probe, scale=scales[cap.layer], oracle=s.oracle)
+        dist = top1_key_distance(cap.q_post.float(), cap.k_post.float(), positions=qidx, sink=s.sink,
+                                 causal=True, scale=scales[cap.layer])
         found[cap.layer].append(LayerEvaluation(ev.top_ls, {m: {k: v.cpu() for k, v in d.items()}
-                                                            for m, d in ev.metrics.items()}))
+                                                            for m, d in ev.metrics.items()}, dist.cpu()))
 
     short = [p for p in prompts if len(p.input_ids) <= s.window]
     if short:
@@ -511,9 +541,13 @@ def calibrate(cfg: DictConfig, ctx: Any) -> Any:
         head = report.head_curves(evals)
         table = report.summary_table(head, s.evaluated_ls)
         per_layer = report.interpolated_recall(head, s.recall_targets, per_layer=True)
-        metrics = report.headline_metrics(head, s.evaluated_ls, s.top_l, s.recall_targets)
+        metrics = report.headline_metrics(head, s.evaluated_ls, [s.layer_top_l(l) for l in layers],
+                                          s.recall_targets)
+        by_range = report.recall_by_query_range(evals, s.long_range, s.recall_targets)
+        metrics["by_query_range"] = by_range
         report.log_report(table, curves, str(cfg.model.name),
-                          {"layers": layers, "recall_targets": s.recall_targets, "recall_per_layer": per_layer})
+                          {"layers": layers, "recall_targets": s.recall_targets, "recall_per_layer": per_layer,
+                           "recall_by_query_range": by_range})
     lr_by_layer = {l: float(torch.cat(r.long_range, 1).float().mean()) for l, r in rows.items()}
     answer_rows = {l: int(sum(int(a[0].sum()) for a in r.answer)) for l, r in rows.items()}
     metrics.update({
@@ -525,6 +559,7 @@ def calibrate(cfg: DictConfig, ctx: Any) -> Any:
         **{f"time_{k}_s": v for k, v in ctx.timer.seconds.items()},
     })
     payload = {"eval_table": report.json_safe(table), "recall_per_layer": report.json_safe(per_layer),
+               "recall_by_query_range": report.json_safe(by_range),
                "layers": layers,
                "kmeans_imbalance": {str(l): v for l, v in balance.items()},
                "training_rows": {str(l): int(sum(x.shape[1] for x in r.x)) for l, r in rows.items()},
@@ -542,7 +577,8 @@ def hyperparameters(s: Settings, keys: int, calib_lengths: list[int], eval_lengt
 
     backend = s.kmeans_backend if s.kmeans_backend != "auto" else ("faiss" if faiss_available() else "torch")
     return {"clusters": s.clusters, "iterations": s.iterations, "window": s.window, "sink": s.sink,
-            "recent": s.recent, "long_range": s.long_range, "top_l": s.top_l, "top_ls": s.evaluated_ls,
+            "recent": s.recent, "long_range": s.long_range, "top_l": s.top_l,
+            "top_l_layers": {str(k): v for k, v in sorted(s.top_l_layers.items())}, "top_ls": s.evaluated_ls,
             "dense_layers": sorted(set(s.dense_layers)), "bn_eps": bn_eps, "causal_targets": s.causal_targets,
             "causal_top1": s.causal_top1,
             "kmeans": {"backend": backend, "use_gpu": s.kmeans_use_gpu,
@@ -554,7 +590,7 @@ def hyperparameters(s: Settings, keys: int, calib_lengths: list[int], eval_lengt
                            "teacher_forced_answer": s.teacher_forced_answer,
                            "optimizer": "adam", "batch_norm": True, "loss": "KL(A·H_k || softmax f_q(q))"},
             "prompts": s.prompts, "calib_lengths": calib_lengths, "eval_length": eval_length,
-            "eval_prompts": s.eval_prompts, "baseline_probe": s.baseline_probe}
+            "eval_prompts": s.eval_prompts, "baseline_probe": s.baseline_probe, "oracle": s.oracle}
 
 
 def _output(cfg: DictConfig, s: Settings, loaded: Any, params: dict[int, SaapLayerParams], prompts: Sequence[Any],

@@ -29,12 +29,13 @@ from matplotlib.figure import Figure
 from calib.saap.metrics import LayerEvaluation, recall_at_selectivity
 
 METHODS = ("saap", "saap_per_head", "kmeans_derope", "kmeans_rope", "kmeans_derope_group",
-           "kmeans_rope_group")  # the ℓ-indexed methods; "window" is ℓ = 0
+           "kmeans_rope_group", "oracle_derope", "oracle_rope")  # the ℓ-indexed methods; "window" is ℓ = 0
 NAMES = ("selectivity", "selectivity_with_window", "recall", "rel_error")
 LABELS = {"saap": "SAAP (group sum, as the runtime)", "saap_per_head": "SAAP, per-head ranking",
           "kmeans_derope_group": "k-means, de-RoPE'd, group probe", "kmeans_rope_group": "k-means, RoPE'd, group probe",
           "kmeans_derope": "k-means, de-RoPE'd",
-          "kmeans_rope": "k-means, RoPE'd", "window": "dense window only"}
+          "kmeans_rope": "k-means, RoPE'd", "window": "dense window only",
+          "oracle_derope": "oracle: de-RoPE'd buckets by true mass", "oracle_rope": "oracle: RoPE'd buckets by true mass"}
 
 
 def target_key(t: float) -> str:
@@ -42,14 +43,27 @@ def target_key(t: float) -> str:
     return f"recall_at_sel{t:g}"
 
 
-def head_curves(evals: dict[int, LayerEvaluation]) -> dict[str, dict[str, torch.Tensor]]:
+def head_curves(evals: dict[int, LayerEvaluation], long_range: int | None = None, longer: bool = True
+                ) -> dict[str, dict[str, torch.Tensor]]:
     """``{method: {metric: [n_layers, n_ℓ, Hq]}}`` (``n_ℓ = 1`` for ``window``), means over queries.
 
-    Layers are stacked in ascending order of their index.
+    Layers are stacked in ascending order of their index. With ``long_range``: only the (head, query)
+    pairs whose top-1 key lies more than ``long_range`` tokens back (``longer``; else the others), from
+    :attr:`LayerEvaluation.top1_distance`; a head with no such query gets NaN (left out of the means).
     """
     layers = sorted(evals)
     methods = evals[layers[0]].metrics
-    return {m: {k: torch.stack([evals[l].metrics[m][k].double().mean(-1) for l in layers]) for k in d}
+
+    def mean(l: int, v: torch.Tensor) -> torch.Tensor:  # [n_ℓ, Hq, nq] -> [n_ℓ, Hq]
+        if long_range is None:
+            return v.double().mean(-1)
+        dist = evals[l].top1_distance
+        if dist is None:
+            raise ValueError(f"layer {l}'s evaluation has no top-1 distances to split the queries by")
+        keep = ((dist > long_range) == longer).double()  # [Hq, nq]
+        return (v.double() * keep).sum(-1) / keep.sum(-1)  # 0 / 0 = NaN: no such query
+
+    return {m: {k: torch.stack([mean(l, evals[l].metrics[m][k]) for l in layers]) for k in d}
             for m, d in methods.items()}
 
 
@@ -86,6 +100,22 @@ def interpolated_recall(curves: dict[str, dict[str, torch.Tensor]], targets: Seq
     return out
 
 
+def recall_by_query_range(evals: dict[int, LayerEvaluation], long_range: int, targets: Sequence[float]
+                          ) -> dict[str, Any]:
+    """Interpolated recall (:func:`interpolated_recall`) over two disjoint sets of the evaluation's (head,
+    query) pairs: ``long_range``, whose top-1 key lies more than ``long_range`` tokens back — the queries
+    the classifiers are trained on (papers/saap.txt §4, App. A) — and ``short_range``, the rest (their top
+    key in or near the dense window). ``{range: {"fraction": share of the pairs, target_key(t): {method:
+    recall}}}``: where SAAP's deficit against the k-means baselines comes from."""
+    dist = torch.cat([e.top1_distance.flatten() for e in evals.values()])
+    out: dict[str, Any] = {}
+    for name, longer in (("long_range", True), ("short_range", False)):
+        interp = interpolated_recall(head_curves(evals, long_range, longer), targets)
+        out[name] = {"fraction": float(((dist > long_range) == longer).double().mean()),
+                     **{target_key(t): {m: v[i] for m, v in interp.items()} for i, t in enumerate(targets)}}
+    return out
+
+
 def json_safe(x: Any) -> Any:
     """NaN -> None, recursively through lists and dicts (strict JSON for manifests and MLflow)."""
     if isinstance(x, float) and x != x:
@@ -107,15 +137,25 @@ def _nanmean(vals: np.ndarray, per_layer: bool) -> list:
         return np.where(count > 0, total / np.maximum(count, 1), np.nan).tolist()
 
 
-def headline_metrics(curves: dict[str, dict[str, torch.Tensor]], top_ls: Sequence[int], top_l: int,
-                     targets: Sequence[float]) -> dict[str, Any]:
-    """Nested metrics: ``recall_at_sel<t>.<method>`` for all four methods and ``at_top_l.<metric>.<method>``."""
+def headline_metrics(curves: dict[str, dict[str, torch.Tensor]], top_ls: Sequence[int],
+                     top_l: int | Sequence[int], targets: Sequence[float]) -> dict[str, Any]:
+    """Nested metrics: ``recall_at_sel<t>.<method>`` for all four methods and ``at_top_l.<metric>.<method>``:
+    every method at the artifact's default ℓ, one ℓ for all layers or one per layer (in the curves' layer
+    order, ``top_l_layers``), averaged over the layers' heads."""
     out: dict[str, Any] = {}
     interp = interpolated_recall(curves, targets)
     for i, t in enumerate(targets):
         out[target_key(t)] = {m: v[i] for m, v in interp.items()}
-    i = list(top_ls).index(int(top_l))
-    out["at_top_l"] = {k: {m: float(curves[m][k][:, i].mean()) for m in METHODS if m in curves} for k in NAMES}
+    n_layers = curves["window"]["recall"].shape[0]
+    per_layer = [int(top_l)] * n_layers if isinstance(top_l, int) else [int(x) for x in top_l]
+    if len(per_layer) != n_layers:
+        raise ValueError(f"{len(per_layer)} default ℓ for {n_layers} evaluated layers")
+    cols = [list(top_ls).index(x) for x in per_layer]
+
+    def at_default(v: torch.Tensor) -> float:  # [n_layers, n_ℓ, Hq] -> mean over layers and heads
+        return float(torch.stack([v[j, c] for j, c in enumerate(cols)]).mean())
+
+    out["at_top_l"] = {k: {m: at_default(curves[m][k]) for m in METHODS if m in curves} for k in NAMES}
     out["window"] = {k: float(curves["window"][k].mean()) for k in ("selectivity_with_window", "recall", "rel_error")}
     return out
 

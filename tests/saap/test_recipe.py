@@ -22,7 +22,7 @@ def overrides(model_dir: Path, *extra: str) -> list[str]:
     arch = [f"model.arch.{k}={'null' if v is None else v}" for k, v in ARCH.items()]
     return ["+method=saap", f"model.path={model_dir}", "model.name=rand-saap", *arch, "model.lengths=[256,384]",
             "device=cpu", "data.tasks=[niah_single,kv_retrieval]", f"method.clusters={C}", f"method.window={WINDOW}",
-            "method.long_range=64", f"method.top_l={TOP_L}", "method.iterations=5", "method.prompts=3",
+            "method.long_range=64", f"method.top_l={TOP_L}", "method.top_l_layers=null", "method.iterations=5", "method.prompts=3",
             "method.top_ls=[1,2,4,8]", "method.classifier.hidden=32", "method.classifier.steps=30",
             "method.classifier.batch=64", "method.classifier.queries_per_prompt=48",
             "method.classifier.query_candidates=null", "method.eval.prompts=2", "method.eval.queries_per_prompt=24",
@@ -70,11 +70,15 @@ def test_result_metrics_and_artifact(result):
             assert 0.0 <= m[f"recall_at_sel{t}.{method}"] <= 1.0 + 1e-6
     for method in METHODS[:-1]:
         assert f"at_top_l.selectivity.{method}" in m and f"at_top_l.recall.{method}" in m
+    lr, sr = m["by_query_range.long_range.fraction"], m["by_query_range.short_range.fraction"]
+    assert lr + sr == pytest.approx(1.0) and 0 < sr
+    assert any(k.startswith("by_query_range.short_range.recall_at_sel0.05.") for k in m)
     for stage in ("collect", "kmeans", "targets", "classifier", "eval"):
         assert m[f"time_{stage}_s"] > 0
     art = load_artifact(result["artifact_dir"], method="saap")
     hp = art.manifest.hyperparameters
     assert (hp["sink"], hp["window"], hp["top_l"], hp["dense_layers"], hp["clusters"]) == (1, WINDOW, TOP_L, [0], C)
+    assert hp["top_l_layers"] == {}
     assert not any(k.startswith("layers.0.") for k in art.tensors)  # layer 0 is dense
     shapes = {k: tuple(v.shape) for k, v in art.tensors.items()}
     assert shapes["layers.1.centroids"] == (2, C, 16) and shapes["layers.1.w1"] == (4, 16, 32)
@@ -218,6 +222,34 @@ def test_density_ranking_runs_through_hf(result, loaded):
     assert 0.0 < stats["selectivity"] <= 1.0
 
 
+def test_per_layer_default_l_is_written_and_applied(model_dir, loaded, tmp_path):
+    """``method.top_l_layers``: the artifact carries the per-layer ℓ, the runtime applies it by default and
+    the headline ``at_top_l`` metrics are read at it. ℓ = 1 everywhere but C on layer 1 (the only
+    sparse layer): every bucket visited, so decode equals dense attention and ``at_top_l`` equals the
+    ℓ = C column of the table."""
+    from runtime_kernels import hf
+    from runtime_kernels.artifact import load_artifact
+
+    res = run_recipe(tmp_path, overrides(model_dir, "method.top_l=1", f"method.top_l_layers={{1: {C}}}"))
+    manifest = load_artifact(res["artifact_dir"], method="saap").manifest
+    hp = manifest.hyperparameters
+    assert hp["top_l"] == 1 and hp["top_l_layers"] == {"1": C} and C in hp["top_ls"]
+    saap = {r["l"]: r for r in manifest.payload["eval_table"] if r["method"] == "saap"}
+    assert saap[1]["selectivity"] < 1.0 and saap[C]["selectivity"] == pytest.approx(1.0)  # C: every candidate
+    for k in ("selectivity", "recall", "rel_error"):
+        assert res["metrics"][f"at_top_l.{k}.saap"] == pytest.approx(saap[C][k])
+    model = loaded.model
+    ids = torch.randint(20, 200, (1, 150), generator=torch.Generator().manual_seed(1))
+    dense = _decode_logits(model, ids, [5, 17, 42])
+    state = hf.apply(model, res["artifact_dir"])
+    try:
+        assert state.decode.top_l == 1 and state.decode.layer_top_l(1) == C
+        sparse = _decode_logits(model, ids, [5, 17, 42])
+    finally:
+        hf.remove(model)
+    torch.testing.assert_close(sparse, dense, atol=2e-4, rtol=1e-4)
+
+
 def test_foreign_model_is_refused(result):
     from calib.data.tokenizer import build_tiny_backend
     from calib.models import random_model
@@ -240,6 +272,10 @@ def test_foreign_model_is_refused(result):
     (["method.dense_layers=[0,1]"], "covers every layer"),
     (["method.dense_layers=[5]"], "out of range"),
     (["method.kmeans.backend=sklearn"], "method.kmeans.backend must be"),
+    (["method.top_l_layers={1: 0}"], "method.top_l_layers needs layers >= 0 and ℓ >= 1"),
+    (["method.top_l_layers={0: 4}"], "method.top_l_layers names dense layers \\[0\\]"),
+    (["method.top_l_layers={2: 4}"], "method.top_l_layers names layers \\[2\\] out of range"),
+    (["method.top_l_layers=[1,2]"], "method.top_l_layers must map layer numbers to ℓ"),
     (["method.eval.baseline_probe=all"], "baseline_probe must be head, group or both"),
 ])
 def test_validate_errors(model_dir, extra, message):

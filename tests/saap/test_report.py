@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from calib.saap.metrics import LayerEvaluation
-from calib.saap.report import head_curves, headline_metrics, interpolated_recall, moving_average, summary_table
+from calib.saap.report import (head_curves, headline_metrics, interpolated_recall, moving_average,
+                               recall_by_query_range, summary_table)
 
 TOP_LS = [4, 8]
 
@@ -57,6 +58,43 @@ def test_table_and_headline():
     assert m["at_top_l"]["rel_error"]["kmeans_derope"] == pytest.approx(0.15)
     assert set(m["recall_at_sel0.05"]) == {"saap", "kmeans_derope", "window"}
     assert m["window"]["recall"] == pytest.approx(0.4)
+
+
+def test_headline_at_a_per_layer_default_l():
+    """``at_top_l`` with one ℓ per layer reads each layer's own column: layer 1 at ℓ = 4, layer 2 at 8."""
+    low = _evaluation(sel=[[0.04, 0.02], [0.08, 0.2]], rec=[[0.7, 0.4], [0.9, 0.8]], win=[0.5, 0.3])
+    high = _evaluation(sel=[[0.1, 0.3], [0.5, 0.7]], rec=[[0.6, 0.6], [1.0, 0.9]], win=[0.5, 0.3])
+    curves = head_curves({1: low, 2: high})
+    m = headline_metrics(curves, TOP_LS, [4, 8], [0.05])
+    assert m["at_top_l"]["selectivity"]["saap"] == pytest.approx((0.04 + 0.02 + 0.5 + 0.7) / 4)
+    assert m["at_top_l"]["recall"]["saap"] == pytest.approx((0.7 + 0.4 + 1.0 + 0.9) / 4)
+    same = headline_metrics(curves, TOP_LS, 8, [0.05])["at_top_l"]["recall"]["saap"]
+    assert same == pytest.approx(headline_metrics(curves, TOP_LS, [8, 8], [0.05])["at_top_l"]["recall"]["saap"])
+    with pytest.raises(ValueError, match="1 default ℓ for 2 evaluated layers"):
+        headline_metrics(curves, TOP_LS, [4], [0.05])
+
+
+def test_split_by_query_range():
+    """Queries split by how far back their top-1 key lies: head 0's query 0 is long-range (300 > 256) and
+    its query 1 is not (10); both of head 1's are. Each set's curve is the mean over its own queries, a
+    head with none is NaN and left out; the fractions count (head, query) pairs."""
+    sel = torch.tensor([[[0.02, 0.06], [0.04, 0.04]], [[0.1, 0.3], [0.2, 0.2]]])  # [n_ℓ, Hq, nq]
+    rec = torch.tensor([[[0.8, 0.6], [0.7, 0.5]], [[0.9, 0.7], [1.0, 0.8]]])
+    ell = {"selectivity": sel, "selectivity_with_window": sel, "recall": rec, "rel_error": 1 - rec}
+    window = {"selectivity": torch.zeros(1, 2, 2), "selectivity_with_window": torch.zeros(1, 2, 2),
+              "recall": torch.tensor([[[0.5, 0.4], [0.3, 0.3]]]), "rel_error": torch.zeros(1, 2, 2)}
+    ev = LayerEvaluation(TOP_LS, {"saap": ell, "window": window}, torch.tensor([[300, 10], [400, 500]]))
+    long = head_curves({1: ev}, 256, True)["saap"]["recall"]  # [1, n_ℓ, Hq]
+    assert long[0].flatten().tolist() == pytest.approx([0.8, 0.6, 0.9, 0.9])  # [ℓ, head]; head 0: query 0 only
+    short = head_curves({1: ev}, 256, False)["saap"]["recall"]
+    assert short[0, :, 0].tolist() == pytest.approx([0.6, 0.7]) and torch.isnan(short[0, :, 1]).all()
+    out = recall_by_query_range({1: ev}, 256, [0.02])
+    assert out["long_range"]["fraction"] == 0.75 and out["short_range"]["fraction"] == 0.25
+    # long: head 0 (0, .5) (.02, .8) -> .8; head 1 (0, .3) (.04, .6) -> .45; short: head 0 (0, .4) (.06, .6) -> 0.4667
+    assert out["long_range"]["recall_at_sel0.02"]["saap"] == pytest.approx((0.8 + 0.45) / 2)
+    assert out["short_range"]["recall_at_sel0.02"]["saap"] == pytest.approx(0.4 + 0.2 * 0.02 / 0.06)
+    with pytest.raises(ValueError, match="no top-1 distances"):
+        head_curves({1: LayerEvaluation(TOP_LS, ev.metrics)}, 256)
 
 
 def test_moving_average_is_a_trailing_mean():

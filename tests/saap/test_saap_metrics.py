@@ -142,3 +142,33 @@ def test_both_probes_in_one_pass_match_the_single_probe_runs(prompt):
 def test_rejects_queries_inside_window(prompt):
     with pytest.raises(ValueError, match="sink \\+ recent"):
         _eval(prompt, _params(8, 2, 16), torch.tensor([5]))
+
+
+def test_oracle_bounds_every_ranking_of_its_partition(prompt):
+    """``oracle``: each partition's buckets ranked by the group's true mass on the candidate keys. For one
+    bucket set per KV head that maximizes the group's captured mass at every ℓ, so the group-mean recall
+    of ``oracle_derope`` is at least SAAP's and the group-probed de-RoPE'd k-means' (same partition), and
+    ``oracle_rope``'s at least the group-probed RoPE'd k-means'. Hand check of one (head, query): the
+    oracle's ℓ = 1 bucket holds the largest candidate mass of the group."""
+    p = prompt
+    rope_c = torch.randn(2, C, 16, generator=torch.Generator().manual_seed(5))
+    qidx = eval_query_positions(400, SINK, RECENT, 24, torch.Generator().manual_seed(2))
+    ev = _eval(p, _params(8, 2, 16), qidx, top_ls=[1, 2, 3, 5], rope_centroids=rope_c, baseline_probe="group",
+               oracle=True)
+    group = lambda m: ev.metrics[m]["recall"].view(4, 2, 4, -1).mean(2)  # noqa: E731 - [nℓ, Hkv, nq]
+    for oracle, others in (("oracle_derope", ("saap", "kmeans_derope")), ("oracle_rope", ("kmeans_rope",))):
+        for other in others:
+            assert (group(oracle) >= group(other) - 1e-6).all(), (oracle, other)
+    # by hand: KV head 0, the first query, ℓ = 1
+    from runtime_kernels.saap.reference import nearest_centroid
+
+    i = int(qidx[0])
+    kb = nearest_centroid(p["k_de"], _params(8, 2, 16).centroids)[0, : i + 1]  # KV head 0's buckets
+    a = torch.softmax((p["q_rope"][:4, i].double() @ p["k_rope"][0, : i + 1].double().T) / 4.0, -1)  # [G, i+1]
+    cand = torch.zeros(i + 1, dtype=torch.bool)
+    cand[SINK: i + 1 - RECENT] = True
+    mass = torch.zeros(C, dtype=torch.float64).index_add_(0, kb[cand], a[:, cand].sum(0))
+    best = int(mass.argmax())
+    window = a[:, :SINK].sum(-1) + a[:, i + 1 - RECENT:].sum(-1)  # [G]
+    expected = window + a[:, cand][:, kb[cand] == best].sum(-1)
+    assert ev.metrics["oracle_derope"]["recall"][0, :4, 0].double() == pytest.approx(expected, abs=1e-5)

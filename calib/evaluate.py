@@ -123,6 +123,17 @@ def summarize(dense: list[PromptResult], sparse: list[PromptResult] | None, resa
     return tasks, metrics
 
 
+def runtime_settings(runtime: Any) -> dict[str, Any]:
+    """The settings the attached runtime actually uses (the artifact's defaults after the ``eval.*``
+    overrides): SAAP's ``top_l``, per-layer ``top_l_layers`` and ``ranking``; ``{}`` for other methods.
+    Logged with every evaluation, so a held-out result names the operating point it measured."""
+    dec = getattr(runtime, "decode", None)
+    if dec is None or not hasattr(dec, "layer_top_l"):
+        return {}
+    return {"top_l": int(dec.top_l), "top_l_layers": {int(k): int(v) for k, v in sorted(dec.top_l_layers.items())},
+            "ranking": str(dec.ranking)}
+
+
 def runtime_options(cfg: Any, method: str) -> dict[str, dict[str, Any]]:
     """Runtime overrides from the config: ``eval.top_l`` (SAAP: buckets visited instead of the
     artifact's ℓ, for an ℓ sweep without recalibrating), ``eval.top_l_layers`` (SAAP: ``{layer: ℓ}`` for
@@ -194,9 +205,11 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         t0 = time.perf_counter()
         dense = answer_prompts(loaded, prompts, int(cfg.eval.max_new_tokens))
         timings = {"time_dense_s": time.perf_counter() - t0}
-        sparse = None
+        sparse, settings = None, {}
         if artifact is not None:
             runtime = hf.apply(loaded.model, artifact, options=runtime_options(cfg, method))
+            settings = runtime_settings(runtime)
+            mlflow.log_params({f"runtime.{k}": str(v) for k, v in settings.items()})
             try:
                 t0 = time.perf_counter()
                 sparse = answer_prompts(loaded, prompts, int(cfg.eval.max_new_tokens), runtime, desc=method)
@@ -206,7 +219,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         tasks, metrics = summarize(dense, sparse, int(cfg.eval.bootstrap), int(cfg.seed))
         metrics.update(timings)
         mlflow.log_metrics({k.replace("@", "_at_"): v for k, v in metrics.items()})
-        mlflow.log_dict({"tasks": tasks, "metrics": metrics, "config": to_container(cfg),
+        mlflow.log_dict({"tasks": tasks, "metrics": metrics, "config": to_container(cfg), "runtime": settings,
                          "dense_predictions": [r.__dict__ for r in dense],
                          "sparse_predictions": [r.__dict__ for r in sparse] if sparse else None}, "eval.json")
     result: dict[str, Any] = {"artifact": str(cfg.artifact) if cfg.get("artifact") else None, "tasks": tasks,

@@ -40,8 +40,10 @@ def setting(run: Mapping[str, Any]) -> tuple[str, int | None, str, str]:
     it are pooled."""
     cfg = run["config"]
     ev = cfg.get("eval", {})
-    layers = ",".join(f"{k}:{v}" for k, v in sorted((ev.get("top_l_layers") or {}).items(), key=lambda kv: int(kv[0])))
-    return str(cfg.get("artifact")), ev.get("top_l"), ev.get("ranking") or "mass", layers
+    rt = run.get("runtime") or {}  # what the runtime used (artifact defaults + overrides; runs since 2026-11-21 22:40)
+    per_layer = ev.get("top_l_layers") or rt.get("top_l_layers") or {}
+    layers = ",".join(f"{k}:{v}" for k, v in sorted(per_layer.items(), key=lambda kv: int(kv[0])))
+    return str(cfg.get("artifact")), ev.get("top_l") or rt.get("top_l"), ev.get("ranking") or "mass", layers
 
 
 def compact(run: Mapping[str, Any]) -> dict[str, Any]:

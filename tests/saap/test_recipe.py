@@ -244,6 +244,9 @@ def test_per_layer_default_l_is_written_and_applied(model_dir, loaded, tmp_path)
     state = hf.apply(model, res["artifact_dir"])
     try:
         assert state.decode.top_l == 1 and state.decode.layer_top_l(1) == C
+        from calib.evaluate import runtime_settings
+
+        assert runtime_settings(state) == {"top_l": 1, "top_l_layers": {1: C}, "ranking": "mass"}
         sparse = _decode_logits(model, ids, [5, 17, 42])
     finally:
         hf.remove(model)

@@ -51,6 +51,13 @@ def test_settings_are_kept_apart_and_identical_runs_give_a_zero_width_interval()
     layered[2]["config"]["eval"]["top_l_layers"] = {"1": 8, "3": 192}  # the same map, another order
     rows = pool_evals.pool(layered, resamples=200)
     assert [(r["top_l_layers"], r["seeds"]) for r in rows] == [("", [1]), ("1:8,3:192", [1, 2])]
+    # an artifact's own per-layer default (no eval override) is read from the runtime record and pools with
+    # the same operating point given as overrides
+    default = [_run(3, None, None, [True], [True]), _run(4, 16, None, [True], [False])]
+    default[0]["runtime"] = {"top_l": 16, "top_l_layers": {"3": 192}, "ranking": "mass"}
+    default[1]["config"]["eval"]["top_l_layers"] = {"3": 192}
+    (row,) = pool_evals.pool(default, resamples=200)
+    assert (row["top_l"], row["top_l_layers"], row["seeds"]) == (16, "3:192", [3, 4])
 
 
 def test_bad_inputs_are_refused():

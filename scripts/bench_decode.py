@@ -377,6 +377,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--saap-variants", nargs="*", default=None, metavar="NAME",
                    help=f"time named SAAP configs side by side instead of the full table (B 1 8 x T 8192 131072, "
                         f"l=32); no name: all of {', '.join(SAAP_VARIANTS)}")
+    p.add_argument("--top-l", type=int, default=None, help="--saap-variants: buckets visited (default 32)")
     p.add_argument("--saap-config", nargs="*", default=[], metavar="KEY=INT",
                    help="override runtime_kernels.saap.triton_config.CONFIG fields, e.g. block_n=32 linear_stages=3")
     return p.parse_args(argv)
@@ -501,6 +502,11 @@ SAAP_VARIANTS: dict[str, dict[str, int]] = {
     "nofilter": {"rank_filter": 0},
     "rank-w4": {"rank_warps": 4},
     "l1-k128": {"l1_dot_block_k": 128},
+    # session 12: small buckets packed, several per program as one key list
+    "pack2": {"bkt_pack": 2},
+    "pack4": {"bkt_pack": 4},
+    "pack8": {"bkt_pack": 8},
+    "pack16": {"bkt_pack": 16},
 }
 
 
@@ -515,7 +521,7 @@ def bench_saap_variants(args: argparse.Namespace, names: list[str]) -> None:
     sh = SMOKE if args.smoke else Shapes(batches=(1, 8), lengths=(8192, 131072))
     batches = tuple(args.batches) if args.batches else sh.batches
     lengths = tuple(args.lengths) if args.lengths else sh.lengths
-    top_l = _pick(sh.top_ls, 32, len(sh.top_ls) // 2)
+    top_l = args.top_l or _pick(sh.top_ls, 32, len(sh.top_ls) // 2)
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     timer = Timer(cuda, args.warmup if cuda else 1, args.repeats, args.flush)
     base = triton_config.CONFIG

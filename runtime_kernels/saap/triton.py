@@ -151,7 +151,7 @@ def _partial_kernel(
     sq_b, sq_h, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
     sst_b, sst_h, sst_c, scn_b, scn_h, scn_c, ssl_b, ssl_h, ssl_s,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, F32: tl.constexpr, PREFETCH_V: tl.constexpr,
+    BLOCK_N: tl.constexpr, F32: tl.constexpr, PREFETCH_V: tl.constexpr, PACK: tl.constexpr = 0,
 ):
     """One partial softmax ``(o [G, D], m [G], l [G])`` of the query heads of one (batch, KV head).
 
@@ -161,7 +161,12 @@ def _partial_kernel(
     ``e ∈ [(r // n_split)·n_per, +n_per) ∩ [0, L)``, of each bucket ``c`` its ``(r % n_split)``-th chunk of
     ``ceil(count / n_split)`` keys, positions ``slots[b, h, slot_start[b, h, c] + i]``,
     ``i < bucket_count[b, h, c]``. ``m`` is in log2 units (scores times ``scale · log2 e``), ``-inf`` and
-    ``l = 0`` when the partial has no key. Partials are contiguous ``o [B, Hkv, P, G, D]``,
+    ``l = 0`` when the partial has no key. ``PACK > 0`` (``CONFIG.bkt_pack``, small buckets): bucket
+    program ``r`` walks the concatenation of the keys of buckets ``e ∈ [r·PACK, (r+1)·PACK) ∩ [0, L)``
+    (``n_per = PACK``, ``n_split = 1``) in ``BLOCK_N``-key steps: their ids, slot starts and counts are
+    loaded as vectors at once and a key's slot comes from the counts' prefix sum, so PACK buckets of a
+    few keys cost one program and one chain of dependent loads instead of PACK of each.
+    Partials are contiguous ``o [B, Hkv, P, G, D]``,
     ``m, l [B, Hkv, P, G]`` float32. Grid: (B · Hkv, number of partials of this launch).
     """
     pid = tl.program_id(0)
@@ -184,14 +189,29 @@ def _partial_kernel(
     e0 = (r // n_split) * n_per
     part = r % n_split
     j_first = p * win_tile
-    n_seg = tl.where(is_bkt, tl.minimum(n_per, L - e0), 1)
+    if PACK > 0:
+        n_seg = 1
+    else:
+        n_seg = tl.where(is_bkt, tl.minimum(n_per, L - e0), 1)
     m_i = tl.full([G_PAD], -float("inf"), dtype=tl.float32)
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
     for e in range(0, n_seg):
-        c = tl.load(sel_ptr + pid.to(tl.int64) * L + e0 + e, mask=is_bkt, other=0)
-        slot0 = tl.load(start_ptr + b64 * sst_b + h * sst_h + c * sst_c, mask=is_bkt, other=0)
-        n_bkt = tl.load(count_ptr + b64 * scn_b + h * scn_h + c * scn_c, mask=is_bkt, other=0)
+        if PACK > 0:  # PACK buckets as one list: ids, starts, counts as vectors; slot of key i by prefix sum
+            e_idx = e0 + tl.arange(0, PACK)
+            e_ok = (e_idx < L) & ((e_idx * 0 + p) >= n_win)
+            cs = tl.load(sel_ptr + pid.to(tl.int64) * L + e_idx, mask=e_ok, other=0)
+            st = tl.load(start_ptr + b64 * sst_b + h * sst_h + cs * sst_c, mask=e_ok, other=0)
+            cn = tl.load(count_ptr + b64 * scn_b + h * scn_h + cs * scn_c, mask=e_ok, other=0)
+            inc = tl.cumsum(cn, 0)
+            exc = inc - cn
+            delta = st - exc  # slot of key i of bucket e = i + delta[e] for exc[e] <= i < inc[e]
+            slot0 = 0
+            n_bkt = tl.sum(cn, 0)
+        else:
+            c = tl.load(sel_ptr + pid.to(tl.int64) * L + e0 + e, mask=is_bkt, other=0)
+            slot0 = tl.load(start_ptr + b64 * sst_b + h * sst_h + c * sst_c, mask=is_bkt, other=0)
+            n_bkt = tl.load(count_ptr + b64 * scn_b + h * scn_h + c * scn_c, mask=is_bkt, other=0)
         chunk = (n_bkt + n_split - 1) // n_split
         i_lo = tl.where(is_bkt, part * chunk, 0)
         i_hi = tl.where(is_bkt, tl.minimum(n_bkt, i_lo + chunk), tl.minimum(win_tile, n_dense - j_first))
@@ -202,7 +222,12 @@ def _partial_kernel(
             j = j_first + i
             pos_w = tl.where(j < lo, j, j + (hi - lo))
             # the scalar flag is broadcast by hand: Triton 3.9's interpreter rejects vector & scalar masks
-            pos_b = tl.load(slot_base + i * ssl_s, mask=k_ok & ((i * 0 + p) >= n_win), other=0)
+            if PACK > 0:
+                hit = (i[:, None] >= exc[None, :]) & (i[:, None] < inc[None, :])
+                slot = i + tl.sum(tl.where(hit, delta[None, :], 0), 1)
+            else:
+                slot = i
+            pos_b = tl.load(slot_base + slot * ssl_s, mask=k_ok & ((i * 0 + p) >= n_win), other=0)
             pos = tl.where(is_bkt, pos_b, pos_w)
             kt = tl.load(k_base + pos[None, :] * sk_t + offs_d[:, None] * sk_d,
                          mask=k_ok[None, :] & d_ok[:, None], other=0.0)  # [D_PAD, BLOCK_N]
@@ -305,14 +330,30 @@ class _Partials:
     o: torch.Tensor
     m: torch.Tensor
     l: torch.Tensor
+    pack: int = 0  # > 0: bucket programs walk this many buckets as one key list (_pack)
 
     @property
     def n_part(self) -> int:
         return self.n_win + self.n_bkt_prog
 
 
+def _pack(n_keys: int, n_buckets: int | None) -> int:
+    """Buckets per bucket program (``0``: one each, as cut by ``bkt_per_prog`` / ``bkt_split``).
+    ``CONFIG.bkt_pack < 0`` (auto): the largest power of two of buckets whose mean size
+    ``n_keys / n_buckets`` (host ints: no sync) fills at most one ``block_n`` key step, 8 at most, none
+    below 2 — packed at 8k and 32k with C = 1024 (6 and 30 keys per bucket), not at 128k (126)."""
+    cfg = _tc.CONFIG
+    if cfg.bkt_pack >= 0:
+        return cfg.bkt_pack
+    if not n_buckets or n_keys <= 0:
+        return 0
+    fit = cfg.block_n * n_buckets // max(1, n_keys)  # buckets of mean size per key step
+    pack = 1 << (max(1, min(fit, 8)).bit_length() - 1)
+    return pack if pack >= 2 else 0
+
+
 def _plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, n_l: int, lo: int, hi: int,
-          scale: float) -> _Partials:
+          scale: float, n_buckets: int | None = None) -> _Partials:
     b, hq, d = q.shape
     hkv, t = k_cache.shape[1], k_cache.shape[2]
     cfg = _tc.CONFIG
@@ -322,15 +363,16 @@ def _plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, n_l: in
         max_tiles = max(1, min(max_tiles, triton.cdiv(cfg.win_programs, b * hkv)))
     win_tile = cfg.block_n * max(cfg.min_win_steps, triton.cdiv(n_dense, max_tiles * cfg.block_n))
     n_win = triton.cdiv(n_dense, win_tile)
-    n_per = max(1, cfg.bkt_per_prog)
-    n_split = max(1, cfg.bkt_split)
+    pack = _pack(hi - lo, n_buckets)
+    n_per = pack if pack > 0 else max(1, cfg.bkt_per_prog)
+    n_split = 1 if pack > 0 else max(1, cfg.bkt_split)
     n_bkt_prog = triton.cdiv(n_l, n_per) * n_split
     n_part = n_win + n_bkt_prog
     g = hq // hkv
     o, m, l_ = (_buffer(shape, torch.float32, q.device)
                 for shape in ((b, hkv, n_part, g, d), (b, hkv, n_part, g), (b, hkv, n_part, g)))
     return _Partials(q, k_cache, v_cache, lo, hi, float(scale), n_dense, win_tile, n_win, n_bkt_prog, n_split,
-                     n_per, o, m, l_)
+                     n_per, o, m, l_, pack)
 
 
 def _launch_partials(pl: _Partials, state: BucketIndex | None, buckets: torch.Tensor | None, window: bool,
@@ -357,7 +399,7 @@ def _launch_partials(pl: _Partials, state: BucketIndex | None, buckets: torch.Te
         pl.n_per, pl.scale * LOG2E, *q.stride(), *k_cache.stride(), *v_cache.stride(), *start.stride(),
         *count.stride(), *slots.stride(),
         G=g, G_PAD=max(_ROWS, _pow2(g)), D=d, D_PAD=_pow2(d), BLOCK_N=_tc.CONFIG.block_n, F32=f32,
-        PREFETCH_V=bool(_tc.CONFIG.attn_prefetch_v),
+        PREFETCH_V=bool(_tc.CONFIG.attn_prefetch_v), PACK=pl.pack,
         num_warps=_tc.CONFIG.attn_warps, num_stages=_tc.CONFIG.attn_stages,
     )
 
@@ -385,7 +427,7 @@ def saap_sparse_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     (or None: dense region only); ``lo = hi = 0``: the whole cache. Returns [B, Hq, D] in q.dtype.
     """
     n_l = 0 if buckets is None else int(buckets.shape[-1])
-    pl = _plan(q, k_cache, v_cache, n_l, lo, hi, scale)
+    pl = _plan(q, k_cache, v_cache, n_l, lo, hi, scale, None if state is None else state.bucket_count.shape[-1])
     _launch_partials(pl, state, buckets, True, True)
     return _merge(pl)
 
@@ -410,7 +452,7 @@ def _sparse_step(q: torch.Tensor, q_derope: torch.Tensor, k_cache: torch.Tensor,
     side stream while the classifier and ranking run (fork and join by events: graph-capturable)."""
     hkv = k_cache.shape[1]
     c = params.w2.shape[-1]
-    pl = _plan(q, k_cache, v_cache, min(int(top_l), c), lo, hi, scale)
+    pl = _plan(q, k_cache, v_cache, min(int(top_l), c), lo, hi, scale, c)
     overlap = bool(_tc.CONFIG.overlap_window) and q.is_cuda and not _interpreting()
     if overlap:
         main = torch.cuda.current_stream(q.device)

@@ -43,6 +43,11 @@ class SaapTritonConfig:
                               # B=8 128k unchanged (docs/bench/2026-11-21-h200/saap_win_programs.txt)
     bkt_split: int = 1
     bkt_per_prog: int = 1
+    bkt_pack: int = -1        # > 0 (a power of 2): each bucket program walks this many selected buckets as one
+                              # concatenated key list (vector lookups, prefix-summed counts); 0: off; -1 (auto): as
+                              # many as fill one block_n step at the mean bucket size, 2..8 (triton._pack). H200
+                              # 2026-11-21 run 75, graphed, C = 1024: 8k B=8 l=64 84.3 -> 65.3 us (pack 4; 1.06x
+                              # SDPA), l=32 66.2 -> 62.7; 32k B=8 l=64 87.1 -> 76.1; 128k: slower (not packed)
     # Defaults from the H200 variant run (2026-11-21, bench_decode.py --saap-variants, graphed, ℓ=32): the
     # two-launch classifier (46 µs alone at 128k B=1) beat the fused split-K one (147 µs; 93 µs with
     # 128-wide hidden tiles), and overlapping the window on a side stream bought nothing.

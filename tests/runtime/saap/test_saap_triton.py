@@ -130,9 +130,12 @@ def test_matches_reference(b, hq, hkv, t, d, c, sink, recent, top_l, structured)
 
 
 SCHEDULES = [  # CONFIG switches that change how the work is cut, never the result
-    {"bkt_split": 3},  # each bucket over 3 programs (chunks of ceil(count / 3) keys, some empty)
-    {"bkt_per_prog": 2},  # two buckets per program (L odd in some shapes: a ragged last program)
-    {"bkt_split": 2, "bkt_per_prog": 3},
+    {"bkt_split": 3, "bkt_pack": 0},  # each bucket over 3 programs (chunks of ceil(count / 3) keys, some empty)
+    {"bkt_per_prog": 2, "bkt_pack": 0},  # two buckets per program, in turn (L odd in some shapes: ragged last)
+    {"bkt_split": 2, "bkt_per_prog": 3, "bkt_pack": 0},
+    {"bkt_pack": 0},  # one bucket per program (what auto packing picks for large buckets)
+    {"bkt_pack": 4},  # four buckets per program as one key list (prefix-summed counts; ragged last group)
+    {"bkt_pack": 2, "block_n": 16},  # packed lists longer than one key step
     {"cls_fused": 1},  # the fused split-K classifier (not the default: slower on the H200)
     {"cls_fused": 1, "cls_n_split": 2, "cls_block_h": 32},  # fused; logit columns over two programs
     {"attn_prefetch_v": 1},  # V rows loaded with the K rows
@@ -156,12 +159,27 @@ def test_schedules_match_reference(sched, monkeypatch):
         assert _row_rel_err(out, _ref(q, qd, k, v, idx, p, top_l)) < TOL32
 
 
-def test_empty_buckets_are_visited_and_weigh_nothing():
+def test_auto_packing_rule(monkeypatch):
+    """``bkt_pack = -1``: the largest power of two (2..8) of mean-size buckets that fits one key step of
+    ``block_n``; Llama shapes (C = 1024, window 2048, block_n 64): 8 at 8k, 2 at 32k, none at 128k."""
+    monkeypatch.setattr(tconf, "CONFIG", replace(tconf.CONFIG, bkt_pack=-1, block_n=64))
+    assert [triton_mod._pack(t - 2048, 1024) for t in (8192, 32768, 131072)] == [8, 2, 0]
+    assert triton_mod._pack(100, 1) == 0 and triton_mod._pack(0, 8) == 0 and triton_mod._pack(10, None) == 0
+    assert triton_mod._pack(64 * 5, 15) == 2  # 21.3 keys per bucket: 3 fit, the power of two below is 2
+    for fixed in (0, 4):
+        monkeypatch.setattr(tconf, "CONFIG", replace(tconf.CONFIG, bkt_pack=fixed))
+        assert triton_mod._pack(6144, 1024) == fixed
+
+
+def test_empty_buckets_are_visited_and_weigh_nothing(monkeypatch):
     q, qd, k, v, p, idx = _case(2, 8, 2, 180, 64, 16, 1, 20, structured=True)
     logits = triton_mod.saap_classifier_logits_triton(qd, p)
     sel = triton_mod.saap_rank_buckets_triton(logits, 4, 6)
     sizes = idx.bucket_count.gather(-1, sel.long())
     assert (sizes == 0).any() and (sizes > 0).any()  # the case really mixes empty and full buckets
+    out = triton_mod.saap_decode_attention_triton(q, qd, k, v, idx, p, top_l=6, scale=None)
+    assert _row_rel_err(out, _ref(q, qd, k, v, idx, p, 6)) < TOL32
+    monkeypatch.setattr(tconf, "CONFIG", replace(tconf.CONFIG, bkt_pack=4))  # empty buckets inside packed lists
     out = triton_mod.saap_decode_attention_triton(q, qd, k, v, idx, p, top_l=6, scale=None)
     assert _row_rel_err(out, _ref(q, qd, k, v, idx, p, 6)) < TOL32
 
@@ -443,6 +461,18 @@ def test_gpu_matches_reference(b, hq, hkv, t, d, c, top_l, structured, dtype):
     assert _row_rel_err(out, ref) < GPU_TOL
     out = saap_decode_attention(q, k, v, idx, p, top_l=top_l, q_derope=qd)  # the public dispatch
     assert _row_rel_err(out, ref) < GPU_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pack", [4, 16])
+@pytest.mark.parametrize("b,hq,hkv,t,d,c,top_l", GPU_CASES, ids=GPU_IDS)
+def test_gpu_packed_buckets_match_reference(b, hq, hkv, t, d, c, top_l, pack, monkeypatch):
+    """``bkt_pack``: several selected buckets per program as one key list, bf16, structured inputs."""
+    monkeypatch.setattr(tconf, "CONFIG", replace(tconf.CONFIG, bkt_pack=pack, poison=True))
+    q, qd, k, v, p, idx = _case(b, hq, hkv, t, d, c, 1, 2047, structured=True, dtype=torch.bfloat16, hd=256,
+                                device="cuda")
+    out = triton_mod.saap_decode_attention_triton(q, qd, k, v, idx, p, top_l=top_l, scale=None)
+    assert _row_rel_err(out, _ref(q, qd, k, v, idx, p, top_l)) < GPU_TOL
 
 
 GPU_CLASSIFIERS = {  # named CONFIG overrides: every classifier path and ranking variant

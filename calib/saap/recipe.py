@@ -37,8 +37,13 @@ Stages (each timed with ``ctx.timer``, logged as ``time_<stage>_s``):
    ``kmeans_derope`` (SAAP's centroids probed by inner product with the de-RoPE'd query),
    ``kmeans_rope`` and the window alone (:func:`calib.saap.evaluate_layer`). Aggregation, table and
    plots: :mod:`calib.saap.report`. Headline metrics: ``recall_at_sel<t>.<method>`` for every target
-   of ``eval.recall_at_selectivity`` (MLflow forbids ``@`` in metric names), ``at_top_l.*``,
-   ``window.*``, k-means imbalance, classifier loss, stage times.
+   of ``eval.recall_at_selectivity`` (MLflow forbids ``@`` in metric names), ``at_top_l.*`` (each
+   layer at its default ℓ: ``top_l`` or its ``top_l_layers`` entry), ``window.*``, k-means imbalance,
+   classifier loss, stage times. Diagnostics beside them: ``oracle_derope`` / ``oracle_rope``
+   (``eval.oracle``: each partition's buckets ranked by the group's true attention mass, the bound of
+   any classifier on that partition) and ``by_query_range.{long_range,short_range}.*`` (recall over the
+   (head, query) pairs whose top-1 key lies more / not more than ``long_range`` back), which show where
+   SAAP's recall stands against the baselines and why (README, "SAAP on tiny").
 
 Answer-aware calibration (``method.classifier.teacher_forced_answer``, default true). The paper trains
 the classifiers only on long-range queries sampled across the prompt (papers/saap.txt §4 "Query

@@ -345,6 +345,8 @@ def _pack(n_keys: int, n_buckets: int | None) -> int:
     ``n_keys / n_buckets`` (host ints: no sync) fills at most one ``block_n`` key step, 8 at most, none
     below 2 — packed at 8k and 32k with C = 1024 (6 and 30 keys per bucket), not at 128k (126)."""
     cfg = _tc.CONFIG
+    if cfg.bkt_pack > 0 and cfg.bkt_pack & (cfg.bkt_pack - 1):
+        raise ValueError(f"SaapTritonConfig.bkt_pack must be a power of two, 0 or -1 (auto), got {cfg.bkt_pack}")
     if cfg.bkt_pack >= 0:
         return cfg.bkt_pack
     if not n_buckets or n_keys <= 0:

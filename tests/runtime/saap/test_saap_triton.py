@@ -169,6 +169,9 @@ def test_auto_packing_rule(monkeypatch):
     for fixed in (0, 4):
         monkeypatch.setattr(tconf, "CONFIG", replace(tconf.CONFIG, bkt_pack=fixed))
         assert triton_mod._pack(6144, 1024) == fixed
+    monkeypatch.setattr(tconf, "CONFIG", replace(tconf.CONFIG, bkt_pack=3))
+    with pytest.raises(ValueError, match="power of two"):
+        triton_mod._pack(6144, 1024)
 
 
 def test_empty_buckets_are_visited_and_weigh_nothing(monkeypatch):

@@ -66,13 +66,30 @@ def publish(artifact_dir: str | Path, run_id: str, *, alias: str = CANDIDATE) ->
         "artifact_sha256": digest,
         "model": m.model.name,
         "model_hash": m.model.model_hash or "",
-        "metrics": json.dumps(m.metrics, sort_keys=True)[:4000],
+        "metrics": metrics_tag(m.metrics),
     }
     mv = client.create_model_version(name, source=source, run_id=run_id, tags=tags)
     _wait_ready(client, name, mv.version)
     client.set_registered_model_alias(name, alias, mv.version)
     mlflow.set_tags({"registered_model": name, "registered_version": mv.version})
     return Published(name, str(mv.version), f"models:/{name}/{mv.version}", source, digest)
+
+
+def metrics_tag(metrics: dict[str, Any], limit: int = 4000) -> str:
+    """The manifest's metrics as the version's ``metrics`` tag: valid JSON of at most ``limit`` characters
+    (MLflow caps tag values). When all of them do not fit, the shortest-named first (the headline
+    ``recall_at_sel*`` / ``at_top_l.*`` before the nested diagnostics), then by name, until the next one
+    would not fit — never a JSON string cut in the middle, which ``calib ls`` could not read."""
+    full = json.dumps(metrics, sort_keys=True)
+    if len(full) <= limit:
+        return full
+    kept: dict[str, Any] = {}
+    for key in sorted(metrics, key=lambda k: (k.count("."), len(k), k)):
+        trial = {**kept, key: metrics[key]}
+        if len(json.dumps(trial, sort_keys=True)) > limit:
+            break
+        kept = trial
+    return json.dumps(kept, sort_keys=True)
 
 
 def _is_logged_copy(artifact_dir: Path, source: str) -> bool:

@@ -507,6 +507,13 @@ SAAP_VARIANTS: dict[str, dict[str, int]] = {
     "pack4": {"bkt_pack": 4},
     "pack8": {"bkt_pack": 8},
     "pack16": {"bkt_pack": 16},
+    # session 12: the 128k B=1 step's remaining tile shapes
+    "l2n256": {"l2_block_n": 256},
+    "l2n256-w8": {"l2_block_n": 256, "l2_warps": 8},
+    "l2s5": {"l2_stages": 5},
+    "l2s3": {"l2_stages": 3},
+    "l1n128": {"l1_dot_block_n": 128},
+    "l1n128-k128": {"l1_dot_block_n": 128, "l1_dot_block_k": 128},
 }
 
 

@@ -116,6 +116,22 @@ def require(cond: bool, message: str) -> None:
         raise UserError(message)
 
 
+def layer_map(raw: Any, name: str) -> dict[int, int]:
+    """A ``{layer: ℓ}`` setting (SAAP's per-layer ℓ: ``method.top_l_layers``, ``eval.top_l_layers``) as
+    ``{int: int}`` with layers >= 0 and ℓ >= 1; null / empty -> ``{}``; anything else -> one-line UserError."""
+    if not raw:
+        return {}
+    try:
+        if not hasattr(raw, "items") or any(isinstance(x, bool) for kv in raw.items() for x in kv):
+            raise ValueError
+        out = {int(k): int(v) for k, v in raw.items()}
+    except (TypeError, ValueError):
+        raise UserError(f"{name} must map layer numbers to ℓ, e.g. {{3: 192}} (got {raw!r})") from None
+    require(all(k >= 0 for k in out) and all(v >= 1 for v in out.values()),
+            f"{name} needs layers >= 0 and ℓ >= 1 (got {out})")
+    return out
+
+
 def validate_common(cfg: DictConfig) -> None:
     """Range checks shared by every command (methods check their own keys)."""
     require(cfg.get("device", "auto") in ("auto", "cpu", "cuda") or str(cfg.device).startswith("cuda:"),

@@ -152,13 +152,9 @@ def runtime_options(cfg: Any, method: str) -> dict[str, dict[str, Any]]:
             raise UserError(f"eval.top_l must be >= 1 (got {top_l})")
         opts["top_l"] = int(top_l)
     if per_layer:
-        try:
-            layers = {int(k): int(v) for k, v in dict(per_layer).items()}
-        except (TypeError, ValueError) as exc:
-            raise UserError(f"eval.top_l_layers must map layer numbers to ℓ, e.g. {{3: 192}} (got {per_layer!r})"
-                            ) from exc
-        if any(v < 1 for v in layers.values()) or any(k < 0 for k in layers):
-            raise UserError(f"eval.top_l_layers needs layers >= 0 and ℓ >= 1 (got {layers})")
+        from calib.config import layer_map
+
+        layers = layer_map(per_layer, "eval.top_l_layers")
         opts["top_l_layers"] = layers
     if ranking is not None:
         from runtime_kernels.saap.reference import RANKINGS

@@ -83,7 +83,7 @@ from typing import Any, Sequence
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from calib.config import require
+from calib.config import layer_map, require
 from calib.errors import UserError
 from calib.saap.metrics import LayerEvaluation
 from runtime_kernels.manifest import DataRecord
@@ -107,19 +107,6 @@ def _get(node: Any, key: str, kind: type, *, optional: bool = False) -> Any:
     except Exception:  # noqa: BLE001 - a missing interpolation, text or a wrong type: the same user error
         raise UserError(f"method.{key} must be {'true/false' if kind is bool else f'a number ({kind.__name__})'}"
                         f"{' or null' if optional else ''}; set method.{key}=<value>") from None
-
-
-def _int_map(node: Any, key: str) -> dict[int, int]:
-    """``node[key]`` as ``{int: int}`` (null / missing -> ``{}``); anything else -> one-line UserError."""
-    raw = node.get(key)
-    if raw is None:
-        return {}
-    try:
-        if not hasattr(raw, "items") or any(isinstance(x, bool) for kv in raw.items() for x in kv):
-            raise ValueError
-        return {int(k): int(v) for k, v in raw.items()}
-    except Exception:  # noqa: BLE001
-        raise UserError(f"method.{key} must map layer numbers to ℓ, e.g. {{3: 192}}, got {raw!r}") from None
 
 
 def _int_list(node: Any, key: str, *, optional: bool = False) -> list[int] | None:
@@ -191,7 +178,7 @@ class Settings:
         return cls(
             clusters=_get(m, "clusters", int), iterations=_get(m, "iterations", int), window=_get(m, "window", int),
             sink=_get(m, "sink", int), long_range=_get(m, "long_range", int), top_l=_get(m, "top_l", int),
-            top_l_layers=_int_map(m, "top_l_layers"), top_ls=_int_list(m, "top_ls"), dense_layers=_int_list(m, "dense_layers") or [],
+            top_l_layers=layer_map(m.get("top_l_layers"), "method.top_l_layers"), top_ls=_int_list(m, "top_ls"), dense_layers=_int_list(m, "dense_layers") or [],
             causal_targets=_get(m, "causal_targets", bool), causal_top1=_get(m, "causal_top1", bool),
             prompts=_get(m, "prompts", int), calib_lengths=_int_list(m, "calib_lengths", optional=True),
             kmeans_backend=str(km.get("backend", "auto")), kmeans_use_gpu=use_gpu,
@@ -220,8 +207,6 @@ def validate(cfg: DictConfig) -> None:
     require(s.window > s.sink, f"method.window must be > method.sink={s.sink} (got {s.window}): the dense region "
                                f"is the sink plus window - sink recent keys (2048 = 1+2047 for llama31)")
     require(s.top_l >= 1, f"method.top_l must be >= 1 (got {s.top_l}): buckets visited per KV head at decode")
-    require(all(v >= 1 for v in s.top_l_layers.values()) and all(k >= 0 for k in s.top_l_layers),
-            f"method.top_l_layers needs layers >= 0 and ℓ >= 1 (got {s.top_l_layers})")
     require(not set(s.top_l_layers) & set(s.dense_layers),
             f"method.top_l_layers names dense layers {sorted(set(s.top_l_layers) & set(s.dense_layers))}: "
             f"they attend to every key and have no ℓ")

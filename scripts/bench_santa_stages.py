@@ -105,7 +105,8 @@ def _wall_ms(fn: Callable[[], object]) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
-def bench(variants: list[str], batches: list[int], lengths: list[int], sh: Shape, smoke: bool) -> list[tuple]:
+def bench(variants: list[str], batches: list[int], lengths: list[int], sh: Shape, smoke: bool,
+          tilings: tuple[str, ...] = ("prop", "flash")) -> list[tuple]:
     device, dtype = ("cpu", torch.float32) if smoke else ("cuda", torch.bfloat16)
     rows = []
     for name in variants:
@@ -116,6 +117,8 @@ def bench(variants: list[str], batches: list[int], lengths: list[int], sh: Shape
                 elem = k.element_size()
                 floor_us = floor_ms(2 * k.numel() * elem) * 1e3
                 for tiling, s in (("prop", sh.s_prop), ("flash", sh.s_flash)):
+                    if tiling not in tilings:
+                        continue
                     n_s = torch.full((b,), s, dtype=torch.int64, device=device)
                     stages = tk.santa_stages(q, k, v, n_s, tiling=tiling, tile=sh.tile, scale=sh.d ** -0.5,
                                              uniforms=u, cache_len=lens)
@@ -161,7 +164,8 @@ def _compile_one(fn, args: tuple, kw: dict) -> str:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    opts = {o: kw.pop(o) for o in ("num_warps", "num_stages") if o in kw}
+    opts = {o: kw.pop(o) for o in ("num_warps", "num_stages", "maxnreg") if o in kw}
+    kw.pop("launch_pdl", None)
     names = fn.arg_names
     sig, consts, attrs = {}, dict(kw), {}
     for i, (name, val) in enumerate(zip(names, args)):
@@ -194,7 +198,8 @@ def _compile_one(fn, args: tuple, kw: dict) -> str:
 
 def ptxas_report(variants: list[str], sh: Shape) -> None:
     """Record every launch of every stage (CPU tensors, no GPU) and compile it for sm_90."""
-    kernels = ("_score_kernel", "_prop_budget_kernel", "_prop_gather_kernel", "_flash_kernel")
+    kernels = ("_score_kernel", "_prop_budget_kernel", "_prop_gather_kernel", "_flash_kernel", "_flash_stream_kernel",
+               "_flash_merge_kernel")
     seen: set[str] = set()
     for name in variants:
         tk.CONFIG = tk.VARIANTS[name]
@@ -219,7 +224,7 @@ def ptxas_report(variants: list[str], sh: Shape) -> None:
             if key in seen:
                 continue
             seen.add(key)
-            flags = {x: kw[x] for x in ("BK", "TPP", "STAGES", "FUSED", "MERGE", "HP") if x in kw}
+            flags = {x: kw[x] for x in ("BK", "TPP", "TPG", "STAGES", "FUSED", "MERGE", "HP") if x in kw}
             print(f"{name:<8} {fn.fn.__name__:<20} {str(flags):<52} {_compile_one(fn, args, dict(kw))}")
 
 
@@ -230,6 +235,7 @@ def main() -> None:
     p.add_argument("--variants", nargs="+", default=["default"], help=f"of {sorted(tk.VARIANTS)} or all")
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     p.add_argument("--lengths", nargs="+", type=int, default=[8192, 32768, 131072])
+    p.add_argument("--tilings", nargs="+", choices=["prop", "flash"], default=["prop", "flash"])
     args = p.parse_args()
     variants = sorted(tk.VARIANTS) if args.variants == ["all"] else args.variants
     if args.ptxas:
@@ -237,12 +243,12 @@ def main() -> None:
         return
     if args.smoke:
         sh = Shape(hq=4, hkv=2, d=32, tile=64, s_prop=16, s_flash=64)
-        rows = bench(variants, [1], [300], sh, smoke=True)
+        rows = bench(variants, [1], [300], sh, smoke=True, tilings=tuple(args.tilings))
     else:
         if not torch.cuda.is_available():
             raise SystemExit("needs CUDA (or --smoke / --ptxas)")
         print(f"{torch.cuda.get_device_name()}  {time.strftime('%Y-%m-%d')}  torch {torch.__version__}")
-        rows = bench(variants, args.batches, args.lengths, Shape(), smoke=False)
+        rows = bench(variants, args.batches, args.lengths, Shape(), smoke=False, tilings=tuple(args.tilings))
     print_table(rows)
 
 

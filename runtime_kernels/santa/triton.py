@@ -22,9 +22,11 @@ env ``SANTA_TRITON_VARIANT`` pick launch knobs, ``santa_stages`` launches each s
   computed from the stored scores and do not depend on it).
 * ``_prop_budget_kernel``: one program per query head: largest-remainder budgets (float64 masses;
   fractional parts on a 2^-20 grid ranked by a radix select; ties to the lower tile); zeroes the
-  output accumulator. ``_prop_gather_kernel``: tiles without budget exit; the others turn the stored
-  scores into cumulative counts, resolve each sample to its key (``#{n : c(C_n) <= j}``), load just
-  those V rows, add them with float32 atomics; the last program of a (b, kv head) writes ``acc / S``.
+  output accumulator. ``_prop_gather_kernel``: ``gather_tiles`` (2) tiles per program, all heads of
+  the group; rows without budget skip; the others turn the stored scores into cumulative counts,
+  resolve each sample to its key (``#{n : c(C_n) <= j}``, or ``C_n <= floor((j + u)·Z/S_t)`` with
+  ``gather_thresh``), load just those V rows, sum the program's tiles and add them with float32
+  atomics; the last program of a (b, kv head) writes ``acc / S``.
 * ``_flash_stream_kernel`` (flash default, ``flash_mode="stream"``): one program per tile streams the
   tile's K chunks like ``_score_kernel`` (scores stored), then after a CTA barrier re-reads them (L1/L2)
   and does the tile's counts, sampled V rows and partial as ``_flash_kernel`` below;
@@ -81,6 +83,7 @@ from runtime_kernels.santa.triton_device import (
     _tile_scores,
     _systematic_counts,
     _gather_samples,
+    _gather_by_thresholds,
     _store_rows,
     _prop_budgets,
     _flash_tile,
@@ -119,7 +122,17 @@ class KernelConfig:
     #   2 warps vs 4 for score / gather / flash gather: B=8 8k prop S=128 70.0 -> 63.6 us, flash S=2048 114.1 ->
     #   93.4, 32k 5-13 % faster; B=1 equal or better (the programs are latency-bound; more fit per SM)
     budget_heads: int = 1  # query heads per budget program (divides Hq; 1 = one program per head)
-    gather_warps: int = 2
+    gather_warps: int = 2  # per tile of a gather program (a program of gather_tiles tiles has gather_warps·tiles)
+    gather_maxnreg: int = 0  # prop gather: register cap per thread (0: the compiler's choice: 93-96, ~10 programs
+    #   per SM). ncu, 32k B=8: the gather issues an instruction every 1.7 cycles per scheduler at 13 % of DRAM
+    #   bandwidth, so it is instruction-bound more than latency-bound; caps of 48-80 (spills) gained nothing
+    gather_thresh: bool = False  # prop gather: samples located by one int64 threshold each (no per-key float64);
+    #   with gather_samples=2 the fastest at 32k B=8 (185.4-186.7 us) but at 8k B=8 S=256 level with SDPA (67.6-68.1
+    #   vs 67.9-69.5): not the default
+    gather_tiles: int = 2  # prop gather: tiles per program (power of two; its [GP·tiles, tile] block <= 8192).
+    #   H200 2026-11-21 graphed, runs 79-84 (docs/bench/2026-11-21-h200/santa_gather_variants.txt): 1 -> 2 tiles:
+    #   32k B=8 S=128 196-198 -> 188.5-191.2 us, 32k B=1 37.5 -> 35.7-36.1, 8k B=8 63 -> 61.2-61.8; 4 tiles (8 warps,
+    #   2 programs per SM by registers) and a register cap (maxnreg 64 / 80: spills) slower or no gain
     gather_samples: int = 4  # prop gather: samples per head resolved to keys per step ([GP, this, tile] compare;
     #   H200 eager gather stage, 16 / 8 / 4: 32k B=1 21.8 / 22.1 / 16.3 µs, B=8 100.7 / 86.0 / 80.3, 8k B=8 36.4 / 31.6 / 29.9)
     flash_samples: int = 16  # the same for flash's tiles (32k B=1 stream: 16 -> 37.6 us, 8 -> 42.0)
@@ -168,6 +181,24 @@ VARIANTS: dict[str, KernelConfig] = {
     "bk64s2": KernelConfig(score_bk=64, score_stages=2),  # less shared memory per program: more resident programs
     "bk32s2": KernelConfig(score_stages=2),
     "bk32s3": KernelConfig(score_stages=3),
+    "gr64": KernelConfig(gather_tiles=1, gather_maxnreg=64),
+    "gr48": KernelConfig(gather_tiles=1, gather_maxnreg=48),
+    "gw4": KernelConfig(gather_tiles=1, gather_warps=4),
+    "gw4r64": KernelConfig(gather_tiles=1, gather_warps=4, gather_maxnreg=64),
+    "gw1": KernelConfig(gather_tiles=1, gather_warps=1),
+    "gt1": KernelConfig(gather_tiles=1),  # the default before 2026-11-21 (session 13)
+    "gt4": KernelConfig(gather_tiles=4),
+    "gt2r64": KernelConfig(gather_tiles=2, gather_maxnreg=64),
+    "th": KernelConfig(gather_tiles=1, gather_thresh=True),
+    "th_gt2": KernelConfig(gather_thresh=True, gather_tiles=2),
+    "th_gt2r80": KernelConfig(gather_thresh=True, gather_tiles=2, gather_maxnreg=80),
+    "th_gt2s2": KernelConfig(gather_thresh=True, gather_tiles=2, gather_samples=2),
+    "gt2s2": KernelConfig(gather_tiles=2, gather_samples=2),
+    "gt2r80": KernelConfig(gather_tiles=2, gather_maxnreg=80),
+    "gt2w1": KernelConfig(gather_tiles=2, gather_warps=1),
+    "gt4w1": KernelConfig(gather_tiles=4, gather_warps=1),
+    "gt8w1": KernelConfig(gather_tiles=8, gather_warps=1),
+    "gt4s8": KernelConfig(gather_tiles=4, gather_samples=8),
     "fmaxs32": KernelConfig(flash_samples=32),  # flash: 32 samples per step; slower everywhere (santa_variants_bk32.txt)
 }
 CONFIG: KernelConfig = VARIANTS[os.environ.get("SANTA_TRITON_VARIANT", "default")]
@@ -260,57 +291,68 @@ def _prop_gather_kernel(
     v_ptr, u_ptr, len_ptr, ns_ptr, s_ptr, bud_ptr, acc_ptr, cnt_ptr, out_ptr, counts_ptr,
     G, Hkv, Hq, D, tile, T_all, Tk_pad,
     svb, svh, svn, svd, sub, suh, sut, sob, soh, sod, sls, sns,
-    GP: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr, MAXS: tl.constexpr,
-    WRITE_COUNTS: tl.constexpr, ATOMIC: tl.constexpr, GDC: tl.constexpr,
+    GP: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr, MAXS: tl.constexpr, TPG: tl.constexpr,
+    THRESH: tl.constexpr, WRITE_COUNTS: tl.constexpr, ATOMIC: tl.constexpr, GDC: tl.constexpr,
 ):
-    """Tile t's samples of each head of the group: ``Σ V[key_j]`` added into ``acc`` with float32 atomics,
-    the last tile writing ``acc / S`` (``ATOMIC``), or stored as the tile's row of ``acc [B·Hkv·T_all, GP,
-    BLOCK_D]`` (zeros without budget) for :func:`_sum_tiles_kernel` (deterministic, no contended atomics:
-    128 tiles adding into the same 512 floats serialize in L2). ``GDC``: a programmatic dependent launch
-    after the budgets: the tile's keys and offsets load before ``gdc_wait``, budgets and scores after."""
-    t = tl.program_id(0)
+    """Tiles ``TPG·p .. TPG·p + TPG-1``'s samples of each head of the group: ``Σ V[key_j]`` added into
+    ``acc`` with float32 atomics (one add per program: its tiles summed first), the last program of a
+    (b, kv head) writing ``acc / S`` (``ATOMIC``), or stored as each tile's row of ``acc [B·Hkv·T_all,
+    GP, BLOCK_D]`` (zeros without budget) for :func:`_sum_tiles_kernel` (deterministic, no contended
+    atomics: 128 tiles adding into the same 512 floats serialize in L2). Row ``r`` of the program's
+    ``[GP·TPG, ·]`` blocks is head ``r // TPG`` of the group at tile ``TPG·p + r % TPG``: all its tiles'
+    budgets, offsets and scores load in one round trip and their samples resolve in one loop.
+    ``GDC``: a programmatic dependent launch after the budgets: the offsets load before ``gdc_wait``,
+    budgets and scores after."""
     bh = tl.program_id(1)
     b = bh // Hkv
     kvh = bh % Hkv
-    g = tl.arange(0, GP)
-    gmask = g < G
+    r = tl.arange(0, GP * TPG)
+    g = r // TPG
+    t = tl.program_id(0) * TPG + r % TPG
+    rmask = (g < G) & (t < T_all)
     d = tl.arange(0, BLOCK_D)
     row = (b * Hq + kvh * G + g).to(tl.int64)
-    head = (kvh * G + g).to(tl.int64)
     length = tl.load(len_ptr + b * sls).to(tl.int32)
-    key, kmask = _tile_keys(t, tile, length, BN)
-    u = tl.load(u_ptr + b.to(tl.int64) * sub + head * suh + t * sut, mask=gmask, other=0.0)
+    j = tl.arange(0, BN)
+    key = t[:, None] * tile + j[None, :]
+    kmask = (j < tile)[None, :] & (key < length)
+    u = tl.load(u_ptr + b.to(tl.int64) * sub + (kvh * G + g).to(tl.int64) * suh + t * sut, mask=rmask, other=0.0)
     if GDC:
         tl.extra.cuda.gdc_wait()
-    # Scores (4 KB, L2) are loaded together with the budgets: one round trip, not two.
-    budget = tl.load(bud_ptr + row * T_all + t, mask=gmask, other=0)
-    s = tl.load(s_ptr + row[:, None] * Tk_pad + key[None, :], mask=gmask[:, None] & kmask[None, :],
-                other=float("-inf"))
-    o = tl.zeros((GP, BLOCK_D), tl.float32)
+    # Scores (4 KB per tile, L2) are loaded together with the budgets: one round trip, not two.
+    budget = tl.load(bud_ptr + row * T_all + t, mask=rmask, other=0)
+    s = tl.load(s_ptr + row[:, None] * Tk_pad + key, mask=rmask[:, None] & kmask, other=float("-inf"))
+    o = tl.zeros((GP * TPG, BLOCK_D), tl.float32)
     if tl.max(budget, axis=0) > 0:
         m = tl.max(s, axis=1)
         m = tl.where(m == float("-inf"), 0.0, m)
         w = tl.exp(s - m[:, None])
-        counts, c_hi = _systematic_counts(w, budget, u)
         v_base = v_ptr + b.to(tl.int64) * svb + kvh.to(tl.int64) * svh
-        o = _gather_samples(c_hi, budget, v_base, t * tile, D, svn, svd, BLOCK_D, MAXS)
+        if THRESH and not WRITE_COUNTS:
+            o = _gather_by_thresholds(w, budget, u, v_base, (t * tile)[:, None], D, svn, svd, BLOCK_D, MAXS)
+        else:
+            counts, c_hi = _systematic_counts(w, budget, u)
+            o = _gather_samples(c_hi, budget, v_base, (t * tile)[:, None], D, svn, svd, BLOCK_D, MAXS)
         if ATOMIC:
-            tl.atomic_add(acc_ptr + row[:, None] * BLOCK_D + d[None, :], o, mask=gmask[:, None])
+            og = tl.arange(0, GP)
+            o_g = tl.sum(tl.reshape(o, (GP, TPG, BLOCK_D)), axis=1) if TPG > 1 else o
+            tl.atomic_add(acc_ptr + (b * Hq + kvh * G + og).to(tl.int64)[:, None] * BLOCK_D + d[None, :], o_g,
+                          mask=(og < G)[:, None])
         if WRITE_COUNTS:
-            tl.store(counts_ptr + row[:, None] * Tk_pad + key[None, :], counts,
-                     mask=gmask[:, None] & kmask[None, :])
+            tl.store(counts_ptr + row[:, None] * Tk_pad + key, counts, mask=rmask[:, None] & kmask)
     if ATOMIC:
         tl.debug_barrier()
         done = tl.atomic_add(cnt_ptr + bh, 1)
-        if done == T_all - 1:  # every tile of this (b, kv head) has added its samples
-            acc = tl.load(acc_ptr + row[:, None] * BLOCK_D + d[None, :], mask=gmask[:, None], other=0.0,
-                          cache_modifier=".cg")
+        if done == tl.cdiv(T_all, TPG) - 1:  # every program of this (b, kv head) has added its samples
+            og = tl.arange(0, GP)
+            acc = tl.load(acc_ptr + (b * Hq + kvh * G + og).to(tl.int64)[:, None] * BLOCK_D + d[None, :],
+                          mask=(og < G)[:, None], other=0.0, cache_modifier=".cg")
             inv_s = 1.0 / tl.load(ns_ptr + b * sns).to(tl.float32)
             _store_rows(out_ptr, b, kvh, G, D, sob, soh, sod, acc * inv_s, GP, BLOCK_D)
             tl.atomic_xchg(cnt_ptr + bh, 0)
     else:
         tile_row = bh.to(tl.int64) * T_all + t
-        tl.store(acc_ptr + (tile_row * GP + tl.arange(0, GP)[:, None]) * BLOCK_D + d[None, :], o)
+        tl.store(acc_ptr + (tile_row * GP + g)[:, None] * BLOCK_D + d[None, :], o, mask=(t < T_all)[:, None])
 
 
 @triton.jit
@@ -566,20 +608,31 @@ def _prop_scores(q: torch.Tensor, k: torch.Tensor, num_samples: torch.Tensor, ca
     return bufs
 
 
+def _gather_tiles(geo: _Geometry) -> int:
+    """Tiles per prop gather program: ``CONFIG.gather_tiles`` (a power of two) while the program's
+    ``[GP·TPG, BN]`` score block stays <= 8192 elements, at most the tile count."""
+    tpg = _pow2(CONFIG.gather_tiles, 1)
+    while tpg > 1 and (geo.GP * tpg * geo.BN > 8192 or tpg > geo.T_all):
+        tpg //= 2
+    return tpg
+
+
 def _launch_prop_gather(v: torch.Tensor, num_samples: torch.Tensor, uniforms: torch.Tensor,
                         cache_len: torch.Tensor, geo: _Geometry, bufs: _Scores, out: torch.Tensor,
                         counts: torch.Tensor | None) -> None:
+    """The prop gather (and the per-tile sum launch of ``prop_reduce="launch"``)."""
     atomic = CONFIG.prop_reduce == "atomic"
     pdl = _pdl(v.device)
     acc = bufs.acc if atomic else _alloc((geo.BH * geo.T_all * geo.GP * geo.BLOCK_D,), torch.float32, v.device)
-    _prop_gather_kernel[(geo.T_all, geo.BH)](
+    tpg = _gather_tiles(geo)
+    _prop_gather_kernel[(triton.cdiv(geo.T_all, tpg), geo.BH)](
         v, uniforms, cache_len, num_samples, bufs.scores, bufs.budgets, acc, _counters(v.device, geo.BH), out,
         counts if counts is not None else out,
         geo.G, geo.Hkv, geo.Hq, geo.D, geo.tile, geo.T_all, geo.Tk_pad,
         *v.stride(), *uniforms.stride(), *out.stride(), cache_len.stride(0), num_samples.stride(0),
-        GP=geo.GP, BN=geo.BN, BLOCK_D=geo.BLOCK_D, MAXS=CONFIG.gather_samples,
-        WRITE_COUNTS=counts is not None, ATOMIC=atomic, GDC=pdl, num_warps=CONFIG.gather_warps,
-        **_pdl_launch(pdl),
+        GP=geo.GP, BN=geo.BN, BLOCK_D=geo.BLOCK_D, MAXS=CONFIG.gather_samples, TPG=tpg, THRESH=CONFIG.gather_thresh,
+        WRITE_COUNTS=counts is not None, ATOMIC=atomic, GDC=pdl, num_warps=CONFIG.gather_warps * tpg,
+        **_pdl_launch(pdl), **({"maxnreg": CONFIG.gather_maxnreg} if CONFIG.gather_maxnreg and not _INTERPRET else {}),
     )
     if not atomic:
         md = min(geo.BLOCK_D, _pow2(CONFIG.merge_cols, 16))

@@ -86,6 +86,42 @@ def _gather_samples(c_hi, budget, v_base, tile_start, D, svn, svd,
 
 
 @triton.jit
+def _gather_by_thresholds(w, budget, u, v_base, tile_start, D, svn, svd,
+                          BLOCK_D: tl.constexpr, MAXS: tl.constexpr):
+    """:func:`_gather_samples` of :func:`_systematic_counts`'s draw without per-key float64 work.
+
+    Sample j lands at the first key whose ``c_hi`` exceeds j, and ``ceil(S_t·C_n/Z - u) <= j`` iff
+    ``C_n <= (j + u)·Z/S_t`` iff ``C_n <= floor((j + u)·Z/S_t)`` (C_n an integer): so one float64
+    threshold per sample ([R, MAXS]) and int64 compares replace the per-key conversions, scaling and
+    ceilings of ``c_hi`` (float64 rounding of the threshold vs of ``S_t·C_n/Z``: ~1e-16 relative,
+    far inside the float32-score tolerance the counts are specified to). The threshold is capped at
+    ``Z - 1``, so every sample stays on a key of positive weight. w: [R, BN] in-tile weights,
+    budget: [R] int32, u: [R] float64, tile_start: [R, 1] (or scalar) first key of each row's tile.
+    """
+    wq = (w * 4294967296.0).to(tl.int64)
+    cum = tl.cumsum(wq, axis=1)
+    z = tl.maximum(tl.max(cum, axis=1), 1)
+    step = z.to(tl.float64) / tl.maximum(budget, 1).to(tl.float64)
+    j = tl.arange(0, MAXS)
+    d = tl.arange(0, BLOCK_D)
+    out = tl.zeros((w.shape[0], BLOCK_D), tl.float32)
+    top = tl.max(budget, axis=0)
+    j0 = tl.full((), 0, tl.int32)
+    while j0 < top:
+        jj = j0 + j
+        thr = tl.floor((jj.to(tl.float64)[None, :] + u[:, None]) * step[:, None]).to(tl.int64)
+        thr = tl.minimum(thr, z[:, None] - 1)
+        key = tl.sum((cum[:, None, :] <= thr[:, :, None]).to(tl.int32), axis=2)  # [R, MAXS]
+        ok = jj[None, :] < budget[:, None]
+        rows = (tile_start + key).to(tl.int64)
+        v = tl.load(v_base + rows[:, :, None] * svn + d[None, None, :] * svd,
+                    mask=ok[:, :, None] & (d < D)[None, None, :], other=0.0)
+        out += tl.sum(v.to(tl.float32), axis=1)
+        j0 += MAXS
+    return out
+
+
+@triton.jit
 def _gather_values(counts, v_base, key, kmask, D, svn, svd, BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
     """``Σ_n counts[:, n] V_n`` [GP, BLOCK_D] float32, loading only rows some head sampled."""
     d = tl.arange(0, BLOCK_D)

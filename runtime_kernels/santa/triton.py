@@ -323,6 +323,9 @@ def _prop_gather_kernel(
     budget = tl.load(bud_ptr + row * T_all + t, mask=rmask, other=0)
     s = tl.load(s_ptr + row[:, None] * Tk_pad + key, mask=rmask[:, None] & kmask, other=float("-inf"))
     o = tl.zeros((GP * TPG, BLOCK_D), tl.float32)
+    og = tl.arange(0, GP)  # the group's heads: one accumulator row each
+    acc_rows = acc_ptr + (b * Hq + kvh * G + og).to(tl.int64)[:, None] * BLOCK_D + d[None, :]
+    acc_mask = (og < G)[:, None]
     if tl.max(budget, axis=0) > 0:
         m = tl.max(s, axis=1)
         m = tl.where(m == float("-inf"), 0.0, m)
@@ -334,19 +337,15 @@ def _prop_gather_kernel(
             counts, c_hi = _systematic_counts(w, budget, u)
             o = _gather_samples(c_hi, budget, v_base, (t * tile)[:, None], D, svn, svd, BLOCK_D, MAXS)
         if ATOMIC:
-            og = tl.arange(0, GP)
             o_g = tl.sum(tl.reshape(o, (GP, TPG, BLOCK_D)), axis=1) if TPG > 1 else o
-            tl.atomic_add(acc_ptr + (b * Hq + kvh * G + og).to(tl.int64)[:, None] * BLOCK_D + d[None, :], o_g,
-                          mask=(og < G)[:, None])
+            tl.atomic_add(acc_rows, o_g, mask=acc_mask)
         if WRITE_COUNTS:
             tl.store(counts_ptr + row[:, None] * Tk_pad + key, counts, mask=rmask[:, None] & kmask)
     if ATOMIC:
         tl.debug_barrier()
         done = tl.atomic_add(cnt_ptr + bh, 1)
         if done == tl.cdiv(T_all, TPG) - 1:  # every program of this (b, kv head) has added its samples
-            og = tl.arange(0, GP)
-            acc = tl.load(acc_ptr + (b * Hq + kvh * G + og).to(tl.int64)[:, None] * BLOCK_D + d[None, :],
-                          mask=(og < G)[:, None], other=0.0, cache_modifier=".cg")
+            acc = tl.load(acc_rows, mask=acc_mask, other=0.0, cache_modifier=".cg")
             inv_s = 1.0 / tl.load(ns_ptr + b * sns).to(tl.float32)
             _store_rows(out_ptr, b, kvh, G, D, sob, soh, sod, acc * inv_s, GP, BLOCK_D)
             tl.atomic_xchg(cnt_ptr + bh, 0)

@@ -62,6 +62,15 @@ def _systematic_counts(w, budget, u):
 
 
 @triton.jit
+def _sampled_rows(v_base, keys, ok, D, svn, svd, BLOCK_D: tl.constexpr):
+    """``Σ_j V[keys[:, j]]`` [R, BLOCK_D] float32 over the samples with ``ok`` (keys, ok: [R, MAXS])."""
+    d = tl.arange(0, BLOCK_D)
+    v = tl.load(v_base + keys.to(tl.int64)[:, :, None] * svn + d[None, None, :] * svd,
+                mask=ok[:, :, None] & (d < D)[None, None, :], other=0.0)
+    return tl.sum(v.to(tl.float32), axis=1)
+
+
+@triton.jit
 def _gather_samples(c_hi, budget, v_base, tile_start, D, svn, svd,
                     BLOCK_D: tl.constexpr, MAXS: tl.constexpr):
     """``Σ_j V[key_j]`` [GP, BLOCK_D] float32 over each head's samples ``j < budget``, MAXS at a time.
@@ -69,18 +78,13 @@ def _gather_samples(c_hi, budget, v_base, tile_start, D, svn, svd,
     Sample j sits at key ``#{n : c_hi[n] <= j}``; only the sampled rows are loaded (no V tile staging).
     """
     j = tl.arange(0, MAXS)
-    d = tl.arange(0, BLOCK_D)
     out = tl.zeros((c_hi.shape[0], BLOCK_D), tl.float32)
     top = tl.max(budget, axis=0)
     j0 = tl.full((), 0, tl.int32)
     while j0 < top:
         jj = j0 + j
         key = tl.sum((c_hi[:, None, :] <= jj[None, :, None]).to(tl.int32), axis=2)  # [GP, MAXS]
-        ok = jj[None, :] < budget[:, None]
-        rows = (tile_start + key).to(tl.int64)
-        v = tl.load(v_base + rows[:, :, None] * svn + d[None, None, :] * svd,
-                    mask=ok[:, :, None] & (d < D)[None, None, :], other=0.0)
-        out += tl.sum(v.to(tl.float32), axis=1)
+        out += _sampled_rows(v_base, tile_start + key, jj[None, :] < budget[:, None], D, svn, svd, BLOCK_D)
         j0 += MAXS
     return out
 
@@ -103,7 +107,6 @@ def _gather_by_thresholds(w, budget, u, v_base, tile_start, D, svn, svd,
     z = tl.maximum(tl.max(cum, axis=1), 1)
     step = z.to(tl.float64) / tl.maximum(budget, 1).to(tl.float64)
     j = tl.arange(0, MAXS)
-    d = tl.arange(0, BLOCK_D)
     out = tl.zeros((w.shape[0], BLOCK_D), tl.float32)
     top = tl.max(budget, axis=0)
     j0 = tl.full((), 0, tl.int32)
@@ -112,11 +115,7 @@ def _gather_by_thresholds(w, budget, u, v_base, tile_start, D, svn, svd,
         thr = tl.floor((jj.to(tl.float64)[None, :] + u[:, None]) * step[:, None]).to(tl.int64)
         thr = tl.minimum(thr, z[:, None] - 1)
         key = tl.sum((cum[:, None, :] <= thr[:, :, None]).to(tl.int32), axis=2)  # [R, MAXS]
-        ok = jj[None, :] < budget[:, None]
-        rows = (tile_start + key).to(tl.int64)
-        v = tl.load(v_base + rows[:, :, None] * svn + d[None, None, :] * svd,
-                    mask=ok[:, :, None] & (d < D)[None, None, :], other=0.0)
-        out += tl.sum(v.to(tl.float32), axis=1)
+        out += _sampled_rows(v_base, tile_start + key, jj[None, :] < budget[:, None], D, svn, svd, BLOCK_D)
         j0 += MAXS
     return out
 

@@ -23,10 +23,14 @@ env ``SANTA_TRITON_VARIANT`` pick launch knobs, ``santa_stages`` launches each s
 * ``_prop_budget_kernel``: one program per query head: largest-remainder budgets (float64 masses;
   fractional parts on a 2^-20 grid ranked by a radix select; ties to the lower tile); zeroes the
   output accumulator. ``_prop_gather_kernel``: ``gather_tiles`` (2) tiles per program, all heads of
-  the group; rows without budget skip; the others turn the stored scores into cumulative counts,
-  resolve each sample to its key (``#{n : c(C_n) <= j}``, or ``C_n <= floor((j + u)·Z/S_t)`` with
-  ``gather_thresh``), load just those V rows, sum the program's tiles and add them with float32
-  atomics; the last program of a (b, kv head) writes ``acc / S``.
+  the group; rows without budget skip; the others resolve each sample j to its key ``#{n : C_n <=
+  (j + u)·Z/S_t}`` (= ``#{n : c(C_n) <= j}``), load just those V rows, sum the program's tiles and add
+  them with float32 atomics; the last program of a (b, kv head) writes ``acc / S``. Default
+  (``gather_chunks``): the sample's 32-key chunk is found first from per-chunk statistics the score pass
+  stores (two floats per chunk and head), then only that chunk's scores are read and summed; the
+  whole-tile variant prefix-sums every key of the tile in int64 fixed point (exact, so counts match the
+  reference wherever float64 does; the chunked one is float32 within a chunk, ~1e-7 relative, the same
+  order as the scores' own rounding, which the count tolerance already covers).
 * ``_flash_stream_kernel`` (flash default, ``flash_mode="stream"``): one program per tile streams the
   tile's K chunks like ``_score_kernel`` (scores stored), then after a CTA barrier re-reads them (L1/L2)
   and does the tile's counts, sampled V rows and partial as ``_flash_kernel`` below;
@@ -52,8 +56,10 @@ Performance model (Llama-3.1-8B decode: Hq=32, Hkv=8, D=128, bf16, N keys; H200 
   config): 58 regs, 34 KB smem (2 chunks of 16 KB in flight per program, ~6 programs = 192 KB per SM) vs
   164-255 regs / 1 tile in registers before; now 32-key chunks 4 deep at 2 warps (3 chunks of 8 KB in
   flight, smaller programs: more of them resident, measured faster, see ``KernelConfig``).
-* prop: score pass + budgets (32 programs at B=1; T=128 tiles: ~2-3 µs, latency) + gather (scores of
-  tiles with a budget re-read, <= min(S, T) tiles per head, + <= S V rows per head; ~3-5 µs at B=1).
+* prop: score pass (+ chunk statistics: ``2·N/32·Hq·4`` B, 1/16 of the scores) + budgets (32 programs
+  at B=1; T=128 tiles: ~2-3 µs, latency) + gather (per sample one 128 B chunk of scores and one V row;
+  <= S of each per head; ~3-5 µs at B=1). Measured 32k B=8 (ncu, session 13): score pass 4.0 TB/s =
+  83 % of DRAM peak; the whole-tile gather was instruction-bound (45-50 µs), the chunked one 42-45.
   Predicted 32k B=1: ~17 + 3 + 4 + launch gaps ≈ 25 µs (target 22.8).
 * flash split: score pass + one tile kernel (reads 4 KB of scores per tile + S_tile·G V rows, 95 regs
   / 8 KB smem, so ~5 programs per SM; before: 117 regs + 66 KB smem = 2 per SM, K in registers).
@@ -84,6 +90,7 @@ from runtime_kernels.santa.triton_device import (
     _systematic_counts,
     _gather_samples,
     _gather_by_thresholds,
+    _gather_by_chunks,
     _store_rows,
     _prop_budgets,
     _flash_tile,
@@ -129,6 +136,12 @@ class KernelConfig:
     gather_thresh: bool = False  # prop gather: samples located by one int64 threshold each (no per-key float64);
     #   with gather_samples=2 the fastest at 32k B=8 (185.4-186.7 us) but at 8k B=8 S=256 level with SDPA (67.6-68.1
     #   vs 67.9-69.5): not the default
+    gather_chunks: bool = True  # prop gather: samples located chunk first from the score pass's per-chunk
+    #   statistics, one score_bk-key chunk of scores read per sample (_gather_by_chunks), instead of every tile
+    #   with a budget re-read and prefix-summed whole. H200 2026-11-22 graphed, each variant in its own process
+    #   (run 86, santa_chunked_gather.txt), vs the whole-tile gather ("full"): 32k B=8 S=128 188.6 -> 178.6 us,
+    #   32k B=1 36.0 -> 33.7, 8k B=8 S=128 61.6 -> 59.3; 8k B=8 S=256 65.0 -> 66.6 (8 samples per tile: 2 steps
+    #   of dependent chunk loads; still under SDPA's 68.0). Gather stage alone, 32k B=8: 50.4 -> 44.8 us
     gather_tiles: int = 2  # prop gather: tiles per program (power of two; its [GP·tiles, tile] block <= 8192).
     #   H200 2026-11-21 graphed, runs 79-84 (docs/bench/2026-11-21-h200/santa_gather_variants.txt): 1 -> 2 tiles:
     #   32k B=8 S=128 196-198 -> 188.5-191.2 us, 32k B=1 37.5 -> 35.7-36.1, 8k B=8 63 -> 61.2-61.8; 4 tiles (8 warps,
@@ -165,40 +178,48 @@ VARIANTS: dict[str, KernelConfig] = {
     "fused": KernelConfig(flash_mode="fused", flash_merge="inline"),
     "fused_dot": KernelConfig(flash_mode="fused", flash_values="dot", flash_merge="inline"),  # the previous flash kernel
     "dot": KernelConfig(flash_mode="split", flash_values="dot"),
-    "maxs32": KernelConfig(gather_samples=32, flash_samples=32),
-    "maxs8": KernelConfig(gather_samples=8, flash_samples=8),
-    "prop16": KernelConfig(gather_samples=16),  # the previous default
-    "prop8": KernelConfig(gather_samples=8),
-    "prop2": KernelConfig(gather_samples=2),
+    "maxs32": KernelConfig(gather_chunks=False, gather_samples=32, flash_samples=32),
+    "maxs8": KernelConfig(gather_chunks=False, gather_samples=8, flash_samples=8),
+    "prop16": KernelConfig(gather_chunks=False, gather_samples=16),  # the previous default
+    "prop8": KernelConfig(gather_chunks=False, gather_samples=8),
+    "prop2": KernelConfig(gather_chunks=False, gather_samples=2),
     "merge16": KernelConfig(flash_mode="split", flash_merge="inline", merge_rows=16),
     "split": KernelConfig(flash_mode="split", flash_merge="inline"),  # the previous default
     "launchmerge": KernelConfig(flash_mode="split", flash_merge="launch"),
     "propsum": KernelConfig(prop_reduce="launch"),
-    "propsum_maxs8": KernelConfig(prop_reduce="launch", gather_samples=8),
+    "propsum_maxs8": KernelConfig(gather_chunks=False, prop_reduce="launch", gather_samples=8),
     "stream": KernelConfig(flash_mode="stream", flash_merge="launch"),
     "nopdl": KernelConfig(pdl=False),
     "streamdot": KernelConfig(flash_values="dot"),  # flash: counts @ V tile (dense sampling at short contexts)
     "bk64s2": KernelConfig(score_bk=64, score_stages=2),  # less shared memory per program: more resident programs
     "bk32s2": KernelConfig(score_stages=2),
     "bk32s3": KernelConfig(score_stages=3),
-    "gr64": KernelConfig(gather_tiles=1, gather_maxnreg=64),
-    "gr48": KernelConfig(gather_tiles=1, gather_maxnreg=48),
-    "gw4": KernelConfig(gather_tiles=1, gather_warps=4),
-    "gw4r64": KernelConfig(gather_tiles=1, gather_warps=4, gather_maxnreg=64),
-    "gw1": KernelConfig(gather_tiles=1, gather_warps=1),
-    "gt1": KernelConfig(gather_tiles=1),  # the default before 2026-11-21 (session 13)
-    "gt4": KernelConfig(gather_tiles=4),
-    "gt2r64": KernelConfig(gather_tiles=2, gather_maxnreg=64),
-    "th": KernelConfig(gather_tiles=1, gather_thresh=True),
-    "th_gt2": KernelConfig(gather_thresh=True, gather_tiles=2),
-    "th_gt2r80": KernelConfig(gather_thresh=True, gather_tiles=2, gather_maxnreg=80),
-    "th_gt2s2": KernelConfig(gather_thresh=True, gather_tiles=2, gather_samples=2),
-    "gt2s2": KernelConfig(gather_tiles=2, gather_samples=2),
-    "gt2r80": KernelConfig(gather_tiles=2, gather_maxnreg=80),
-    "gt2w1": KernelConfig(gather_tiles=2, gather_warps=1),
-    "gt4w1": KernelConfig(gather_tiles=4, gather_warps=1),
-    "gt8w1": KernelConfig(gather_tiles=8, gather_warps=1),
-    "gt4s8": KernelConfig(gather_tiles=4, gather_samples=8),
+    "gr64": KernelConfig(gather_chunks=False, gather_tiles=1, gather_maxnreg=64),
+    "gr48": KernelConfig(gather_chunks=False, gather_tiles=1, gather_maxnreg=48),
+    "gw4": KernelConfig(gather_chunks=False, gather_tiles=1, gather_warps=4),
+    "gw4r64": KernelConfig(gather_chunks=False, gather_tiles=1, gather_warps=4, gather_maxnreg=64),
+    "gw1": KernelConfig(gather_chunks=False, gather_tiles=1, gather_warps=1),
+    "gt1": KernelConfig(gather_chunks=False, gather_tiles=1),  # the default before 2026-11-21 (session 13)
+    "gt4": KernelConfig(gather_chunks=False, gather_tiles=4),
+    "gt2r64": KernelConfig(gather_chunks=False, gather_tiles=2, gather_maxnreg=64),
+    "th": KernelConfig(gather_chunks=False, gather_tiles=1, gather_thresh=True),
+    "th_gt2": KernelConfig(gather_chunks=False, gather_thresh=True, gather_tiles=2),
+    "th_gt2r80": KernelConfig(gather_chunks=False, gather_thresh=True, gather_tiles=2, gather_maxnreg=80),
+    "th_gt2s2": KernelConfig(gather_chunks=False, gather_thresh=True, gather_tiles=2, gather_samples=2),
+    "gt2s2": KernelConfig(gather_chunks=False, gather_tiles=2, gather_samples=2),
+    "gt2r80": KernelConfig(gather_chunks=False, gather_tiles=2, gather_maxnreg=80),
+    "gt2w1": KernelConfig(gather_chunks=False, gather_tiles=2, gather_warps=1),
+    "gt4w1": KernelConfig(gather_chunks=False, gather_tiles=4, gather_warps=1),
+    "gt8w1": KernelConfig(gather_chunks=False, gather_tiles=8, gather_warps=1),
+    "gt4s8": KernelConfig(gather_chunks=False, gather_tiles=4, gather_samples=8),
+    # Session 14: the chunked prop gather (the default since) and its tilings; gather_chunks=False above =
+    # the whole-tile gather measured before it ("full" = the default of 2026-11-22 00:17).
+    "full": KernelConfig(gather_chunks=False),
+    "ch": KernelConfig(gather_chunks=True),
+    "ch_s8": KernelConfig(gather_samples=8),
+    "ch_gt4": KernelConfig(gather_tiles=4),
+    "ch_gt1": KernelConfig(gather_tiles=1),
+    "ch_gt4s8": KernelConfig(gather_tiles=4, gather_samples=8),
     "fmaxs32": KernelConfig(flash_samples=32),  # flash: 32 samples per step; slower everywhere (santa_variants_bk32.txt)
 }
 CONFIG: KernelConfig = VARIANTS[os.environ.get("SANTA_TRITON_VARIANT", "default")]
@@ -214,16 +235,19 @@ def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 @triton.jit
 def _score_kernel(
-    q_ptr, k_ptr, len_ptr, s_ptr, m_ptr, l_ptr,
+    q_ptr, k_ptr, len_ptr, s_ptr, m_ptr, l_ptr, cm_ptr, cl_ptr,
     scale, G, Hkv, Hq, D, tile, T_all, Tk_pad,
     sqb, sqh, sqd, skb, skh, skn, skd, sls,
     GP: tl.constexpr, BK: tl.constexpr, NCH: tl.constexpr, TPP: tl.constexpr, BLOCK_D: tl.constexpr,
-    STAGES: tl.constexpr, IEEE: tl.constexpr, RELEASE: tl.constexpr,
+    STAGES: tl.constexpr, IEEE: tl.constexpr, RELEASE: tl.constexpr, CHUNK_STATS: tl.constexpr,
 ):
     """Scores [GP, BK] per K chunk (stored float32 ``[B·Hq, Tk_pad]``) and per tile ``m_t``, ``ℓ_t``.
 
     One program = TPP consecutive tiles of one KV head, streamed as NCH chunks of BK keys per tile in a
     software-pipelined loop (STAGES chunks in flight); ``ℓ_t`` is kept online over the chunks.
+    ``CHUNK_STATS`` (prop's chunked gather): each chunk's reference ``r_c`` (the tile's running max after
+    it) and ``Σ_chunk exp(s - r_c)`` are stored too (``[B·Hq, T_all·NCH]``, the sum the online ``ℓ_t``
+    already forms: two stores per chunk, no extra exponentials).
     ``RELEASE``: the next launch (programmatic dependent launch) may start once every program has begun.
     """
     if RELEASE:
@@ -252,8 +276,13 @@ def _score_kernel(
         tl.store(s_ptr + row[:, None] * Tk_pad + key[None, :], s, mask=gmask[:, None] & kmask[None, :])
         m_new = tl.maximum(m_run, tl.max(s, axis=1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l_run = l_run * tl.exp(m_run - m_ref) + tl.sum(tl.exp(s - m_ref[:, None]), axis=1)
+        l_chunk = tl.sum(tl.exp(s - m_ref[:, None]), axis=1)
+        l_run = l_run * tl.exp(m_run - m_ref) + l_chunk
         m_run = m_new
+        if CHUNK_STATS:
+            cix = row * (T_all * NCH) + t * NCH + c % NCH
+            tl.store(cm_ptr + cix, m_ref, mask=gmask)
+            tl.store(cl_ptr + cix, l_chunk, mask=gmask)
         if c % NCH == NCH - 1:  # last chunk of tile t
             tl.store(m_ptr + row * T_all + t, m_run, mask=gmask)
             tl.store(l_ptr + row * T_all + t, l_run, mask=gmask)
@@ -288,11 +317,12 @@ def _prop_budget_kernel(
 
 @triton.jit
 def _prop_gather_kernel(
-    v_ptr, u_ptr, len_ptr, ns_ptr, s_ptr, bud_ptr, acc_ptr, cnt_ptr, out_ptr, counts_ptr,
+    v_ptr, u_ptr, len_ptr, ns_ptr, s_ptr, cm_ptr, cl_ptr, bud_ptr, acc_ptr, cnt_ptr, out_ptr, counts_ptr,
     G, Hkv, Hq, D, tile, T_all, Tk_pad,
     svb, svh, svn, svd, sub, suh, sut, sob, soh, sod, sls, sns,
     GP: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr, MAXS: tl.constexpr, TPG: tl.constexpr,
-    THRESH: tl.constexpr, WRITE_COUNTS: tl.constexpr, ATOMIC: tl.constexpr, GDC: tl.constexpr,
+    THRESH: tl.constexpr, CHUNKED: tl.constexpr, BK: tl.constexpr, NCH: tl.constexpr,
+    WRITE_COUNTS: tl.constexpr, ATOMIC: tl.constexpr, GDC: tl.constexpr,
 ):
     """Tiles ``TPG·p .. TPG·p + TPG-1``'s samples of each head of the group: ``Σ V[key_j]`` added into
     ``acc`` with float32 atomics (one add per program: its tiles summed first), the last program of a
@@ -300,7 +330,10 @@ def _prop_gather_kernel(
     GP, BLOCK_D]`` (zeros without budget) for :func:`_sum_tiles_kernel` (deterministic, no contended
     atomics: 128 tiles adding into the same 512 floats serialize in L2). Row ``r`` of the program's
     ``[GP·TPG, ·]`` blocks is head ``r // TPG`` of the group at tile ``TPG·p + r % TPG``: all its tiles'
-    budgets, offsets and scores load in one round trip and their samples resolve in one loop.
+    budgets, offsets and scores (``CHUNKED``: chunk statistics) load in one round trip and their samples
+    resolve in one loop. ``CHUNKED``: samples located from the score pass's per-chunk statistics first,
+    then within one BK-key chunk of stored scores each (:func:`_gather_by_chunks`); else over the whole
+    tile's scores (``THRESH``: :func:`_gather_by_thresholds`, else :func:`_gather_samples`).
     ``GDC``: a programmatic dependent launch after the budgets: the offsets load before ``gdc_wait``,
     budgets and scores after."""
     bh = tl.program_id(1)
@@ -319,23 +352,34 @@ def _prop_gather_kernel(
     u = tl.load(u_ptr + b.to(tl.int64) * sub + (kvh * G + g).to(tl.int64) * suh + t * sut, mask=rmask, other=0.0)
     if GDC:
         tl.extra.cuda.gdc_wait()
-    # Scores (4 KB per tile, L2) are loaded together with the budgets: one round trip, not two.
+    # Scores (4 KB per tile, L2) or chunk statistics load together with the budgets: one round trip.
     budget = tl.load(bud_ptr + row * T_all + t, mask=rmask, other=0)
-    s = tl.load(s_ptr + row[:, None] * Tk_pad + key, mask=rmask[:, None] & kmask, other=float("-inf"))
+    if CHUNKED:
+        c = tl.arange(0, NCH)
+        cix = row[:, None] * (T_all * NCH) + t[:, None] * NCH + c[None, :]
+        cm = tl.load(cm_ptr + cix, mask=rmask[:, None], other=0.0)
+        cl = tl.load(cl_ptr + cix, mask=rmask[:, None], other=0.0)
+    else:
+        s = tl.load(s_ptr + row[:, None] * Tk_pad + key, mask=rmask[:, None] & kmask, other=float("-inf"))
     o = tl.zeros((GP * TPG, BLOCK_D), tl.float32)
     og = tl.arange(0, GP)  # the group's heads: one accumulator row each
     acc_rows = acc_ptr + (b * Hq + kvh * G + og).to(tl.int64)[:, None] * BLOCK_D + d[None, :]
     acc_mask = (og < G)[:, None]
     if tl.max(budget, axis=0) > 0:
-        m = tl.max(s, axis=1)
-        m = tl.where(m == float("-inf"), 0.0, m)
-        w = tl.exp(s - m[:, None])
         v_base = v_ptr + b.to(tl.int64) * svb + kvh.to(tl.int64) * svh
-        if THRESH and not WRITE_COUNTS:
-            o = _gather_by_thresholds(w, budget, u, v_base, (t * tile)[:, None], D, svn, svd, BLOCK_D, MAXS)
+        if CHUNKED:
+            s_rows = s_ptr + row * Tk_pad + t * tile
+            o, counts = _gather_by_chunks(s_rows, cm, cl, budget, u, v_base, t * tile, tile, length, D, svn, svd,
+                                          BK, BN, BLOCK_D, MAXS, WRITE_COUNTS)
         else:
-            counts, c_hi = _systematic_counts(w, budget, u)
-            o = _gather_samples(c_hi, budget, v_base, (t * tile)[:, None], D, svn, svd, BLOCK_D, MAXS)
+            m = tl.max(s, axis=1)
+            m = tl.where(m == float("-inf"), 0.0, m)
+            w = tl.exp(s - m[:, None])
+            if THRESH and not WRITE_COUNTS:
+                o = _gather_by_thresholds(w, budget, u, v_base, (t * tile)[:, None], D, svn, svd, BLOCK_D, MAXS)
+            else:
+                counts, c_hi = _systematic_counts(w, budget, u)
+                o = _gather_samples(c_hi, budget, v_base, (t * tile)[:, None], D, svn, svd, BLOCK_D, MAXS)
         if ATOMIC:
             o_g = tl.sum(tl.reshape(o, (GP, TPG, BLOCK_D)), axis=1) if TPG > 1 else o
             tl.atomic_add(acc_rows, o_g, mask=acc_mask)
@@ -562,26 +606,38 @@ class _Scores:
     ell: torch.Tensor  # [B·Hq·T_all] Σ exp(s - m_t)
     budgets: torch.Tensor  # [B·Hq, T_all] int32 S_t (prop)
     acc: torch.Tensor  # [B·Hq·BLOCK_D] output accumulator (prop; zeroed by the budget kernel)
+    chunk_m: torch.Tensor  # [B·Hq·T_all·NCH] per K chunk: reference r_c (prop, CONFIG.gather_chunks; else empty)
+    chunk_l: torch.Tensor  # [B·Hq·T_all·NCH] per K chunk: Σ exp(s - r_c)
 
 
-def _score_buffers(geo: _Geometry, device: torch.device) -> _Scores:
+def _score_chunk(geo: _Geometry) -> int:
+    """Keys per K chunk of the score pass (``CONFIG.score_bk``, at most the padded tile)."""
+    return min(geo.BN, _pow2(CONFIG.score_bk, 16))
+
+
+def _score_buffers(geo: _Geometry, device: torch.device, chunk_stats: bool = False) -> _Scores:
     rows, t_all, pad = geo.B * geo.Hq, geo.T_all, geo.Tk_pad
-    work = _alloc((rows * (pad + 2 * t_all + geo.BLOCK_D),), torch.float32, device)
-    return _Scores(work[: rows * pad], work[rows * pad:][: rows * t_all], work[rows * (pad + t_all):][: rows * t_all],
-                   _alloc((rows, t_all), torch.int32, device), work[rows * (pad + 2 * t_all):])
+    n_chunks = rows * t_all * (geo.BN // _score_chunk(geo)) if chunk_stats else 0
+    sizes = (rows * pad, rows * t_all, rows * t_all, rows * geo.BLOCK_D, n_chunks, n_chunks)
+    work = _alloc((sum(sizes),), torch.float32, device)
+    scores, m, ell, acc, chunk_m, chunk_l = torch.split(work, sizes)
+    return _Scores(scores, m, ell, _alloc((rows, t_all), torch.int32, device), acc, chunk_m, chunk_l)
 
 
 def _launch_scores(q: torch.Tensor, k: torch.Tensor, cache_len: torch.Tensor, scale: float, geo: _Geometry,
                    bufs: _Scores) -> None:
-    """The score pass: stored scores and tile statistics ``(m_t, ℓ_t)`` (K read once)."""
+    """The score pass: stored scores and tile statistics ``(m_t, ℓ_t)`` (K read once); chunk statistics
+    too when ``bufs`` has room for them (prop with ``CONFIG.gather_chunks``)."""
     cfg = CONFIG
-    bk = min(geo.BN, _pow2(cfg.score_bk, 16))
+    bk = _score_chunk(geo)
+    chunk_stats = bufs.chunk_m.numel() > 0
     _score_kernel[(triton.cdiv(geo.T_all, cfg.score_tpp), geo.BH)](
-        q, k, cache_len, bufs.scores, bufs.m, bufs.ell,
+        q, k, cache_len, bufs.scores, bufs.m, bufs.ell, bufs.chunk_m if chunk_stats else bufs.m,
+        bufs.chunk_l if chunk_stats else bufs.ell,
         float(scale), geo.G, geo.Hkv, geo.Hq, geo.D, geo.tile, geo.T_all, geo.Tk_pad,
         *q.stride(), *k.stride(), cache_len.stride(0),
         GP=geo.GP, BK=bk, NCH=geo.BN // bk, TPP=cfg.score_tpp, BLOCK_D=geo.BLOCK_D, STAGES=cfg.score_stages,
-        IEEE=q.dtype == torch.float32, RELEASE=_pdl(q.device), num_warps=cfg.score_warps,
+        IEEE=q.dtype == torch.float32, RELEASE=_pdl(q.device), CHUNK_STATS=chunk_stats, num_warps=cfg.score_warps,
     )
 
 
@@ -601,7 +657,7 @@ def _launch_budgets(num_samples: torch.Tensor, cache_len: torch.Tensor, geo: _Ge
 def _prop_scores(q: torch.Tensor, k: torch.Tensor, num_samples: torch.Tensor, cache_len: torch.Tensor,
                  scale: float, geo: _Geometry) -> _Scores:
     """Score pass + budgets (2 launches)."""
-    bufs = _score_buffers(geo, q.device)
+    bufs = _score_buffers(geo, q.device, chunk_stats=CONFIG.gather_chunks)
     _launch_scores(q, k, cache_len, scale, geo, bufs)
     _launch_budgets(num_samples, cache_len, geo, bufs)
     return bufs
@@ -624,13 +680,16 @@ def _launch_prop_gather(v: torch.Tensor, num_samples: torch.Tensor, uniforms: to
     pdl = _pdl(v.device)
     acc = bufs.acc if atomic else _alloc((geo.BH * geo.T_all * geo.GP * geo.BLOCK_D,), torch.float32, v.device)
     tpg = _gather_tiles(geo)
+    chunked = bufs.chunk_m.numel() > 0
+    bk = _score_chunk(geo)
     _prop_gather_kernel[(triton.cdiv(geo.T_all, tpg), geo.BH)](
-        v, uniforms, cache_len, num_samples, bufs.scores, bufs.budgets, acc, _counters(v.device, geo.BH), out,
+        v, uniforms, cache_len, num_samples, bufs.scores, bufs.chunk_m if chunked else bufs.m,
+        bufs.chunk_l if chunked else bufs.ell, bufs.budgets, acc, _counters(v.device, geo.BH), out,
         counts if counts is not None else out,
         geo.G, geo.Hkv, geo.Hq, geo.D, geo.tile, geo.T_all, geo.Tk_pad,
         *v.stride(), *uniforms.stride(), *out.stride(), cache_len.stride(0), num_samples.stride(0),
         GP=geo.GP, BN=geo.BN, BLOCK_D=geo.BLOCK_D, MAXS=CONFIG.gather_samples, TPG=tpg, THRESH=CONFIG.gather_thresh,
-        WRITE_COUNTS=counts is not None, ATOMIC=atomic, GDC=pdl, num_warps=CONFIG.gather_warps * tpg,
+        CHUNKED=chunked, BK=bk, NCH=geo.BN // bk, WRITE_COUNTS=counts is not None, ATOMIC=atomic, GDC=pdl, num_warps=CONFIG.gather_warps * tpg,
         **_pdl_launch(pdl), **({"maxnreg": CONFIG.gather_maxnreg} if CONFIG.gather_maxnreg and not _INTERPRET else {}),
     )
     if not atomic:
@@ -745,7 +804,7 @@ def santa_stages(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     Same arguments as ``santa_decode_forward`` (shapes in its docstring).
     """
     geo = _Geometry.of(q, k_cache, tile)
-    bufs = _score_buffers(geo, q.device)
+    bufs = _score_buffers(geo, q.device, chunk_stats=tiling == "prop" and CONFIG.gather_chunks)
     out = _alloc((geo.B, geo.Hq, geo.D), q.dtype, q.device)
     args = (num_samples, uniforms, cache_len)
     stages: dict[str, Callable[[], None]] = {

@@ -121,6 +121,70 @@ def _gather_by_thresholds(w, budget, u, v_base, tile_start, D, svn, svd,
 
 
 @triton.jit
+def _gather_by_chunks(s_rows, cm, cl, budget, u, v_base, tile_start, tile, length, D, svn, svd,
+                      BK: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr, MAXS: tl.constexpr,
+                      COUNTS: tl.constexpr):
+    """:func:`_gather_samples`'s draw located chunk first, reading one BK-key chunk of scores per sample.
+
+    Sample j of a tile with budget ``S_t`` and offset u sits at key ``#{n : C_n <= x_j}``, ``x_j = (j + u)·Z/S_t``
+    (``C_n`` the inclusive cumulative weight ``Σ exp(s - M)``, M the tile max, Z the total). The score
+    pass's chunk statistics give each chunk's weight ``W_c = cl_c·exp(cm_c - M)`` (``cl_c = Σ_chunk
+    exp(s - cm_c)``), so the sample's chunk is ``#{c : P_c <= x_j}`` over the chunk prefix sums P (float64,
+    [R, MAXS, NCH] compares), and only that chunk's BK stored scores are loaded, exponentiated and summed
+    (float32) to find the key: ``[R, MAXS, BK]`` work per step instead of ``[R, MAXS, BN]`` compares plus
+    an int64 prefix sum and float64 ceilings over every key of the tile. Exactly ``S_t`` samples, in key
+    order, each on a real key: a chunk or key index that rounding pushes past the last positive weight is
+    clamped to it. The weights differ from the whole-tile sums by float32 rounding (~1e-7 relative, as
+    the scores themselves), so a count differs from the float64 reference only next to a boundary.
+
+    s_rows: [R] pointers to each row's tile scores; cm, cl: [R, NCH] chunk statistics (rows without
+    budget: any finite values); budget: [R] int32; u: [R] float64; tile_start: [R] first key of the tile;
+    tile: keys per tile; length: the cache length. Returns ``(Σ_j V[key_j] [R, BLOCK_D] float32, counts)``,
+    counts [R, BN] int32 per key of the tile with ``COUNTS`` (else a [1] placeholder).
+    """
+    c = tl.arange(0, cm.shape[1])
+    k = tl.arange(0, BK)
+    live = budget > 0
+    m_t = tl.max(tl.where(live[:, None], cm, 0.0), axis=1)
+    w_c = tl.where(live[:, None], cl, 0.0) * tl.exp(tl.where(live[:, None], cm - m_t[:, None], float("-inf")))
+    p_c = tl.cumsum(w_c.to(tl.float64), axis=1)
+    z = tl.max(p_c, axis=1)
+    step = z / tl.maximum(budget, 1).to(tl.float64)
+    last_c = tl.max(tl.where(w_c > 0, c[None, :], 0), axis=1)
+    j = tl.arange(0, MAXS)
+    out = tl.zeros((cm.shape[0], BLOCK_D), tl.float32)
+    if COUNTS:
+        counts = tl.zeros((cm.shape[0], BN), tl.int32)
+        n = tl.arange(0, BN)
+    else:
+        counts = tl.zeros((1,), tl.int32)
+    top = tl.max(budget, axis=0)
+    j0 = tl.full((), 0, tl.int32)
+    while j0 < top:
+        jj = j0 + j
+        ok = jj[None, :] < budget[:, None]  # [R, MAXS]
+        x = (jj.to(tl.float64)[None, :] + u[:, None]) * step[:, None]
+        chunk = tl.sum((p_c[:, None, :] <= x[:, :, None]).to(tl.int32), axis=2)
+        chunk = tl.minimum(chunk, last_c[:, None])
+        before = tl.sum(tl.where(c[None, None, :] < chunk[:, :, None], w_c.to(tl.float64)[:, None, :], 0.0), axis=2)
+        x_in = (x - before).to(tl.float32)
+        pos = chunk[:, :, None] * BK + k[None, None, :]  # [R, MAXS, BK] keys in the tile
+        kmask = ok[:, :, None] & (pos < tile) & (tile_start[:, None, None] + pos < length)
+        s = tl.load(s_rows[:, None, None] + pos, mask=kmask, other=float("-inf"))
+        w = tl.exp(s - m_t[:, None, None])
+        cum = tl.cumsum(w, axis=2)
+        off = tl.sum((cum <= x_in[:, :, None]).to(tl.int32), axis=2)
+        off = tl.minimum(off, tl.max(tl.where(w > 0, k[None, None, :], 0), axis=2))
+        in_tile = chunk * BK + off
+        out += _sampled_rows(v_base, tile_start[:, None] + in_tile, ok, D, svn, svd, BLOCK_D)
+        if COUNTS:
+            hit = (in_tile[:, :, None] == n[None, None, :]) & ok[:, :, None]
+            counts += tl.sum(hit.to(tl.int32), axis=1)
+        j0 += MAXS
+    return out, counts
+
+
+@triton.jit
 def _gather_values(counts, v_base, key, kmask, D, svn, svd, BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
     """``Σ_n counts[:, n] V_n`` [GP, BLOCK_D] float32, loading only rows some head sampled."""
     d = tl.arange(0, BLOCK_D)

@@ -177,6 +177,26 @@ def test_hundreds_of_samples_on_one_key(tiling):
     _check_draws(q, k, v, s, _offsets(3, 1, 2, 40, 16), lens, tiling=tiling, tile=16, out_rtol=1e-5)
 
 
+@pytest.mark.parametrize("variant", ["default", "ch", "ch_gt1"])
+def test_prop_gather_far_negative_peaked_scores(variant, monkeypatch):
+    """Scores all near -60 (exp(s) alone underflows float32: the gather must weigh keys relative to each
+    tile's max), peaked (most chunks of a tile carry ~0 weight), a tile of 100 keys (its last 32-key
+    chunk is partial and the padding chunk empty) and caches ending mid-chunk: the chunked gather
+    (score-pass chunk statistics, one chunk of scores per sample) draws what the reference draws."""
+    monkeypatch.setattr(tk, "CONFIG", tk.VARIANTS[variant])
+    q, k, v = _problem(12, b=2, hq=4, hkv=2, tk=530, d=32, sharp=4.0)
+    q[..., 0] = 1.0
+    k[..., 0] = -60.0 * 32 ** 0.5  # adds -60 to every scaled score
+    lens = torch.tensor([530, 261])
+    s = torch.tensor([64, 17])
+    u = _offsets(12, 2, 4, 530, 100)
+    drawn = tk.decode_samples(q, k, s, tiling="prop", tile=100, scale=32 ** -0.5, tile_uniforms=u, cache_len=lens)
+    scores = torch.einsum("bhd,bhnd->bhn", q.double(), k.double().repeat_interleave(2, 1)) * 32 ** -0.5
+    assert scores[..., :261].max() < -40  # far below exp's float32 range
+    assert (drawn.counts.sum(-1) == s[:, None]).all()
+    _check_draws(q, k, v, s, u, lens, tiling="prop", tile=100, out_rtol=1e-5)
+
+
 def test_single_key_and_one_sample():
     q, k, v = _problem(4, b=2, hq=4, hkv=1, tk=33, d=16)
     lens = torch.tensor([1, 33])
@@ -190,7 +210,8 @@ def test_single_key_and_one_sample():
 
 
 @pytest.mark.parametrize("tiling, variant", [("prop", "default"), ("prop", "gt1"), ("prop", "propsum"), ("prop", "gt4"),
-                                             ("prop", "th_gt2"), ("flash", "default"), ("flash", "split")])
+                                             ("prop", "th_gt2"), ("prop", "ch"), ("prop", "ch_gt4"), ("flash", "default"),
+                                             ("flash", "split")])
 def test_nan_poisoned_buffers_and_padding(tiling, variant, monkeypatch):
     """Every buffer the wrapper allocates starts as NaN / garbage, the cache padding is NaN: same result."""
     monkeypatch.setattr(tk, "CONFIG", tk.VARIANTS[variant])
@@ -241,6 +262,7 @@ def test_strided_inputs_and_counter_reset(tiling):
     *((t, v) for t in ("prop", "flash") for v in ("nopipe", "tpp4", "bk64", "fused_dot", "split", "launchmerge",
                                                   "propsum")),
     ("prop", "gt1"), ("prop", "gt4"), ("prop", "gt8w1"), ("prop", "th"), ("prop", "th_gt2"), ("prop", "th_gt2s2"),
+    ("prop", "ch"), ("prop", "ch_gt1"), ("prop", "ch_gt4s8"),
 ])
 def test_launch_variants_draw_the_same_samples(tiling, variant, monkeypatch):
     """Every launch config in VARIANTS (chunked / pipelined K pass, tiles per program, fused flash with

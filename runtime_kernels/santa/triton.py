@@ -33,7 +33,9 @@ env ``SANTA_TRITON_VARIANT`` pick launch knobs, ``santa_stages`` launches each s
   order as the scores' own rounding, which the count tolerance already covers).
 * ``_flash_stream_kernel`` (flash default, ``flash_mode="stream"``): one program per tile streams the
   tile's K chunks like ``_score_kernel`` (scores stored), then after a CTA barrier re-reads them (L1/L2)
-  and does the tile's counts, sampled V rows and partial as ``_flash_kernel`` below;
+  and does the tile's counts, sampled V rows and partial as ``_flash_kernel`` below (from 128 tiles,
+  ``flash_chunk_tiles``: chunk statistics kept in registers as K streams, each sample's chunk located
+  from them and only that chunk's scores re-read, as the prop gather);
   ``_flash_merge_kernel`` (``flash_merge="launch"``) then merges each (batch, KV head)'s partials, one
   program per 32 output columns, 16 partials per pipelined load step. Measured (H200, 32k, eager stage
   times): B=1 38 + 13 µs vs the split mode's 23 + 48; B=8 230 + 17 vs 136 + 160 — the inline
@@ -96,6 +98,7 @@ from runtime_kernels.santa.triton_device import (
     _flash_tile,
     _flash_merge,
     _merge_partials,
+    _store_partial,
 )
 from runtime_kernels.santa.tiling import flash_tile_budget, num_tiles
 
@@ -149,6 +152,15 @@ class KernelConfig:
     gather_samples: int = 4  # prop gather: samples per head resolved to keys per step ([GP, this, tile] compare;
     #   H200 eager gather stage, 16 / 8 / 4: 32k B=1 21.8 / 22.1 / 16.3 µs, B=8 100.7 / 86.0 / 80.3, 8k B=8 36.4 / 31.6 / 29.9)
     flash_samples: int = 16  # the same for flash's tiles (32k B=1 stream: 16 -> 37.6 us, 8 -> 42.0)
+    flash_chunk_tiles: int = 128  # flash stream: with at least this many tiles in the cache allocation (0: never),
+    #   samples are located chunk first from chunk statistics each program keeps in registers, one chunk of
+    #   its stored scores read per sample (as gather_chunks), flash_chunk_samples per step. H200 2026-11-22,
+    #   graphed, own processes, runs 88-91 (santa_flash_chunked.txt), vs the whole-tile lookup: 128k B=1 136 ->
+    #   123 us, B=8 S=1024 657 -> 612, S=2048 665 -> 627; 32k B=8 S=1024 195 -> 178, S=2048 202 -> 198; 32k B=1
+    #   41.8 -> 39.1. At 8k (32 tiles: 32-64 samples per head per tile) chunked was slower (B=8 S=2048 86 -> 94),
+    #   hence a threshold on the tile count (a host int); deciding per tile in the kernel cost the whole-tile
+    #   branch 4 us at 8k (registers), chunk sums taken after the K pass spilled (both removed)
+    flash_chunk_samples: int = 8
     flash_mode: str = "stream"  # H200 32k (eager stage times): B=1 stream 38 + merge 13 us vs split's score pass
     #   23 + tiles-and-inline-merge 48; B=8 230 + 17 vs 136 + 160
     flash_merge: str = "launch"  # ``inline`` (last tile of each group merges, arrival counters) or ``launch``
@@ -215,6 +227,10 @@ VARIANTS: dict[str, KernelConfig] = {
     # Session 14: the chunked prop gather (the default since) and its tilings; gather_chunks=False above =
     # the whole-tile gather measured before it ("full" = the default of 2026-11-22 00:17).
     "full": KernelConfig(gather_chunks=False),
+    "fch": KernelConfig(flash_chunk_tiles=1, flash_chunk_samples=16),  # every call chunked
+    "fch_s8": KernelConfig(flash_chunk_tiles=1),
+    "fch_s4": KernelConfig(flash_chunk_tiles=1, flash_chunk_samples=4),
+    "fwhole": KernelConfig(flash_chunk_tiles=0),  # flash stream: whole-tile lookup at every length (before)
     "ch": KernelConfig(gather_chunks=True),
     "ch_s8": KernelConfig(gather_samples=8),
     "ch_gt4": KernelConfig(gather_tiles=4),
@@ -470,12 +486,17 @@ def _flash_stream_kernel(
     sqb, sqh, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sub, suh, sut, sls, sns,
     GP: tl.constexpr, BK: tl.constexpr, NCH: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr,
     STAGES: tl.constexpr, IEEE: tl.constexpr, WRITE_COUNTS: tl.constexpr, MAXS: tl.constexpr,
+    CHUNKED: tl.constexpr,
 ):
     """flash, one tile per program in one pass over K: the tile's scores in NCH software-pipelined
     chunks of BK keys (as :func:`_score_kernel`, stored float32), then, after a CTA barrier, the tile's
     counts, sampled V rows and partial ``(m_t, ℓ_t, ℓ_t·μ̂_t)`` from the scores it just stored (L1/L2
     hits); the partials are merged by :func:`_flash_merge_kernel` (or inline with MERGE in
-    :func:`_flash_kernel`'s scheme: not here)."""
+    :func:`_flash_kernel`'s scheme: not here). ``CHUNKED`` (host choice, ``flash_chunk_tiles``): the
+    chunk statistics ``(r_c, Σ exp(s - r_c))`` are kept in registers ([GP, NCH]) as the chunks stream,
+    each sample's chunk is located from them and only that chunk of the stored scores is read
+    (:func:`_gather_by_chunks`, as prop's gather; ``ℓ_t`` is the online sum); else the whole tile is
+    re-read and prefix-summed (:func:`_flash_tile`)."""
     t = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // Hkv
@@ -489,19 +510,53 @@ def _flash_stream_kernel(
         j = tl.arange(0, BK)
         q = _load_group_q(q_ptr, b, kvh, G, D, sqb, sqh, sqd, GP, BLOCK_D)
         k_base = k_ptr + b.to(tl.int64) * skb + kvh.to(tl.int64) * skh
+        ci = tl.arange(0, NCH)
+        cm = tl.zeros((GP, NCH), tl.float32)
+        cl = tl.zeros((GP, NCH), tl.float32)
+        m_run = tl.full((GP,), float("-inf"), tl.float32)
+        l_run = tl.zeros((GP,), tl.float32)
         for c in tl.range(0, NCH, num_stages=STAGES):
             pos = c * BK + j
             key = t * tile + pos
             kmask = (pos < tile) & (key < length)
             s = _tile_scores(q, k_base, key, kmask, D, skn, skd, scale, BLOCK_D, IEEE)
             tl.store(s_ptr + row[:, None] * Tk_pad + key[None, :], s, mask=gmask[:, None] & kmask[None, :])
+            if CHUNKED:  # chunk statistics as the score pass's, kept in registers
+                m_new = tl.maximum(m_run, tl.max(s, axis=1))
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+                l_chunk = tl.sum(tl.exp(s - m_ref[:, None]), axis=1)
+                l_run = l_run * tl.exp(m_run - m_ref) + l_chunk
+                m_run = m_new
+                here = (ci == c)[None, :]
+                cm = tl.where(here, m_ref[:, None], cm)
+                cl = tl.where(here, l_chunk[:, None], cl)
         tl.debug_barrier()  # the whole tile's scores, stored by every thread of the program, are visible
         key, kmask = _tile_keys(t, tile, length, BN)
-        s = tl.load(s_ptr + row[:, None] * Tk_pad + key[None, :], mask=gmask[:, None] & kmask[None, :],
-                    other=float("-inf"))
-        _flash_tile(s, kmask, key, b, kvh, t, bh, G, Hq, D, T_all, Tk_pad, v_ptr, u_ptr, ns_ptr, work_ptr,
-                    counts_ptr, T_b, tile, svb, svh, svn, svd, sub, suh, sut, sns, GP, BLOCK_D, IEEE,
-                    WRITE_COUNTS, MAXS)
+        if CHUNKED:
+            S = tl.load(ns_ptr + b * sns).to(tl.int32)
+            s_tile = tl.maximum((2 * S + T_b) // (2 * T_b), 1)  # round_half_up(S / T_b), at least 1
+            budget = tl.where(gmask, s_tile, 0)
+            u = tl.load(u_ptr + b.to(tl.int64) * sub + (kvh * G + g).to(tl.int64) * suh + t * sut, mask=gmask,
+                        other=0.0)
+            v_base = v_ptr + b.to(tl.int64) * svb + kvh.to(tl.int64) * svh
+            o, counts = _gather_by_chunks(s_ptr + (row * Tk_pad + t * tile), cm, cl, budget, u, v_base,
+                                          t * tile + 0 * g, tile, length, D, svn, svd, BK, BN, BLOCK_D, MAXS,
+                                          WRITE_COUNTS)
+            m_t = tl.where(gmask, m_run, 0.0)
+            l_t = tl.where(gmask, l_run, 0.0)
+            o = o * (l_t / s_tile.to(tl.float32))[:, None]  # A = ℓ_t · (mean of the tile's samples)
+            n_tp = tl.num_programs(1).to(tl.int64) * T_all * GP
+            _store_partial(work_ptr, work_ptr + n_tp, work_ptr + 2 * n_tp, bh.to(tl.int64) * T_all + t, m_t, l_t,
+                           o, GP, BLOCK_D)
+            if WRITE_COUNTS:
+                tl.store(counts_ptr + row[:, None] * Tk_pad + key[None, :], counts,
+                         mask=gmask[:, None] & kmask[None, :])
+        else:
+            s = tl.load(s_ptr + row[:, None] * Tk_pad + key[None, :], mask=gmask[:, None] & kmask[None, :],
+                        other=float("-inf"))
+            _flash_tile(s, kmask, key, b, kvh, t, bh, G, Hq, D, T_all, Tk_pad, v_ptr, u_ptr, ns_ptr, work_ptr,
+                        counts_ptr, T_b, tile, svb, svh, svn, svd, sub, suh, sut, sns, GP, BLOCK_D, IEEE,
+                        WRITE_COUNTS, MAXS)
 
 
 @triton.jit
@@ -738,11 +793,19 @@ def _launch_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_samples
     )
 
 
+def _flash_chunked(geo: _Geometry) -> bool:
+    """Whether the flash stream kernel locates samples chunk first (``CONFIG.flash_chunk_tiles``: long
+    caches, where S / T samples per tile are few; denser tiles are faster prefix-summed whole)."""
+    return 0 < CONFIG.flash_chunk_tiles <= geo.T_all and CONFIG.flash_values == "rows"
+
+
 def _launch_flash_stream(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_samples: torch.Tensor,
                          uniforms: torch.Tensor, cache_len: torch.Tensor, scale: float, geo: _Geometry,
                          scores: torch.Tensor, work: torch.Tensor, counts: torch.Tensor | None) -> None:
-    """flash_mode=stream: one program per tile, K chunks pipelined, the tile's partial written."""
+    """flash_mode=stream: one program per tile, K chunks pipelined, the tile's partial written; samples
+    located chunk first when the cache allocation has ``flash_chunk_tiles`` tiles or more."""
     cfg = CONFIG
+    chunked = _flash_chunked(geo)
     bk = min(geo.BN, _pow2(cfg.score_bk, 16))
     _flash_stream_kernel[(geo.T_all, geo.BH)](
         q, k, v, uniforms, cache_len, num_samples, scores, work, counts if counts is not None else scores,
@@ -750,7 +813,8 @@ def _launch_flash_stream(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_
         *q.stride(), *k.stride(), *v.stride(), *uniforms.stride(), cache_len.stride(0), num_samples.stride(0),
         GP=geo.GP, BK=bk, NCH=geo.BN // bk, BN=geo.BN, BLOCK_D=geo.BLOCK_D, STAGES=cfg.score_stages,
         IEEE=q.dtype == torch.float32, WRITE_COUNTS=counts is not None,
-        MAXS=cfg.flash_samples if cfg.flash_values == "rows" else 0, num_warps=cfg.score_warps,
+        MAXS=(cfg.flash_chunk_samples if chunked else cfg.flash_samples) if cfg.flash_values == "rows" else 0,
+        CHUNKED=chunked, num_warps=cfg.score_warps,
     )
 
 

@@ -210,7 +210,7 @@ def test_single_key_and_one_sample():
 
 
 @pytest.mark.parametrize("tiling, variant", [("prop", "default"), ("prop", "gt1"), ("prop", "propsum"), ("prop", "gt4"),
-                                             ("prop", "th_gt2"), ("prop", "ch"), ("prop", "ch_gt4"), ("flash", "default"),
+                                             ("prop", "th_gt2"), ("prop", "ch"), ("prop", "ch_gt4"), ("flash", "fch"), ("flash", "default"),
                                              ("flash", "split")])
 def test_nan_poisoned_buffers_and_padding(tiling, variant, monkeypatch):
     """Every buffer the wrapper allocates starts as NaN / garbage, the cache padding is NaN: same result."""
@@ -262,7 +262,7 @@ def test_strided_inputs_and_counter_reset(tiling):
     *((t, v) for t in ("prop", "flash") for v in ("nopipe", "tpp4", "bk64", "fused_dot", "split", "launchmerge",
                                                   "propsum")),
     ("prop", "gt1"), ("prop", "gt4"), ("prop", "gt8w1"), ("prop", "th"), ("prop", "th_gt2"), ("prop", "th_gt2s2"),
-    ("prop", "ch"), ("prop", "ch_gt1"), ("prop", "ch_gt4s8"),
+    ("prop", "ch"), ("prop", "ch_gt1"), ("prop", "ch_gt4s8"), ("flash", "fch"), ("flash", "fch_s8"),
 ])
 def test_launch_variants_draw_the_same_samples(tiling, variant, monkeypatch):
     """Every launch config in VARIANTS (chunked / pipelined K pass, tiles per program, fused flash with
@@ -276,15 +276,29 @@ def test_launch_variants_draw_the_same_samples(tiling, variant, monkeypatch):
     _check_draws(q, k, v, s, _offsets(8, 1, 8, 450, 128), lens, tiling=tiling, tile=128, out_rtol=1e-5)
 
 
-@pytest.mark.parametrize("variant", ["default", "split"])
+@pytest.mark.parametrize("variant", ["default", "split", "fch_s8"])
 def test_flash_ragged_batch_rows(variant, monkeypatch):
     """Rows of one batch with different cache lengths (tiles past a row's end write no partial; the
-    merge reads only that row's tiles), an odd last tile, and more tiles than one merge chunk."""
+    merge reads only that row's tiles), an odd last tile, and more tiles than one merge chunk; with
+    ``fch_s8`` through the chunked sample lookup."""
     monkeypatch.setattr(tk, "CONFIG", tk.VARIANTS[variant])
     q, k, v = _problem(9, b=2, hq=4, hkv=2, tk=700, d=32)
     lens = torch.tensor([700, 333])
     _check_draws(q, k, v, torch.tensor([64, 48]), _offsets(9, 2, 4, 700, 32), lens, tiling="flash", tile=32,
                  out_rtol=1e-5)
+
+
+def test_flash_chunked_lookup_from_the_tile_count(monkeypatch):
+    """The stream kernel's chunked lookup is chosen from the cache allocation's tile count alone (a host
+    int: no sync); both lookups draw the reference's samples (the variant tests above)."""
+    geo = lambda tk_: tk._Geometry.of(torch.zeros(1, 8, 64), torch.zeros(1, 2, tk_, 64), 256)  # noqa: E731
+    monkeypatch.setattr(tk, "CONFIG", tk.VARIANTS["default"])
+    assert tk.CONFIG.flash_chunk_tiles == 128
+    assert not tk._flash_chunked(geo(127 * 256)) and tk._flash_chunked(geo(127 * 256 + 1))
+    monkeypatch.setattr(tk, "CONFIG", tk.VARIANTS["fwhole"])
+    assert not tk._flash_chunked(geo(1 << 20))
+    monkeypatch.setattr(tk, "CONFIG", tk.VARIANTS["fch_s8"])
+    assert tk._flash_chunked(geo(1))
 
 
 def test_unsupported_calls_use_the_reference():

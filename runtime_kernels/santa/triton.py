@@ -98,7 +98,9 @@ from runtime_kernels.santa.triton_device import (
     _flash_tile,
     _flash_merge,
     _merge_partials,
-    _store_partial,
+    _online_chunk,
+    _flash_tile_budget,
+    _store_flash_partial,
 )
 from runtime_kernels.santa.tiling import flash_tile_budget, num_tiles
 
@@ -290,11 +292,7 @@ def _score_kernel(
         kmask = (pos < tile) & (key < length)
         s = _tile_scores(q, k_base, key, kmask, D, skn, skd, scale, BLOCK_D, IEEE)
         tl.store(s_ptr + row[:, None] * Tk_pad + key[None, :], s, mask=gmask[:, None] & kmask[None, :])
-        m_new = tl.maximum(m_run, tl.max(s, axis=1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l_chunk = tl.sum(tl.exp(s - m_ref[:, None]), axis=1)
-        l_run = l_run * tl.exp(m_run - m_ref) + l_chunk
-        m_run = m_new
+        m_run, m_ref, l_chunk, l_run = _online_chunk(s, m_run, l_run)
         if CHUNK_STATS:
             cix = row * (T_all * NCH) + t * NCH + c % NCH
             tl.store(cm_ptr + cix, m_ref, mask=gmask)
@@ -522,19 +520,14 @@ def _flash_stream_kernel(
             s = _tile_scores(q, k_base, key, kmask, D, skn, skd, scale, BLOCK_D, IEEE)
             tl.store(s_ptr + row[:, None] * Tk_pad + key[None, :], s, mask=gmask[:, None] & kmask[None, :])
             if CHUNKED:  # chunk statistics as the score pass's, kept in registers
-                m_new = tl.maximum(m_run, tl.max(s, axis=1))
-                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-                l_chunk = tl.sum(tl.exp(s - m_ref[:, None]), axis=1)
-                l_run = l_run * tl.exp(m_run - m_ref) + l_chunk
-                m_run = m_new
+                m_run, m_ref, l_chunk, l_run = _online_chunk(s, m_run, l_run)
                 here = (ci == c)[None, :]
                 cm = tl.where(here, m_ref[:, None], cm)
                 cl = tl.where(here, l_chunk[:, None], cl)
         tl.debug_barrier()  # the whole tile's scores, stored by every thread of the program, are visible
         key, kmask = _tile_keys(t, tile, length, BN)
         if CHUNKED:
-            S = tl.load(ns_ptr + b * sns).to(tl.int32)
-            s_tile = tl.maximum((2 * S + T_b) // (2 * T_b), 1)  # round_half_up(S / T_b), at least 1
+            s_tile = _flash_tile_budget(ns_ptr, b, sns, T_b)
             budget = tl.where(gmask, s_tile, 0)
             u = tl.load(u_ptr + b.to(tl.int64) * sub + (kvh * G + g).to(tl.int64) * suh + t * sut, mask=gmask,
                         other=0.0)
@@ -542,12 +535,8 @@ def _flash_stream_kernel(
             o, counts = _gather_by_chunks(s_ptr + (row * Tk_pad + t * tile), cm, cl, budget, u, v_base,
                                           t * tile + 0 * g, tile, length, D, svn, svd, BK, BN, BLOCK_D, MAXS,
                                           WRITE_COUNTS)
-            m_t = tl.where(gmask, m_run, 0.0)
-            l_t = tl.where(gmask, l_run, 0.0)
-            o = o * (l_t / s_tile.to(tl.float32))[:, None]  # A = ℓ_t · (mean of the tile's samples)
-            n_tp = tl.num_programs(1).to(tl.int64) * T_all * GP
-            _store_partial(work_ptr, work_ptr + n_tp, work_ptr + 2 * n_tp, bh.to(tl.int64) * T_all + t, m_t, l_t,
-                           o, GP, BLOCK_D)
+            _store_flash_partial(work_ptr, bh, t, T_all, tl.where(gmask, m_run, 0.0), tl.where(gmask, l_run, 0.0),
+                                 o, s_tile, GP, BLOCK_D)
             if WRITE_COUNTS:
                 tl.store(counts_ptr + row[:, None] * Tk_pad + key[None, :], counts,
                          mask=gmask[:, None] & kmask[None, :])
@@ -744,7 +733,8 @@ def _launch_prop_gather(v: torch.Tensor, num_samples: torch.Tensor, uniforms: to
         geo.G, geo.Hkv, geo.Hq, geo.D, geo.tile, geo.T_all, geo.Tk_pad,
         *v.stride(), *uniforms.stride(), *out.stride(), cache_len.stride(0), num_samples.stride(0),
         GP=geo.GP, BN=geo.BN, BLOCK_D=geo.BLOCK_D, MAXS=CONFIG.gather_samples, TPG=tpg, THRESH=CONFIG.gather_thresh,
-        CHUNKED=chunked, BK=bk, NCH=geo.BN // bk, WRITE_COUNTS=counts is not None, ATOMIC=atomic, GDC=pdl, num_warps=CONFIG.gather_warps * tpg,
+        CHUNKED=chunked, BK=bk, NCH=geo.BN // bk, WRITE_COUNTS=counts is not None, ATOMIC=atomic, GDC=pdl,
+        num_warps=CONFIG.gather_warps * tpg,
         **_pdl_launch(pdl), **({"maxnreg": CONFIG.gather_maxnreg} if CONFIG.gather_maxnreg and not _INTERPRET else {}),
     )
     if not atomic:

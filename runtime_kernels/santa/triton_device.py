@@ -42,6 +42,17 @@ def _tile_scores(q, k_base, key, kmask, D, skn, skd, scale, BLOCK_D: tl.constexp
 
 
 @triton.jit
+def _online_chunk(s, m_run, l_run):
+    """One K chunk's scores s [GP, BK] into the running tile max / sum: returns ``(m_new, r, l_chunk,
+    l_new)`` with ``r`` the chunk's reference (the running max, 0 while the tile has no key yet),
+    ``l_chunk = Σ exp(s - r)`` and ``l_new = l_run·exp(m_run - r) + l_chunk``."""
+    m_new = tl.maximum(m_run, tl.max(s, axis=1))
+    r = tl.where(m_new == float("-inf"), 0.0, m_new)
+    l_chunk = tl.sum(tl.exp(s - r[:, None]), axis=1)
+    return m_new, r, l_chunk, l_run * tl.exp(m_run - r) + l_chunk
+
+
+@triton.jit
 def _systematic_counts(w, budget, u):
     """Per-key sample counts of the in-tile weights w [GP, BN] (float32 in [0, 1]).
 
@@ -303,14 +314,28 @@ def _store_partial(pm_ptr, pl_ptr, pa_ptr, row, m, ell, acc, GP: tl.constexpr, B
 
 
 @triton.jit
+def _flash_tile_budget(ns_ptr, b, sns, T_b):
+    """flash's per-tile budget ``S_tile = max(1, round_half_up(S / T_b))`` of batch row b."""
+    S = tl.load(ns_ptr + b * sns).to(tl.int32)
+    return tl.maximum((2 * S + T_b) // (2 * T_b), 1)
+
+
+@triton.jit
+def _store_flash_partial(work_ptr, bh, t, T_all, m_t, l_t, sum_v, s_tile, GP: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Tile t's partial ``(m_t, ℓ_t, ℓ_t · mean of its S_tile samples)`` into the work buffer's three planes."""
+    n_tp = tl.num_programs(1).to(tl.int64) * T_all * GP
+    _store_partial(work_ptr, work_ptr + n_tp, work_ptr + 2 * n_tp, bh.to(tl.int64) * T_all + t, m_t, l_t,
+                   sum_v * (l_t / s_tile.to(tl.float32))[:, None], GP, BLOCK_D)
+
+
+@triton.jit
 def _flash_tile(s, kmask, key, b, kvh, t, bh, G, Hq, D, T_all, Tk_pad, v_ptr, u_ptr, ns_ptr, work_ptr,
                 counts_ptr, T_b, tile, svb, svh, svn, svd, sub, suh, sut, sns, GP: tl.constexpr,
                 BLOCK_D: tl.constexpr, IEEE: tl.constexpr, WRITE_COUNTS: tl.constexpr, MAXS: tl.constexpr):
     """Tile t's partial ``(m_t, ℓ_t, ℓ_t·μ̂_t)`` from its scores s [GP, BN] (``-inf`` off the tile)."""
     g = tl.arange(0, GP)
     gmask = g < G
-    S = tl.load(ns_ptr + b * sns).to(tl.int32)
-    s_tile = tl.maximum((2 * S + T_b) // (2 * T_b), 1)  # round_half_up(S / T_b), at least 1
+    s_tile = _flash_tile_budget(ns_ptr, b, sns, T_b)
     m_t = tl.max(s, axis=1)
     m_t = tl.where(gmask, m_t, 0.0)  # padding heads: no scores, no samples
     w = tl.exp(s - m_t[:, None])
@@ -324,10 +349,7 @@ def _flash_tile(s, kmask, key, b, kvh, t, bh, G, Hq, D, T_all, Tk_pad, v_ptr, u_
         o = _gather_samples(c_hi, budget, v_base, t * tile, D, svn, svd, BLOCK_D, MAXS)
     else:  # counts @ V over the row-masked V tile (base-256 digits)
         o = _gather_values(counts, v_base, key, kmask, D, svn, svd, BLOCK_D, IEEE)
-    o = o * (l_t / s_tile.to(tl.float32))[:, None]  # A = ℓ_t · (mean of the tile's samples)
-    n_tp = tl.num_programs(1).to(tl.int64) * T_all * GP
-    _store_partial(work_ptr, work_ptr + n_tp, work_ptr + 2 * n_tp, bh.to(tl.int64) * T_all + t, m_t, l_t, o,
-                   GP, BLOCK_D)
+    _store_flash_partial(work_ptr, bh, t, T_all, m_t, l_t, o, s_tile, GP, BLOCK_D)
     if WRITE_COUNTS:
         row = (b * Hq + kvh * G + g).to(tl.int64)
         tl.store(counts_ptr + row[:, None] * Tk_pad + key[None, :], counts, mask=gmask[:, None] & kmask[None, :])

@@ -210,8 +210,8 @@ def test_single_key_and_one_sample():
 
 
 @pytest.mark.parametrize("tiling, variant", [("prop", "default"), ("prop", "gt1"), ("prop", "propsum"), ("prop", "gt4"),
-                                             ("prop", "th_gt2"), ("prop", "ch"), ("prop", "ch_gt4"), ("flash", "fch"), ("flash", "default"),
-                                             ("flash", "split")])
+                                             ("prop", "th_gt2"), ("prop", "full"), ("prop", "ch_gt4"), ("flash", "fch"),
+                                             ("flash", "fwhole"), ("flash", "default"), ("flash", "split")])
 def test_nan_poisoned_buffers_and_padding(tiling, variant, monkeypatch):
     """Every buffer the wrapper allocates starts as NaN / garbage, the cache padding is NaN: same result."""
     monkeypatch.setattr(tk, "CONFIG", tk.VARIANTS[variant])
@@ -262,13 +262,14 @@ def test_strided_inputs_and_counter_reset(tiling):
     *((t, v) for t in ("prop", "flash") for v in ("nopipe", "tpp4", "bk64", "fused_dot", "split", "launchmerge",
                                                   "propsum")),
     ("prop", "gt1"), ("prop", "gt4"), ("prop", "gt8w1"), ("prop", "th"), ("prop", "th_gt2"), ("prop", "th_gt2s2"),
-    ("prop", "ch"), ("prop", "ch_gt1"), ("prop", "ch_gt4s8"), ("flash", "fch"), ("flash", "fch_s8"),
+    ("prop", "full"), ("prop", "ch_gt1"), ("prop", "ch_gt4s8"), ("flash", "fch"), ("flash", "fch_s8"),
 ])
 def test_launch_variants_draw_the_same_samples(tiling, variant, monkeypatch):
     """Every launch config in VARIANTS (chunked / pipelined K pass, tiles per program, fused flash with
     the counts @ V dot, prop gathers over 1-8 tiles per program: this cache has 4 tiles, so 8 is capped
-    at 4; the poisoned test's 5 leave a partial program; samples located by thresholds) draws what the
-    reference draws: configs change speed, not the estimator."""
+    at 4; the poisoned test's 5 leave a partial program; samples located by thresholds, or chunk first
+    from chunk statistics (prop's default since session 14; ``full`` = the whole-tile lookup; flash's
+    ``fch*``)) draws what the reference draws: configs change speed, not the estimator."""
     monkeypatch.setattr(tk, "CONFIG", tk.VARIANTS[variant])
     q, k, v = _problem(8, b=1, hq=8, hkv=2, tk=450, d=32)
     lens = torch.tensor([450])

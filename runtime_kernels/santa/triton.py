@@ -166,8 +166,12 @@ class KernelConfig:
     flash_mode: str = "stream"  # H200 32k (eager stage times): B=1 stream 38 + merge 13 us vs split's score pass
     #   23 + tiles-and-inline-merge 48; B=8 230 + 17 vs 136 + 160
     flash_merge: str = "launch"  # ``inline`` (last tile of each group merges, arrival counters) or ``launch``
-    merge_cols: int = 32  # flash_merge=launch: output columns per merge program
-    merge_chunk: int = 16  # flash_merge=launch: tile partials per pipelined load step
+    merge_cols: int = 16  # flash_merge=launch: output columns per merge program (>= 8)
+    merge_chunk: int = 128  # flash_merge=launch: tile partials per pipelined load step. H200 2026-11-22 graphed,
+    #   own processes (runs 93-95, santa_flash_merge.txt), 32 cols x 16 partials before -> 16 x 128: 128k B=1
+    #   S=1024 121.8 -> 96.5-96.8 us, 32k B=1 S=2048 41.8-42.0 -> 35.4-35.8, 32k B=8 S=2048 196.2-196.9 -> 191.8,
+    #   128k B=8 605.8 -> 590.1; 8k -0.5..-1. Fewer dependent load steps per merge; 64 / 256 per step and 8 columns
+    #   (more programs, 32-byte rows) measured beside it
     prop_reduce: str = "atomic"  # prop: ``atomic`` (float32 atomics into one row per head, the last tile
     #   writes the output) or ``launch`` (per-tile sums stored, summed in tile order by a second launch)
     flash_values: str = "rows"  # flash: ``rows`` (sampled V rows, as prop) or ``dot`` (counts @ V tile)
@@ -232,7 +236,17 @@ VARIANTS: dict[str, KernelConfig] = {
     "fch": KernelConfig(flash_chunk_tiles=1, flash_chunk_samples=16),  # every call chunked
     "fch_s8": KernelConfig(flash_chunk_tiles=1),
     "fch_s4": KernelConfig(flash_chunk_tiles=1, flash_chunk_samples=4),
-    "fwhole": KernelConfig(flash_chunk_tiles=0),  # flash stream: whole-tile lookup at every length (before)
+    "fwhole": KernelConfig(flash_chunk_tiles=0),
+    "mc32": KernelConfig(merge_chunk=32),  # flash merge launch: 32 partials per step, or other column widths
+    "mc8": KernelConfig(merge_chunk=8),
+    "mcols16": KernelConfig(merge_cols=16),
+    "mcols64": KernelConfig(merge_cols=64),
+    "mc32c16": KernelConfig(merge_chunk=32, merge_cols=16),
+    "mc64c16": KernelConfig(merge_chunk=64, merge_cols=16),
+    "mc128c16": KernelConfig(merge_chunk=128, merge_cols=16),
+    "mc256c16": KernelConfig(merge_chunk=256, merge_cols=16),
+    "mc128c8": KernelConfig(merge_chunk=128, merge_cols=8),
+    "mc64c8": KernelConfig(merge_chunk=64, merge_cols=8),  # flash stream: whole-tile lookup at every length (before)
     "ch": KernelConfig(gather_chunks=True),
     "ch_s8": KernelConfig(gather_samples=8),
     "ch_gt4": KernelConfig(gather_tiles=4),
@@ -738,7 +752,7 @@ def _launch_prop_gather(v: torch.Tensor, num_samples: torch.Tensor, uniforms: to
         **_pdl_launch(pdl), **({"maxnreg": CONFIG.gather_maxnreg} if CONFIG.gather_maxnreg and not _INTERPRET else {}),
     )
     if not atomic:
-        md = min(geo.BLOCK_D, _pow2(CONFIG.merge_cols, 16))
+        md = min(geo.BLOCK_D, _pow2(CONFIG.merge_cols, 8))
         _sum_tiles_kernel[(geo.BH, geo.BLOCK_D // md)](
             acc, cache_len, num_samples, out, geo.G, geo.Hkv, geo.D, geo.tile, geo.T_all, *out.stride(),
             cache_len.stride(0), num_samples.stride(0),
@@ -810,7 +824,7 @@ def _launch_flash_stream(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_
 
 def _launch_flash_merge(cache_len: torch.Tensor, geo: _Geometry, work: torch.Tensor, out: torch.Tensor) -> None:
     """flash_merge=launch: the tile partials of each (batch, KV head) merged into the output."""
-    md = min(geo.BLOCK_D, _pow2(CONFIG.merge_cols, 16))
+    md = min(geo.BLOCK_D, _pow2(CONFIG.merge_cols, 8))
     _flash_merge_kernel[(geo.BH, geo.BLOCK_D // md)](
         work, cache_len, out, geo.G, geo.Hkv, geo.D, geo.tile, geo.T_all, *out.stride(), cache_len.stride(0),
         GP=geo.GP, BLOCK_D=geo.BLOCK_D, MD=md, CH=min(_pow2(CONFIG.merge_chunk, 2), _pow2(geo.T_all, 2)),

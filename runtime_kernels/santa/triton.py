@@ -236,7 +236,7 @@ VARIANTS: dict[str, KernelConfig] = {
     "fch": KernelConfig(flash_chunk_tiles=1, flash_chunk_samples=16),  # every call chunked
     "fch_s8": KernelConfig(flash_chunk_tiles=1),
     "fch_s4": KernelConfig(flash_chunk_tiles=1, flash_chunk_samples=4),
-    "fwhole": KernelConfig(flash_chunk_tiles=0),
+    "fwhole": KernelConfig(flash_chunk_tiles=0),  # flash stream: whole-tile lookup at every length (before)
     "mc32": KernelConfig(merge_chunk=32),  # flash merge launch: 32 partials per step, or other column widths
     "mc8": KernelConfig(merge_chunk=8),
     "mcols16": KernelConfig(merge_cols=16),
@@ -246,7 +246,7 @@ VARIANTS: dict[str, KernelConfig] = {
     "mc128c16": KernelConfig(merge_chunk=128, merge_cols=16),
     "mc256c16": KernelConfig(merge_chunk=256, merge_cols=16),
     "mc128c8": KernelConfig(merge_chunk=128, merge_cols=8),
-    "mc64c8": KernelConfig(merge_chunk=64, merge_cols=8),  # flash stream: whole-tile lookup at every length (before)
+    "mc64c8": KernelConfig(merge_chunk=64, merge_cols=8),
     "ch": KernelConfig(gather_chunks=True),
     "ch_s8": KernelConfig(gather_samples=8),
     "ch_gt4": KernelConfig(gather_tiles=4),

@@ -67,6 +67,11 @@ Performance model (Llama-3.1-8B decode: Hq=32, Hkv=8, D=128, bf16, N keys; H200 
   / 8 KB smem, so ~5 programs per SM; before: 117 regs + 66 KB smem = 2 per SM, K in registers).
   Predicted 32k B=1: 17 + ~6 ≈ 23-26 µs (target 25.6); B=8 128k: K 511 µs + scores 2·134 MB
   (64 µs) + V rows ≈ 620 µs (SDPA 961).
+* Measured and removed (H200, session 15; records and patches in docs/bench/2026-11-21-h200): prop's
+  budgets + gather as one program per query head at small B·Hq (32k B=1 33.8 -> 41.8 µs:
+  ``santa_prop_head.txt``); flash's whole-tile tail as counts @ V in key steps (8k B=8 S=1024 72.4 ->
+  86.1: ``santa_flash_chunkdot.txt``) or with the tile's scores kept in registers (-> 79.0:
+  ``santa_flash_keep_scores.txt``).
 * Launches: prop 3 (chained by programmatic dependent launch on sm_90+: ``CONFIG.pdl``), flash 2
   (stream + merge; split with inline merge 2, fused 1), + the api's offset draw; no host syncs, no
   per-call memsets.

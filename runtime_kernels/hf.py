@@ -17,7 +17,11 @@ sampling in prefill and decode) and
   ``decode(layer, q, k, v, scale, ctx) -> out | None`` with ``q: [B, Hq, 1, D]`` and the full cache.
 
 ``ctx`` is an :class:`AttentionCall` carrying the module, the position ids and the model's rotary
-embedding (for de-RoPE).
+embedding (for de-RoPE). Under :class:`runtime_kernels.generate.StaticGenerator` (a preallocated cache,
+CUDA graphs) decode calls get ``k, v`` as views of the preallocated buffers, longer than the valid
+length, and ``ctx.cache_len [B]`` (int64, on the device) says how many keys are valid; a decode runtime
+must then read no key past it and must not synchronize with the host (``ctx.cache_len is None`` in the
+eager path, where ``k.shape[2]`` is the length).
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ class AttentionCall:
     position_ids: torch.Tensor | None
     rotary_emb: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None
     attention_mask: torch.Tensor | None
+    cache_len: torch.Tensor | None = None  # [B] valid keys of a static-cache decode step (module docstring)
 
 
 @dataclass
@@ -67,6 +72,7 @@ class CalibAttention:
     fallback: str
     rotary_emb: Any | None
     warned: set[str] = field(default_factory=set)
+    static_len: torch.Tensor | None = None  # set by generate.StaticGenerator during its decode steps
 
     def warn_once(self, key: str, message: str) -> None:
         if key not in self.warned:
@@ -227,6 +233,8 @@ def calib_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
             else:
                 state.warn_once("padded", "calib: padded or chunked prefill falls back to dense attention")
     elif state.decode is not None:
+        if state.static_len is not None:  # the 4D mask only hides the view's tail: the length says it
+            ctx = AttentionCall(module, kwargs.get("position_ids"), state.rotary_emb, None, state.static_len)
         out = state.decode.decode(layer, query, key, value, scale, ctx)
     if out is None:
         return _dense(state)(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -29,7 +31,8 @@ def _triton_module() -> ModuleType | None:
 def saap_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           state: BucketIndex | None, artifact_layer: SaapLayerParams, *, top_l: int,
                           q_derope: torch.Tensor | None = None, scale: float | None = None,
-                          impl: str = "auto", ranking: str = "mass") -> torch.Tensor:
+                          impl: str = "auto", ranking: str = "mass", cache_len: torch.Tensor | None = None
+                          ) -> torch.Tensor:
     """SAAP attention of one decode step of one layer.
 
     Args:
@@ -44,6 +47,9 @@ def saap_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         ranking: ``"mass"`` (top-ℓ by predicted mass, the paper) or ``"density"`` (the same number of keys
             by predicted mass per key, :func:`reference.select_buckets`; the PyTorch reference only so far:
             ``auto`` takes it on the GPU too, ``triton`` refuses it).
+        cache_len: ``[B]`` int64 valid keys when ``k_cache, v_cache`` are views of a preallocated cache
+            longer than that (a static-cache step; every row the same length). The kernel reads it on
+            the device; the reference path slices the cache to it (one host sync).
 
     Returns:
         ``[B, Hq, D]`` in ``q.dtype``.
@@ -63,7 +69,12 @@ def saap_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         raise RuntimeError("the SAAP Triton kernel is not available (runtime_kernels.saap.triton did not import)")
     if kernel is not None:
         return kernel.saap_decode_attention_triton(q, q_derope, k_cache, v_cache, state, artifact_layer,
-                                                   top_l=top_l, scale=scale)
+                                                   top_l=top_l, scale=scale, cache_len=cache_len)
+    if cache_len is not None:
+        t = int(cache_len.max())
+        if int(cache_len.min()) != t:
+            raise ValueError("SAAP takes one cache length for the whole batch (no padding)")
+        k_cache, v_cache = k_cache[:, :, :t], v_cache[:, :, :t]
     return saap_decode_attention_reference(q, q_derope, k_cache, v_cache, state, artifact_layer, top_l, scale,
                                            ranking)
 
@@ -87,6 +98,15 @@ def derope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     c, n = cos.float().unsqueeze(1), sin.float().unsqueeze(1)  # [B, 1, T, D]
     xf = x.float()
     return (xf * c - _rotate_half(xf) * n) / (c * c + n * n)
+
+
+@dataclass
+class AttentionPositions:
+    """The part of an attention call's context that de-RoPE needs when no call is at hand: the model's
+    rotary module (positions then default to consecutive ones)."""
+
+    rotary_emb: Any
+    position_ids: torch.Tensor | None = None
 
 
 class SaapDecode:
@@ -129,6 +149,7 @@ class SaapDecode:
         self.impl = impl
         self.stats = stats
         self.index: dict[int, BucketIndex] = {}
+        self._prefill_ctx: AttentionPositions | None = None  # the rotary module, for before_graph
         self._on_device: dict[tuple[int, str], SaapLayerParams] = {}
         self._sums: torch.Tensor | None = None  # [selectivity, selectivity_with_window, count] summed
 
@@ -160,11 +181,12 @@ class SaapDecode:
 
     @classmethod
     def from_artifact(cls, artifact, model, *, top_l: int | None = None, ranking: str = "mass",
-                      top_l_layers: dict[int, int] | None = None) -> "SaapDecode":
+                      top_l_layers: dict[int, int] | None = None, stats: bool = False) -> "SaapDecode":
         """The runtime of a ``saap`` artifact; ``top_l`` overrides the artifact's ℓ (an ℓ sweep),
         ``top_l_layers`` (``{layer: ℓ}``) the ℓ of some layers (default: the artifact's optional
         ``top_l_layers`` hyper-parameter), ``ranking`` picks mass or density bucket selection
-        (:func:`reference.select_buckets`)."""
+        (:func:`reference.select_buckets`). ``stats`` is off for serving (``hf.apply``'s default): the
+        selectivity count ranks the buckets a second time per step; ``calib eval`` turns it on."""
         hp = artifact.manifest.hyperparameters
         n_layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
         if n_layers is None:
@@ -178,12 +200,17 @@ class SaapDecode:
             raise ArtifactError(f"SAAP top_l must be >= 1 (got {top_l})")
         if top_l_layers is None:
             top_l_layers = {int(k): int(v) for k, v in (hp.get("top_l_layers") or {}).items()}
-        return cls(layers, int(hp["top_l"] if top_l is None else top_l), ranking=ranking, top_l_layers=top_l_layers)
+        return cls(layers, int(hp["top_l"] if top_l is None else top_l), ranking=ranking, top_l_layers=top_l_layers,
+                   stats=stats)
 
-    def _params(self, layer: int, device: torch.device) -> SaapLayerParams:
-        key = (layer, str(device))
+    def _params(self, layer: int, device: torch.device, dtype: torch.dtype = torch.float32) -> SaapLayerParams:
+        """Layer ``layer``'s tensors on ``device``, the classifier weights ``w1, w2`` in the serving dtype
+        (the model's, for a 16-bit model: half the bytes per step; the kernels accumulate in float32, and
+        ``tests/runtime/saap`` bound the effect on the ranked buckets), converted once."""
+        wdt = dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
+        key = (layer, str(device), wdt)
         if key not in self._on_device:
-            self._on_device[key] = self.layers[layer].to(device)
+            self._on_device[key] = self.layers[layer].to(device, weight_dtype=wdt)
         return self._on_device[key]
 
     @staticmethod
@@ -209,14 +236,26 @@ class SaapDecode:
         p = self.layers[layer]
         if p.dense or self._padded(ctx, k.shape[0]) or k.shape[2] != q.shape[2]:
             return
+        self._prefill_ctx = AttentionPositions(ctx.rotary_emb)
         pp = self._params(layer, k.device)
         self.index[layer] = BucketIndex.build(self._derope(k, ctx, 0), pp.centroids, sink=p.sink, recent=p.recent)
 
     def advance(self, layer: int, q: torch.Tensor, k: torch.Tensor, ctx) -> tuple[BucketIndex, torch.Tensor] | None:
         """One decode step's index upkeep: the new (last) key of ``k [B, Hkv, T, D]`` appended to layer
         ``layer``'s index, and the de-RoPE'd query ``[B, Hq, D]``; None (index dropped) when this step
-        runs dense: no index, a dense layer, a padded batch, or an index out of step with the cache."""
+        runs dense: no index, a dense layer, a padded batch, or an index out of step with the cache.
+
+        Static-cache steps (``ctx.cache_len`` set) append nothing: the index was brought up to the
+        step's view by :meth:`before_graph`, and the keys that left the window since are attended as
+        part of it (``[index.searchable_hi, cache_len)``), so the step never syncs with the host."""
         idx = self.index.get(layer)
+        cache_len = getattr(ctx, "cache_len", None)
+        if cache_len is not None:
+            if idx is None or self.layers[layer].dense:
+                return None
+            if getattr(ctx, "position_ids", None) is None:
+                raise ValueError("a static-cache SAAP step needs the position ids (the query's position)")
+            return idx, self._derope(q, ctx, 0)[:, :, 0]
         t = k.shape[2]
         if idx is None or self.layers[layer].dense or self._padded(ctx, k.shape[0]) or idx.length != t - 1:
             self.index.pop(layer, None)
@@ -224,16 +263,33 @@ class SaapDecode:
         idx.append(self._derope(k[:, :, -1:], ctx, t - 1))
         return idx, self._derope(q, ctx, t - 1)[:, :, 0]
 
+    def before_graph(self, cache, valid: int, view: int) -> None:
+        """Static-cache hook (:class:`runtime_kernels.generate.StaticGenerator`), outside any graph: every
+        layer's index absorbs the keys of ``cache`` (``keys[layer] [B, Hkv, max_len, D]``, ``valid``
+        written) that arrived since it was last brought up to date, but the newest one, which the next
+        step writes."""
+        for layer, idx in self.index.items():
+            n = valid - 1 - idx.length
+            if n <= 0:
+                continue
+            k = cache.keys[layer][:, :, idx.length:valid - 1]
+            idx.append(self._derope(k, self._prefill_ctx, idx.length))
+
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                ctx) -> torch.Tensor | None:
-        """``q [B, Hq, 1, D]``, ``k, v [B, Hkv, T, D]`` (the cache, new token last) -> ``[B, Hq, 1, D]`` or None."""
+        """``q [B, Hq, 1, D]``, ``k, v [B, Hkv, T, D]`` (the cache, new token last) -> ``[B, Hq, 1, D]`` or None.
+
+        With ``ctx.cache_len [B]`` (a static-cache step) ``k, v`` are views longer than the valid keys."""
         step = self.advance(layer, q, k, ctx)
         if step is None:
             return None
         idx, q_de = step
         t = k.shape[2]
-        out = saap_decode_attention(q[:, :, 0], k, v, idx, self._params(layer, q.device), top_l=self.layer_top_l(layer),
-                                    q_derope=q_de, scale=scale, impl=self.impl, ranking=self.ranking)
-        if self.stats:
+        cache_len = getattr(ctx, "cache_len", None)
+        params = self._params(layer, q.device, q.dtype)
+        out = saap_decode_attention(q[:, :, 0], k, v, idx, params, top_l=self.layer_top_l(layer),
+                                    q_derope=q_de.to(params.w1.dtype), scale=scale, impl=self.impl,
+                                    ranking=self.ranking, cache_len=cache_len)
+        if self.stats and cache_len is None:  # statistics are an eager (calib eval) feature
             self._record(layer, q_de, idx, t)
         return out.unsqueeze(2)

@@ -99,11 +99,13 @@ class SaapLayerParams:
             return cls(sink=sink, recent=recent, dense=True, bn_eps=bn_eps)
         return cls(sink=sink, recent=recent, bn_eps=bn_eps, **{n: tensors[prefix + n] for n in cls.TENSOR_FIELDS})
 
-    def to(self, device: torch.device | str) -> "SaapLayerParams":
+    def to(self, device: torch.device | str, weight_dtype: torch.dtype | None = None) -> "SaapLayerParams":
+        """A copy on ``device``; ``weight_dtype`` also converts the classifier's ``w1, w2`` (the rest keep
+        their dtype: centroids, biases and batch-norm statistics are small and stay float32)."""
         kw = {f.name: getattr(self, f.name) for f in fields(self)}
         for n in self.TENSOR_FIELDS:
             if kw[n] is not None:
-                kw[n] = kw[n].to(device)
+                kw[n] = kw[n].to(device, dtype=weight_dtype if weight_dtype is not None and n in ("w1", "w2") else None)
         return SaapLayerParams(**kw)
 
 
@@ -116,6 +118,23 @@ def searchable_range(seq_len: int, sink: int, recent: int) -> tuple[int, int]:
     """Positions ``[lo, hi)`` that are bucket candidates in a cache of ``seq_len`` keys (may be empty)."""
     lo = min(sink, seq_len)
     return lo, max(lo, seq_len - recent)
+
+
+def dense_region(index: "BucketIndex", params: SaapLayerParams) -> tuple[int, int]:
+    """``(lo, hi)``: a decode step attends ``[0, lo) ∪ [hi, T)`` densely and the rest through buckets.
+
+    ``hi`` is where the index's lists end. An index kept up to date every step (the eager path) ends
+    them at ``T - recent``; one brought up to date only now and then (the static-cache path) lags,
+    and the keys that left the window since are attended with it, exactly.
+    """
+    return min(params.sink, index.searchable_hi), index.searchable_hi
+
+
+def check_index_fits(index: "BucketIndex | None", t: int, params: SaapLayerParams) -> None:
+    """Refuse an index that covers keys the cache lacks, or lists keys still inside the window."""
+    if index is None or index.length > t or index.searchable_hi > searchable_range(t, params.sink, params.recent)[1]:
+        got = None if index is None else f"{index.length} keys (lists end at {index.searchable_hi})"
+        raise ValueError(f"bucket index covers {got}, which does not fit a cache of {t} keys")
 
 
 def nearest_centroid(x: torch.Tensor, centroids: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
@@ -445,10 +464,9 @@ def saap_decode_attention_reference(q: torch.Tensor, q_derope: torch.Tensor, k_c
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     if params.dense:
         return dense_decode_attention(q, k_cache, v_cache, scale)
-    if index is None or index.length != t:
-        raise ValueError(f"bucket index covers {None if index is None else index.length} keys, cache has {t}")
+    check_index_fits(index, t, params)
     g = hq // hkv
-    lo, hi = searchable_range(t, params.sink, params.recent)
+    lo, hi = dense_region(index, params)
     if top_l <= 0 or lo == hi:  # nothing outside the dense region to rank
         buckets = torch.zeros(b, hkv, 0, dtype=torch.long, device=q.device)
     else:
@@ -465,7 +483,7 @@ def sparse_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     hkv, t = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
     qg = q.view(b, hkv, g, d)
-    lo, hi = searchable_range(t, params.sink, params.recent)
+    lo, hi = dense_region(index, params)
     # partial 0: the dense region (sink + recent window)
     dense_pos = torch.cat([torch.arange(lo, device=q.device), torch.arange(hi, t, device=q.device)])
     valid = torch.ones(b, hkv, dense_pos.numel(), dtype=torch.bool, device=q.device)

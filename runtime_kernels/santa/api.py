@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from runtime_kernels.santa import reference
+from runtime_kernels.santa.draws import keyed_uniforms
 from runtime_kernels.santa.reference import ESTIMATORS, TILINGS
 
 BACKENDS = ("auto", "reference", "triton")
@@ -391,9 +392,11 @@ class SantaDecode:
     Decode: layer ``l`` runs :func:`santa_decode_attention` with ``S = max(1, schedule[l])`` (``tiling``
     prop / flash / none, ``tile`` keys per tile, ``estimator`` inside tiles = sys). With ``"prefill"``
     in ``phases`` (the paper's GSM8K runs) ``phase`` is ``"both"`` and every prefill query row is
-    sampled too with :func:`santa_attention` (causal) at the same S. Randomness comes from one
-    ``torch.Generator`` per device, seeded by ``seed`` (``None``: fresh entropy); :meth:`reseed`
-    restarts it. A batch with a padding mask runs dense (like every decode method here).
+    sampled too with :func:`santa_attention` (causal) at the same S. Decode offsets are a function of
+    (``seed``, layer, query position, row, head, tile) (:mod:`runtime_kernels.santa.draws`): the same
+    in the eager and the CUDA-graph path, fresh at every position; prefill sampling draws from one
+    ``torch.Generator`` per device seeded by ``seed``. ``seed=None`` picks a random seed; :meth:`reseed`
+    restarts both. A batch with a padding mask runs dense (like every decode method here).
 
     ``pop_stats()``: ``mean_samples`` (mean S over sampled attention calls), ``sample_fraction``
     (mean samples drawn per query row / keys it may read, capped at 1) and ``sampled_calls``.
@@ -443,6 +446,9 @@ class SantaDecode:
         """Restart the sampling streams: ``seed`` for every device (None: fresh entropy)."""
         self.seed = seed
         self._generators.clear()
+        self._seed_value = int(seed) if seed is not None else int(torch.randint(0, 2**31, ()).item())
+        self._draws: torch.Tensor | None = None
+        self._draws_key: tuple | None = None
 
     def generator(self, device: torch.device) -> torch.Generator:
         """The generator that draws this runtime's offsets for tensors on ``device``."""
@@ -489,17 +495,51 @@ class SantaDecode:
 
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                ctx: Any = None) -> torch.Tensor | None:
-        """``q: [B, Hq, 1, D]``, ``k, v: [B, Hkv, Tk, D]`` (the whole cache) -> ``[B, Hq, 1, D]``."""
-        if self._padded(ctx, q.shape[0]):
+        """``q: [B, Hq, 1, D]``, ``k, v: [B, Hkv, Tk, D]`` (the whole cache) -> ``[B, Hq, 1, D]``.
+
+        With ``ctx.cache_len [B]`` (a static-cache step, :mod:`runtime_kernels.generate`) ``k, v`` are
+        views longer than the valid keys; the step then neither validates on the host nor records
+        statistics, so it can be captured in a CUDA graph. Either way the offsets are
+        :meth:`offsets` of the query's position, so both paths draw the same samples."""
+        cache_len = getattr(ctx, "cache_len", None)
+        if cache_len is None and self._padded(ctx, q.shape[0]):
             return None
         s = self.budget(layer)
+        b, tk = q.shape[0], k.shape[2]
+        pos = cache_len - 1 if cache_len is not None else _int_vector(tk - 1, b, q.device)
+        draws = self.offsets(layer, pos, q.shape[1], tk, s, host_position=None if cache_len is not None else tk - 1)
+        if cache_len is not None:
+            fn = _backend_function("santa_decode_forward", q.device, self.backend)
+            out = fn(q[:, :, 0], k, v, _int_vector(s, b, q.device), tiling=self.tiling, tile=self.tile,
+                     estimator=self.estimator, scale=float(scale), uniforms=draws, cache_len=cache_len)
+            return out[:, :, None]
+        given = {"uniforms": draws} if self.tiling == "none" else {"tile_uniforms": draws}
         out = santa_decode_attention(q, k, v, s, tiling=self.tiling, tile=self.tile, estimator=self.estimator,
-                                     scale=scale, generator=self.generator(q.device), backend=self.backend)
-        tk = k.shape[2]
+                                     scale=scale, backend=self.backend, **given)
         tiles = -(-tk // self.tile)
         self._record(s, tiles * max(1, int(s / tiles + 0.5)) if self.tiling == "flash" else s, tk)
         return out[:, :, None]
 
+    def offsets(self, layer: int, position: torch.Tensor, heads: int, keys: int, s: int,
+                host_position: int | None = None) -> torch.Tensor:
+        """Layer ``layer``'s offsets for queries at ``position [B]``: :func:`draws.keyed_uniforms` of
+        (seed, layer, position, row, head, slot); ``[B, heads, ceil(keys / tile)]`` for the prop and
+        flash tilings, ``[B, heads, 1]`` (sys) or ``[B, heads, 1, s]`` (iid, strat) for ``"none"``.
+
+        The tiled draws of every layer are made at once, when layer 0 asks (one set of element-wise
+        kernels per step instead of one per layer) and kept for the other layers of the step; a
+        ``host_position`` (eager calls) also keys that cache, so a call out of order recomputes."""
+        if self.tiling == "none":
+            n = 1 if self.estimator == "sys" else s
+            u = keyed_uniforms(self._seed_value, layer, position, heads, n)[0]
+            return u if self.estimator == "sys" else u.unsqueeze(2)
+        slots = -(-keys // self.tile)
+        key = (str(position.device), tuple(position.shape), heads, slots, host_position)
+        if layer == 0 or self._draws is None or self._draws_key != key:
+            layers = torch.arange(len(self.schedule), device=position.device)
+            self._draws = keyed_uniforms(self._seed_value, layers, position, heads, slots)  # [L, B, H, n]
+            self._draws_key = key
+        return self._draws[layer]
     def pop_stats(self) -> dict[str, float]:
         """Per-call means since the last call (``{}`` when nothing was sampled)."""
         total_s, fractions, calls = self._stats

@@ -61,13 +61,20 @@ def test_decode_uses_each_layers_budget_and_zero_runs_as_one():
 
 
 def test_seed_makes_decode_reproducible_and_reseed_restarts():
+    """Decode draws are a function of (seed, layer, query position): reproducible for a seed, fresh at
+    the next position (one more key in the cache), changed by another seed, restored by reseeding."""
     q, k, v = _qkv(tk=300)
     a = SantaDecode([4], tiling="prop", tile=64, seed=11)
     b = SantaDecode([4], tiling="prop", tile=64, seed=11)
     first = a.decode(0, q, k, v, 0.3)
     assert torch.equal(first, b.decode(0, q, k, v, 0.3))
-    second = a.decode(0, q, k, v, 0.3)
-    assert not torch.equal(first, second)  # the stream moves on
+    assert torch.equal(a.decode(0, q, k, v, 0.3), first)  # the same position draws the same samples
+    k2, v2 = torch.cat([k, k[:, :, -1:]], 2), torch.cat([v, v[:, :, -1:]], 2)  # a repeated key: same mass
+    a_next = a.offsets(0, torch.tensor([300]), 4, 301, 4, host_position=300)
+    assert not torch.equal(a_next[..., :5], a.offsets(0, torch.tensor([299]), 4, 300, 4, host_position=299))
+    assert a.decode(0, q, k2, v2, 0.3).shape == first.shape
+    a.reseed(12)
+    assert not torch.equal(a.decode(0, q, k, v, 0.3), first)
     a.reseed(11)
     assert torch.equal(a.decode(0, q, k, v, 0.3), first)
 

@@ -1,0 +1,347 @@
+"""Greedy generation on a preallocated KV cache, one CUDA graph per decode step: the serving path.
+
+Why our own loop. transformers' default ``DynamicCache`` concatenates the whole cache on every step
+(at 128k that copy costs twice all of dense attention), and its ``StaticCache`` path attends the full
+preallocated buffer under a mask, so ``model.generate()`` is no fast baseline at long context. A
+method's per-step work is also launch-bound: tens of small kernels per layer, each costing more host
+time than GPU time. :class:`StaticGenerator` owns a :class:`StaticKVCache` that the model's attention
+layers write into in place and captures one decode step of the *whole model* in a CUDA graph, so a
+step costs one graph replay of host time, dense or sparse alike (gpt-fast's design, done through the
+unmodified transformers model).
+
+How a step stays capturable.
+
+* Shapes are static within a graph: the layers see ``k, v = cache[:, :, :view]`` with ``view`` the
+  valid length rounded up to :attr:`StaticGenerator.bucket` positions; one graph is captured per view
+  length the generation reaches (a 32k prompt and 256 new tokens use two) and the others are freed.
+* The valid length lives on the device: :attr:`StaticKVCache.length` ``[B]`` int64 and the current
+  position are device tensors the graph updates in place (no host sync, no allocation per step).
+  Keys past the valid length hold stale or zero rows: the dense path masks them (a 4D boolean mask,
+  which transformers passes through unchanged), the method runtimes read the length through
+  ``AttentionCall.cache_len`` (SANTA's kernels bound their tiles by it; SAAP's window tiles too).
+* Method state that must change between graphs (SAAP's bucket index absorbing the keys that left
+  the window) is updated by :meth:`DecodeRuntime.before_graph` hooks at each new view length, outside
+  the graph.
+
+Prefill runs eagerly (no graph), writing the prompt's keys into the cache; prefill methods see ``k, v``
+of exactly the prompt length, as in the eager path. All sequences of a batch have the same length
+(no padding): batch prompts of equal token counts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+
+try:  # transformers' Cache base class, so `isinstance(cache, Cache)` checks in model code hold
+    from transformers.cache_utils import Cache as _HFCache
+except ImportError:  # pragma: no cover - transformers is needed to use this module at all
+    _HFCache = object
+
+DEFAULT_BUCKET = 256  # positions per view length; SANTA's tile, so a view never splits a tile
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-int(n) // multiple) * multiple
+
+
+class StaticKVCache(_HFCache):
+    """Preallocated keys and values ``[B, Hkv, max_len, D]`` per layer, written in place.
+
+    The model's attention layers call :meth:`update`, which copies the new ``[B, Hkv, n, D]`` keys and
+    values to the positions in :attr:`write_pos` (a device tensor the generator sets) and returns the
+    views ``[:, :, :view]`` (``view`` a host int set by the generator: static within a CUDA graph).
+    ``length [B]`` is the number of valid keys once this step's keys are written.
+
+    Only the few transformers ``Cache`` members a decoder-only model calls are provided (``update``,
+    ``get_seq_length``, ``is_compileable`` and the layer-kind lists mask helpers read); the generator
+    always passes a ready 4D mask, which transformers' mask creation returns unchanged.
+    """
+
+    is_compileable = True
+
+    def __init__(self, num_layers: int, batch: int, num_kv_heads: int, head_dim: int, max_len: int,
+                 device: torch.device | str, dtype: torch.dtype) -> None:
+        # Cache.__init__ is not called on purpose: its per-layer classes change between transformers
+        # releases; this class holds its own buffers and answers the calls the model makes.
+        shape = (batch, num_kv_heads, max_len, head_dim)
+        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.max_len = int(max_len)
+        self.batch = int(batch)
+        self.view = 0
+        self.write_pos = torch.zeros(1, dtype=torch.long, device=device)
+        self.length = torch.zeros(batch, dtype=torch.long, device=device)
+        self.layers: list[Any] = []  # transformers' mask helpers iterate per-layer kinds through these lists
+
+    @classmethod
+    def for_model(cls, model: Any, batch: int, max_len: int) -> "StaticKVCache":
+        """A cache sized for ``model`` (a transformers causal LM) on its device and dtype."""
+        cfg = model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        p = next(model.parameters())
+        return cls(cfg.num_hidden_layers, batch, cfg.num_key_value_heads, head_dim, max_len, p.device, p.dtype)
+
+    # -------------------------------------------------------------------- what the model calls
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``key_states, value_states [B, Hkv, n, D]`` at :attr:`write_pos`; return the views."""
+        k_buf, v_buf = self.keys[layer_idx], self.values[layer_idx]
+        k_buf.index_copy_(2, self.write_pos, key_states.to(k_buf.dtype))
+        v_buf.index_copy_(2, self.write_pos, value_states.to(v_buf.dtype))
+        return k_buf[:, :, : self.view], v_buf[:, :, : self.view]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.view
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return self.max_len
+
+    def get_mask_sizes(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
+        """``(kv_length, kv_offset)`` for transformers' mask creation (prefill from position 0)."""
+        return self.view, 0
+
+    def get_query_offset(self, *args: Any, **kwargs: Any) -> int:
+        return 0
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        return [False] * len(self.keys)
+
+    @property
+    def is_linear(self) -> list[bool]:
+        return [False] * len(self.keys)
+
+    @property
+    def is_dummy(self) -> list[bool]:
+        return [False] * len(self.keys)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+@dataclass
+class StepTimes:
+    """What one :meth:`StaticGenerator.generate` call measured (milliseconds; ``None`` off CUDA)."""
+
+    prefill_ms: float | None = None  # prompt forward + first token (time to first token), device time
+    step_ms: list[float] = field(default_factory=list)  # device time per decode step (graph replays only)
+    host_ms: list[float] = field(default_factory=list)  # host time to issue each step
+    captures: int = 0  # graphs captured
+    capture_ms: float = 0.0  # host time spent capturing (not in step_ms)
+
+
+class StaticGenerator:
+    """Greedy decoding of a transformers causal LM on a :class:`StaticKVCache` (module docstring).
+
+    ``graphs=False`` runs the same steps eagerly (CPU, debugging, and the reference the graph path is
+    tested against). With calib methods attached (``runtime_kernels.hf.apply`` before or after
+    construction) the decode runtime sees ``ctx.cache_len``; dense layers and models run SDPA (or the
+    model's attention) on the masked view.
+    """
+
+    def __init__(self, model: Any, *, batch: int, max_len: int, graphs: bool | None = None,
+                 bucket: int = DEFAULT_BUCKET) -> None:
+        self.model = model
+        self.cache = StaticKVCache.for_model(model, batch, round_up(max_len, bucket))
+        self.device = self.cache.keys[0].device
+        self.graphs = (self.device.type == "cuda") if graphs is None else bool(graphs)
+        if self.graphs and self.device.type != "cuda":
+            raise ValueError("CUDA graphs need the model on a CUDA device")
+        self.bucket = int(bucket)
+        self.token = torch.zeros(batch, 1, dtype=torch.long, device=self.device)  # the step's input token
+        self.pos = torch.zeros(1, dtype=torch.long, device=self.device)  # its position
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._graph_view = -1
+        self._pool = None
+        self._cache_arg = cache_argument(model)
+
+    # ---------------------------------------------------------------------------------- pieces
+    def _state(self) -> Any | None:
+        return getattr(self.model, "calib_attention", None)
+
+    @contextlib.contextmanager
+    def _decoding(self, view: int) -> Iterator[None]:
+        """Tell the attached calib runtimes that calls are static-cache decode steps of ``view`` keys."""
+        state = self._state()
+        if state is not None:
+            state.static_len = self.cache.length
+        try:
+            yield
+        finally:
+            if state is not None:
+                state.static_len = None
+
+    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                         cache_position=position_ids[0], use_cache=True, logits_to_keep=1,
+                         **{self._cache_arg: self.cache})
+        return out.logits[:, -1]  # [B, V]
+
+    def _step(self) -> None:
+        """One decode step, all on the device: write position, length, mask, forward, argmax, advance."""
+        c = self.cache
+        c.write_pos.copy_(self.pos)
+        c.length.copy_(self.pos.expand_as(c.length) + 1)
+        mask = (torch.arange(c.view, device=self.device)[None, :] < c.length[:, None])[:, None, None, :]
+        logits = self._forward(self.token, self.pos.expand(self.token.shape[0], 1), mask)
+        self.token.copy_(logits.argmax(-1, keepdim=True))
+        self.pos.add_(1)
+
+    def _before_view(self, view: int) -> None:
+        """Bring the cache view and method state to ``view`` keys (outside any graph)."""
+        self.cache.view = view
+        state = self._state()
+        runtime = getattr(state, "decode", None) if state is not None else None
+        hook = getattr(runtime, "before_graph", None)
+        if hook is not None:
+            valid = int(self.pos.item()) + 1  # the host knows it anyway: one sync per view length
+            hook(self.cache, valid, view)
+
+    def _capture(self, view: int) -> float:
+        """Capture :meth:`_step` for ``view``; returns the host milliseconds it took."""
+        t0 = time.perf_counter()
+        self._graph = None
+        token, pos = self.token.clone(), self.pos.clone()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side), self._decoding(view):
+            for _ in range(2):  # warm up: Triton autotune / lazy init must not happen inside capture
+                self._step()
+                self.token.copy_(token)
+                self.pos.copy_(pos)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool), self._decoding(view):
+            self._step()
+        self._pool = graph.pool()
+        self.token.copy_(token)
+        self.pos.copy_(pos)
+        self._graph, self._graph_view = graph, view
+        return (time.perf_counter() - t0) * 1e3
+
+    # ---------------------------------------------------------------------------------- public
+    @torch.inference_mode()
+    def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Run the prompt ``input_ids [B, T]`` into the cache; returns the first new token ``[B, 1]``."""
+        b, t = input_ids.shape
+        if b != self.cache.batch:
+            raise ValueError(f"this generator was built for batch {self.cache.batch}, got {b} prompts")
+        if t >= self.cache.max_len:
+            raise ValueError(f"prompt of {t} tokens leaves no room in a cache of {self.cache.max_len}")
+        c = self.cache
+        c.view = t
+        c.write_pos = torch.arange(t, device=self.device)
+        c.length.fill_(t)
+        # no mask: an unpadded causal prefill from position 0, which transformers' mask creation turns
+        # into SDPA's is_causal (and which the prefill methods require, hf._plain_prefill)
+        logits = self.model(input_ids=input_ids.to(self.device), position_ids=c.write_pos[None].expand(b, t),
+                            use_cache=True, logits_to_keep=1, **{self._cache_arg: c}).logits
+        c.write_pos = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.token.copy_(logits[:, -1].argmax(-1, keepdim=True))
+        self.pos.fill_(t)
+        self._graph, self._graph_view = None, -1
+        return self.token.clone()
+
+    @torch.inference_mode()
+    def decode(self, steps: int, times: StepTimes | None = None) -> torch.Tensor:
+        """``steps`` more greedy tokens after :meth:`prefill` (or an earlier decode); ``[B, steps]``.
+
+        ``times`` (CUDA): device time of each replayed step and host time to issue it; captures are
+        timed separately.
+        """
+        out = torch.empty(self.cache.batch, steps, dtype=torch.long, device=self.device)
+        valid = int(self.pos.item())  # keys in the cache before the first step
+        for i in range(steps):
+            valid += 1
+            if valid > self.cache.max_len:
+                raise ValueError(f"the cache holds {self.cache.max_len} positions; generation ran past it")
+            view = round_up(valid, self.bucket)
+            out[:, i:i + 1].copy_(self.token)
+            if self.graphs:
+                if view != self._graph_view:
+                    self._before_view(view)
+                    ms = self._capture(view)
+                    if times is not None:
+                        times.captures += 1
+                        times.capture_ms += ms
+                self._replay(times)
+            else:
+                if view != self.cache.view:
+                    self._before_view(view)
+                with self._decoding(view):
+                    self._step()
+        return out
+
+    def _replay(self, times: StepTimes | None) -> None:
+        if times is None:
+            self._graph.replay()
+            return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        start.record()
+        self._graph.replay()
+        end.record()
+        times.host_ms.append((time.perf_counter() - t0) * 1e3)
+        end.synchronize()
+        times.step_ms.append(start.elapsed_time(end))
+
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, times: StepTimes | None = None
+                 ) -> torch.Tensor:
+        """Greedy continuation ``[B, max_new_tokens]`` of ``input_ids [B, T]`` (first token from prefill)."""
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if self.device.type == "cuda" and times is not None:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            self.prefill(input_ids)
+            end.record()
+            end.synchronize()
+            times.prefill_ms = start.elapsed_time(end)
+        else:
+            self.prefill(input_ids)
+        return self.decode(max_new_tokens, times)
+
+
+def eager_generate(model: Any, input_ids: torch.Tensor, max_new_tokens: int,
+                   on_step: Callable[[int], None] | None = None) -> torch.Tensor:
+    """Greedy continuation with transformers' own ``DynamicCache`` and eager calls: ``[B, max_new_tokens]``.
+
+    The reference the static path is checked against (and what ``hf.apply`` users get by default).
+    """
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config) if _takes(DynamicCache.__init__, "config") else DynamicCache()
+    arg = cache_argument(model)
+    ids = input_ids
+    out = []
+    with torch.inference_mode():
+        logits = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{arg: cache}).logits
+        for i in range(max_new_tokens):
+            tok = logits[:, -1].argmax(-1, keepdim=True)
+            out.append(tok)
+            if on_step is not None:
+                on_step(i)
+            if i + 1 == max_new_tokens:
+                break
+            logits = model(input_ids=tok, use_cache=True, logits_to_keep=1, **{arg: cache}).logits
+    return torch.cat(out, 1)
+
+
+def _takes(fn: Callable[..., Any], name: str) -> bool:
+    import inspect
+
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def cache_argument(model: Any) -> str:
+    """The keyword a transformers model's ``forward`` takes its cache by: ``cache`` in recent 5.x
+    releases, ``past_key_values`` before (and still accepted, deprecated, after)."""
+    return "cache" if _takes(model.forward, "cache") else "past_key_values"

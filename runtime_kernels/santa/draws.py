@@ -1,0 +1,60 @@
+"""Sampling offsets of a decode step as a pure function of (seed, layer, query position, row, head, slot).
+
+Why not a ``torch.Generator`` stream: a decode step captured in a CUDA graph must draw fresh offsets on
+every replay without the host, and the serving path (static cache, graphs) must sample exactly what
+the eager path samples, so that both generate the same tokens for a seed. A counter-based hash of the
+step's coordinates gives both: the same query position in the same layer always draws the same
+offsets, consecutive positions draw independent-looking ones, and the computation is a few
+element-wise integer kernels on tensors the graph owns (no host value, no allocation outside the pool).
+
+The hash is the 32-bit integer finalizer of MurmurHash3 applied round by round to each coordinate
+(values kept below 2^32 in int64, multiplied in 16-bit halves so no product overflows); offsets are ``(h + 0.5) / 2^32`` in
+float64, never 0 or 1. Statistical quality is far beyond what systematic sampling's one offset per
+tile needs (tests check uniformity and independence across positions, layers, heads and tiles).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MASK = 0xFFFFFFFF
+_M1, _M2 = 0x85EBCA6B, 0xC2B2AE35  # MurmurHash3 fmix32 multipliers (both < 2^32)
+
+
+def _mul32(x: torch.Tensor, m: int) -> torch.Tensor:
+    """``x · m mod 2^32`` for int64 ``x`` in ``[0, 2^32)``, with every partial product below 2^49."""
+    hi, lo = x >> 16, x & 0xFFFF
+    return ((((hi * m) & 0xFFFF) << 16) + lo * m) & _MASK
+
+
+def _fmix32(x: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's finalizer on int64 values in ``[0, 2^32)``."""
+    x = _mul32(x ^ (x >> 16), _M1)
+    x = _mul32(x ^ (x >> 13), _M2)
+    return x ^ (x >> 16)
+
+
+def _mix(x: torch.Tensor, value: torch.Tensor | int) -> torch.Tensor:
+    """One round: fold ``value`` (int or int64 tensor) into the hash state ``x``."""
+    return _fmix32(x ^ (value & _MASK if isinstance(value, int) else value & _MASK))
+
+
+def keyed_uniforms(seed: int, layers: torch.Tensor | int, position: torch.Tensor, heads: int, slots: int
+                   ) -> torch.Tensor:
+    """Offsets in ``(0, 1)`` float64, shape ``[L, B, heads, slots]``.
+
+    seed: the runtime's seed; layers: ``[L]`` int64 (or one int: ``L = 1``); position: ``[B]`` int64, the
+    query's position in its sequence (on the device the offsets are wanted on); slots: offsets per head
+    (tiles for prop / flash tilings, samples for ``tiling="none"``).
+    """
+    device = position.device
+    layer = torch.as_tensor(layers, dtype=torch.int64, device=device).reshape(-1, 1, 1, 1)  # [L,1,1,1]
+    pos = position.to(torch.int64).reshape(1, -1, 1, 1)  # [1, B, 1, 1]
+    row = torch.arange(pos.shape[1], dtype=torch.int64, device=device).reshape(1, -1, 1, 1)
+    head = torch.arange(heads, dtype=torch.int64, device=device).reshape(1, 1, -1, 1)
+    slot = torch.arange(slots, dtype=torch.int64, device=device).reshape(1, 1, 1, -1)
+    x = _fmix32(torch.full((1, 1, 1, 1), int(seed) & _MASK, dtype=torch.int64, device=device))
+    x = _mix(_mix(x, layer), pos)  # [L, B, 1, 1]
+    x = _mix(_mix(x, row), head)  # [L, B, H, 1]
+    x = _mix(x, slot)  # [L, B, H, slots]
+    return (x.double() + 0.5) * (1.0 / 4294967296.0)

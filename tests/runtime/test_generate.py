@@ -1,0 +1,134 @@
+"""The static-cache decode loop (runtime_kernels.generate) against transformers' eager DynamicCache path.
+
+CPU: the loop runs its steps eagerly (no graphs) through the same code, the methods through their
+PyTorch references; the GPU file (tests/runtime/test_generate_gpu.py) replays CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime_kernels import hf
+from runtime_kernels.generate import StaticGenerator, StaticKVCache, eager_generate, round_up
+from runtime_kernels.saap import SaapDecode, SaapLayerParams
+from runtime_kernels.santa.api import SantaDecode
+from runtime_kernels.santa.draws import keyed_uniforms
+from tests.runtime.saap.test_saap_reference import _params
+
+transformers = pytest.importorskip("transformers")
+
+HQ, HKV, D, C, LAYERS = 4, 2, 16, 4, 3
+
+
+def _model(seed: int = 0):
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
+                                   num_attention_heads=HQ, num_key_value_heads=HKV, head_dim=D,
+                                   max_position_embeddings=1024, rope_theta=10000.0)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(cfg).eval().requires_grad_(False)
+
+
+def _prompt(b: int, t: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(96, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+def _saap(top_l: int, recent: int = 8) -> SaapDecode:
+    layers = [SaapLayerParams(sink=1, recent=recent, dense=True)] + [
+        _params(HQ, HKV, D, C, 8, 1, recent, seed=i) for i in range(1, LAYERS)]
+    return SaapDecode(layers, top_l=top_l, stats=False)
+
+
+def test_round_up_and_cache_views():
+    assert round_up(1, 256) == 256 and round_up(256, 256) == 256 and round_up(257, 256) == 512
+    cache = StaticKVCache(2, batch=1, num_kv_heads=1, head_dim=2, max_len=8, device="cpu", dtype=torch.float32)
+    cache.view, cache.write_pos = 3, torch.tensor([1, 2])
+    k, v = cache.update(torch.ones(1, 1, 2, 2), 2 * torch.ones(1, 1, 2, 2), 1)
+    assert k.shape == (1, 1, 3, 2) and k[0, 0, :, 0].tolist() == [0.0, 1.0, 1.0]
+    assert v[0, 0, :, 1].tolist() == [0.0, 2.0, 2.0] and float(cache.keys[0].abs().sum()) == 0.0  # layer 0 untouched
+
+
+@pytest.mark.parametrize("b,t,bucket", [(1, 37, 16), (2, 40, 8)], ids=["B1-T37-bucket16", "B2-T40-bucket8"])
+def test_dense_static_loop_equals_eager(b: int, t: int, bucket: int):
+    """Several view lengths (the bucket is small): masks and views hide the unwritten tail."""
+    model, ids = _model(), _prompt(b, t)
+    want = eager_generate(model, ids, 20)
+    gen = StaticGenerator(model, batch=b, max_len=t + 20, graphs=False, bucket=bucket)
+    assert torch.equal(gen.generate(ids, 20), want)
+
+
+def test_static_loop_refuses_a_prompt_that_does_not_fit():
+    model = _model()
+    gen = StaticGenerator(model, batch=1, max_len=16, graphs=False, bucket=16)
+    with pytest.raises(ValueError, match="leaves no room"):
+        gen.prefill(_prompt(1, 16))
+    with pytest.raises(ValueError, match="built for batch 1"):
+        gen.prefill(_prompt(2, 4))
+
+
+def test_saap_static_loop_equals_eager_with_every_bucket():
+    """ℓ = C: SAAP attends every key, whether the index is kept up to date each step (eager) or only
+    at each new view length with the keys in between attended with the window (static)."""
+    model, ids = _model(), _prompt(2, 60)
+    dense = eager_generate(model, ids, 24)
+    hf.attach(model, decode=_saap(top_l=C))
+    eager = eager_generate(model, ids, 24)
+    rt = _saap(top_l=C)
+    hf.attach(model, decode=rt)
+    static = StaticGenerator(model, batch=2, max_len=90, graphs=False, bucket=8).generate(ids, 24)
+    assert torch.equal(eager, dense) and torch.equal(static, dense)
+    assert rt.index[1].length >= 60 + 16  # the index absorbed decoded keys at view changes
+
+
+def test_saap_static_step_matches_eager_step_with_one_bucket():
+    """ℓ = 1: the static step's lagging index (keys past it attended densely) is a superset of the
+    eager step's keys; after the hook brings it up to date both visit the same keys."""
+    model, ids = _model(), _prompt(1, 70)
+    hf.attach(model, decode=_saap(top_l=1))
+    eager = eager_generate(model, ids, 9)
+    hf.attach(model, decode=_saap(top_l=1))
+    gen = StaticGenerator(model, batch=1, max_len=80, graphs=False, bucket=8)
+    static = gen.generate(ids, 9)
+    # the first token comes from prefill, step 1 at position 70 (view 72, index complete at 70 - recent)
+    assert torch.equal(static[:, :2], eager[:, :2])
+
+
+def test_santa_static_loop_equals_eager_for_a_seed():
+    model, ids = _model(), _prompt(2, 50)
+    hf.attach(model, decode=SantaDecode([3, 2, 5], tiling="flash", tile=16, seed=7, backend="reference"))
+    eager = eager_generate(model, ids, 20)
+    hf.attach(model, decode=SantaDecode([3, 2, 5], tiling="flash", tile=16, seed=7, backend="reference"))
+    static = StaticGenerator(model, batch=2, max_len=80, graphs=False, bucket=16).generate(ids, 20)
+    assert torch.equal(static, eager)
+    hf.attach(model, decode=SantaDecode([3, 2, 5], tiling="flash", tile=16, seed=8, backend="reference"))
+    assert not torch.equal(eager_generate(model, ids, 20), eager)  # the seed matters: SANTA really sampled
+
+
+def test_keyed_uniforms_are_uniform_and_independent():
+    u = keyed_uniforms(3, torch.arange(8), torch.arange(400, 404), 16, 128)  # [8, 4, 16, 128]
+    x = u.flatten()
+    assert 0.0 < float(x.min()) and float(x.max()) < 1.0
+    # mean and variance of U(0,1) within ~5 sigma for n = 65536
+    assert abs(float(x.mean()) - 0.5) < 5 * (1 / 12) ** 0.5 / len(x) ** 0.5
+    assert abs(float(x.var()) - 1 / 12) < 0.003
+    hist = torch.histc(x.float(), bins=16, min=0, max=1)
+    assert float(((hist - len(x) / 16) ** 2 / (len(x) / 16)).sum()) < 50  # chi-square, 15 dof (p ~ 1e-5)
+    # neighbouring coordinates are uncorrelated: layers, positions, heads, slots
+    for a, b in ((u[0], u[1]), (u[:, 0], u[:, 1]), (u[:, :, 0], u[:, :, 1]), (u[..., 0], u[..., 1])):
+        r = torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1]
+        assert abs(float(r)) < 5 / a.numel() ** 0.5
+    assert torch.equal(keyed_uniforms(3, 5, torch.arange(400, 404), 16, 128)[0], u[5])  # a pure function
+    assert not torch.equal(keyed_uniforms(4, 5, torch.arange(400, 404), 16, 128)[0], u[5])  # the seed
+
+
+def test_santa_offsets_follow_position_layer_and_seed():
+    rt = SantaDecode([4, 4], tiling="prop", tile=64, seed=11)
+    pos = torch.tensor([299])
+    first = rt.offsets(0, pos, 4, 300, 4, host_position=299)
+    assert first.shape == (1, 4, 5)
+    assert torch.equal(rt.offsets(0, pos, 4, 300, 4, host_position=299), first)
+    assert not torch.equal(rt.offsets(0, pos + 1, 4, 301, 4, host_position=300)[..., :5], first)
+    assert not torch.equal(rt.offsets(1, pos, 4, 300, 4, host_position=299), first)
+    # a longer view only adds tiles: the shared ones draw the same offsets (static = eager)
+    assert torch.equal(rt.offsets(0, pos, 4, 512, 4)[..., :5], first)

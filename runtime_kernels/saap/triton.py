@@ -111,8 +111,9 @@ from runtime_kernels._triton_support import interpreting as _interpreting
 from runtime_kernels.saap.reference import (
     BucketIndex,
     SaapLayerParams,
+    check_index_fits,
+    dense_region,
     saap_decode_attention_reference,
-    searchable_range,
 )
 from runtime_kernels.saap.triton_classifier import (  # public API of this module too (__all__)
     saap_classifier_logits_triton,
@@ -148,12 +149,13 @@ def _mma(a, b, F32: tl.constexpr):
 
 @triton.jit
 def _partial_kernel(
-    q_ptr, k_ptr, v_ptr, sel_ptr, start_ptr, count_ptr, slots_ptr, o_ptr, m_ptr, l_ptr,
+    q_ptr, k_ptr, v_ptr, sel_ptr, start_ptr, count_ptr, slots_ptr, o_ptr, m_ptr, l_ptr, len_ptr,
     n_kv, lo, hi, n_dense, win_tile, n_win, n_part, p_base, L, n_split, n_per, qk_scale,
     sq_b, sq_h, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
     sst_b, sst_h, sst_c, scn_b, scn_h, scn_c, ssl_b, ssl_h, ssl_s,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, F32: tl.constexpr, PREFETCH_V: tl.constexpr, PACK: tl.constexpr = 0,
+    HAS_LEN: tl.constexpr = False,
 ):
     """One partial softmax ``(o [G, D], m [G], l [G])`` of the query heads of one (batch, KV head).
 
@@ -168,6 +170,8 @@ def _partial_kernel(
     (``n_per = PACK``, ``n_split = 1``) in ``BLOCK_N``-key steps: their ids, slot starts and counts are
     loaded as vectors at once and a key's slot comes from the counts' prefix sum, so PACK buckets of a
     few keys cost one program and one chain of dependent loads instead of PACK of each.
+    ``HAS_LEN`` (a static-cache step): the cache holds ``len[b]`` valid keys of the ``T`` the grid was
+    sized for, so the dense region of row ``b`` ends at ``len[b]`` (window tiles past it are empty).
     Partials are contiguous ``o [B, Hkv, P, G, D]``,
     ``m, l [B, Hkv, P, G]`` float32. Grid: (B · Hkv, number of partials of this launch).
     """
@@ -191,6 +195,9 @@ def _partial_kernel(
     e0 = (r // n_split) * n_per
     part = r % n_split
     j_first = p * win_tile
+    n_dense_b = n_dense
+    if HAS_LEN:  # the valid length, read on the device: the grid stays sized for the view
+        n_dense_b = (tl.load(len_ptr + b) - hi + lo).to(tl.int32)
     if PACK > 0:
         n_seg = 1
     else:
@@ -216,7 +223,7 @@ def _partial_kernel(
             n_bkt = tl.load(count_ptr + b64 * scn_b + h * scn_h + c * scn_c, mask=is_bkt, other=0)
         chunk = (n_bkt + n_split - 1) // n_split
         i_lo = tl.where(is_bkt, part * chunk, 0)
-        i_hi = tl.where(is_bkt, tl.minimum(n_bkt, i_lo + chunk), tl.minimum(win_tile, n_dense - j_first))
+        i_hi = tl.where(is_bkt, tl.minimum(n_bkt, i_lo + chunk), tl.minimum(win_tile, n_dense_b - j_first))
         slot_base = slots_ptr + b64 * ssl_b + h * ssl_h + slot0 * ssl_s
         for n0 in range(i_lo, i_hi, BLOCK_N):
             i = n0 + offs_n
@@ -333,6 +340,7 @@ class _Partials:
     m: torch.Tensor
     l: torch.Tensor
     pack: int = 0  # > 0: bucket programs walk this many buckets as one key list (_pack)
+    cache_len: torch.Tensor | None = None  # [B] valid keys of a static-cache view (the kernel's HAS_LEN)
 
     @property
     def n_part(self) -> int:
@@ -357,7 +365,7 @@ def _pack(n_keys: int, n_buckets: int | None) -> int:
 
 
 def _plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, n_l: int, lo: int, hi: int,
-          scale: float, n_buckets: int | None = None) -> _Partials:
+          scale: float, n_buckets: int | None = None, cache_len: torch.Tensor | None = None) -> _Partials:
     b, hq, d = q.shape
     hkv, t = k_cache.shape[1], k_cache.shape[2]
     cfg = _tc.CONFIG
@@ -376,7 +384,7 @@ def _plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, n_l: in
     o, m, l_ = (_buffer(shape, torch.float32, q.device)
                 for shape in ((b, hkv, n_part, g, d), (b, hkv, n_part, g), (b, hkv, n_part, g)))
     return _Partials(q, k_cache, v_cache, lo, hi, float(scale), n_dense, win_tile, n_win, n_bkt_prog, n_split,
-                     n_per, o, m, l_, pack)
+                     n_per, o, m, l_, pack, cache_len)
 
 
 def _launch_partials(pl: _Partials, state: BucketIndex | None, buckets: torch.Tensor | None, window: bool,
@@ -397,13 +405,14 @@ def _launch_partials(pl: _Partials, state: BucketIndex | None, buckets: torch.Te
         sel = torch.zeros(1, dtype=torch.int32, device=q.device)
     start, count, slots = _index_tensors(state if n_l and bucket else None, b, hkv, q.device)
     f32 = _interpreting() or q.dtype == torch.float32
+    length = pl.cache_len if pl.cache_len is not None else sel  # any int tensor when HAS_LEN is off
     _partial_kernel[(b * hkv, n_prog)](
-        q, k_cache, v_cache, sel, start, count, slots, pl.o, pl.m, pl.l,
+        q, k_cache, v_cache, sel, start, count, slots, pl.o, pl.m, pl.l, length,
         hkv, pl.lo, pl.hi, pl.n_dense, pl.win_tile, pl.n_win, pl.n_part, p_base, max(n_l, 1), pl.n_split,
         pl.n_per, pl.scale * LOG2E, *q.stride(), *k_cache.stride(), *v_cache.stride(), *start.stride(),
         *count.stride(), *slots.stride(),
         G=g, G_PAD=max(_ROWS, _pow2(g)), D=d, D_PAD=_pow2(d), BLOCK_N=_tc.CONFIG.block_n, F32=f32,
-        PREFETCH_V=bool(_tc.CONFIG.attn_prefetch_v), PACK=pl.pack,
+        PREFETCH_V=bool(_tc.CONFIG.attn_prefetch_v), PACK=pl.pack, HAS_LEN=pl.cache_len is not None,
         num_warps=_tc.CONFIG.attn_warps, num_stages=_tc.CONFIG.attn_stages,
     )
 
@@ -424,14 +433,17 @@ def _merge(pl: _Partials) -> torch.Tensor:
 
 def saap_sparse_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  state: BucketIndex | None, buckets: torch.Tensor | None, lo: int, hi: int,
-                                 scale: float) -> torch.Tensor:
+                                 scale: float, cache_len: torch.Tensor | None = None) -> torch.Tensor:
     """Attention over the dense region ``[0, lo) ∪ [hi, T)`` plus all keys of ``buckets``, merged exactly.
 
     q: [B, Hq, D]; k_cache, v_cache: [B, Hkv, T, D]; buckets: [B, Hkv, L] int32 bucket ids of ``state``
-    (or None: dense region only); ``lo = hi = 0``: the whole cache. Returns [B, Hq, D] in q.dtype.
+    (or None: dense region only); ``lo = hi = 0``: the whole cache (flash-decoding). ``cache_len [B]``
+    (int64, device): only the first ``cache_len[b]`` keys are valid (the dense region ends there).
+    Returns [B, Hq, D] in q.dtype.
     """
     n_l = 0 if buckets is None else int(buckets.shape[-1])
-    pl = _plan(q, k_cache, v_cache, n_l, lo, hi, scale, None if state is None else state.bucket_count.shape[-1])
+    pl = _plan(q, k_cache, v_cache, n_l, lo, hi, scale, None if state is None else state.bucket_count.shape[-1],
+               cache_len)
     _launch_partials(pl, state, buckets, True, True)
     return _merge(pl)
 
@@ -450,13 +462,13 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 def _sparse_step(q: torch.Tensor, q_derope: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 state: BucketIndex, params: SaapLayerParams, top_l: int, lo: int, hi: int, scale: float
-                 ) -> torch.Tensor:
+                 state: BucketIndex, params: SaapLayerParams, top_l: int, lo: int, hi: int, scale: float,
+                 cache_len: torch.Tensor | None = None) -> torch.Tensor:
     """Classifier, ranking, partials, merge. ``CONFIG.overlap_window`` (CUDA): the window partials run on a
     side stream while the classifier and ranking run (fork and join by events: graph-capturable)."""
     hkv = k_cache.shape[1]
     c = params.w2.shape[-1]
-    pl = _plan(q, k_cache, v_cache, min(int(top_l), c), lo, hi, scale, c)
+    pl = _plan(q, k_cache, v_cache, min(int(top_l), c), lo, hi, scale, c, cache_len)
     overlap = bool(_tc.CONFIG.overlap_window) and q.is_cuda and not _interpreting()
     if overlap:
         main = torch.cuda.current_stream(q.device)
@@ -488,15 +500,20 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> Non
 
 def saap_decode_attention_triton(q: torch.Tensor, q_derope: torch.Tensor | None, k_cache: torch.Tensor,
                                  v_cache: torch.Tensor, state: BucketIndex | None,
-                                 artifact_layer: SaapLayerParams, *, top_l: int, scale: float | None = None
-                                 ) -> torch.Tensor:
+                                 artifact_layer: SaapLayerParams, *, top_l: int, scale: float | None = None,
+                                 cache_len: torch.Tensor | None = None) -> torch.Tensor:
     """SAAP attention of one decode step, as :func:`saap_decode_attention_reference`.
 
     q: [B, Hq, D] RoPE'd query; q_derope: [B, Hq, D] (classifier input); k_cache, v_cache:
-    [B, Hkv, T, D] (current token last); state: the layer's :class:`BucketIndex` for these T keys.
-    Returns [B, Hq, D] in q.dtype. No host synchronization. float64 inputs run the reference.
+    [B, Hkv, T, D] (current token last); state: the layer's :class:`BucketIndex` (its lists may end
+    before ``T - recent``: the keys after them are attended with the window, :func:`dense_region`).
+    ``cache_len [B]`` (int64, device; a static-cache step): keys past it are not valid. Returns
+    [B, Hq, D] in q.dtype. No host synchronization. float64 inputs run the reference.
     """
     if q.dtype == torch.float64:
+        if cache_len is not None:
+            t = int(cache_len.max())
+            k_cache, v_cache = k_cache[:, :, :t], v_cache[:, :, :t]
         return saap_decode_attention_reference(q, q_derope, k_cache, v_cache, state, artifact_layer, top_l, scale)
     _check(q, k_cache, v_cache)
     d = q.shape[-1]
@@ -504,12 +521,11 @@ def saap_decode_attention_triton(q: torch.Tensor, q_derope: torch.Tensor | None,
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     params = artifact_layer
     if params.dense:
-        return saap_sparse_attention_triton(q, k_cache, v_cache, None, None, 0, 0, scale)
-    if state is None or state.length != t:
-        raise ValueError(f"bucket index covers {None if state is None else state.length} keys, cache has {t}")
-    lo, hi = searchable_range(t, params.sink, params.recent)
+        return saap_sparse_attention_triton(q, k_cache, v_cache, None, None, 0, 0, scale, cache_len)
+    check_index_fits(state, t, params)
+    lo, hi = dense_region(state, params)
     if hi == lo or top_l <= 0:
-        return saap_sparse_attention_triton(q, k_cache, v_cache, None, None, lo, hi, scale)
+        return saap_sparse_attention_triton(q, k_cache, v_cache, None, None, lo, hi, scale, cache_len)
     if q_derope is None:
         raise ValueError("a non-dense SAAP layer needs q_derope")
-    return _sparse_step(q, q_derope, k_cache, v_cache, state, params, top_l, lo, hi, scale)
+    return _sparse_step(q, q_derope, k_cache, v_cache, state, params, top_l, lo, hi, scale, cache_len)

@@ -1,8 +1,8 @@
 """SANTA acceptance: find a starved budget N, then learn a schedule at that N and score it held out.
 
-    python scripts/santa_starved.py --lengths 2048 4096 --budgets 2 4 --totals 5 6 7 -- method.tiling=none rl.lr=1.0
+    python scripts/research/santa_starved.py --lengths 2048 4096 --budgets 2 4 --totals 5 6 7 -- method.tiling=none rl.lr=1.0
 
-Issue 7's criterion needs a budget where the uniform schedule's held-out reward lies in [--lo, --hi]
+The acceptance criterion (docs/results/santa.md) needs a budget where the uniform schedule's held-out reward lies in [--lo, --hi]
 (0.3-0.7; the paper starved to 52%, not to zero). For each reward prompt length this runs
 ``python -m calib.santa.reward sweep=<budgets> sweep_total=<totals> method.reward.length=<length>
 [overrides]`` and reads its uniform rewards (budgets per layer, and total budgets N, which may sit
@@ -24,7 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def last_json(stdout: str) -> dict:

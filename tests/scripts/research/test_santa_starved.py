@@ -1,4 +1,4 @@
-"""scripts/santa_starved.py: the starved-budget choice and the result-line reader."""
+"""scripts/research/santa_starved.py: the starved-budget choice and the result-line reader."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts" / "research"))
 
 import santa_starved as S  # noqa: E402
 

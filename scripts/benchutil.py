@@ -4,11 +4,11 @@ Method (SANTA paper App. R; the device notes): CUDA events around the timed call
 first (compilation, autotuning and handle creation stay out), a cold L2 before every timed call (a
 read of a buffer larger than the H200's 50 MB L2, outside the events), the median over repeats.
 
-The flush *reads* (since 2026-11-21 13:30; before, it wrote the buffer): a written flush leaves the L2
+The flush *reads* the buffer rather than writing it: a written flush leaves the L2
 full of dirty lines, and their write-back then happens inside the timed call, as extra HBM traffic of
 up to the L2 size (~50 MB; 12 µs at 4.2 TB/s) charged to whichever kernel runs next. That is no cost of
 the kernel, and it weighs most on the calls that read least (a 76 MB classifier stream, a sparse
-step), so a read flush gives both a cold L2 and an honest clock. ``flush="write"`` keeps the old one.
+step), so a read flush gives both a cold L2 and an honest clock. ``flush="write"`` writes instead.
 Inputs are random, never zeros. ``floor_ms`` gives the bandwidth floor printed beside every time.
 """
 

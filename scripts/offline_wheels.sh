@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Wheels that let `python -m calib ...` run on a GPU box with no network whose image already holds
 # torch, transformers, numpy, scikit-learn, matplotlib, pandas, requests, pyyaml, click, protobuf
-# (the H200 image of this project's device machines): Hydra, OmegaConf and MLflow's tracking client
+# (as the project's GPU images do): Hydra, OmegaConf and MLflow's tracking client
 # with its SQLite store, nothing of MLflow's server. Faiss is not included: SAAP's k-means falls back
 # to its torch implementation (method.kmeans.backend=auto).
 #
@@ -11,7 +11,7 @@
 #   export PYTHONPATH=/tmp/site
 #
 # The list is what the CPU test suite needed, found by running it in a virtualenv holding only the
-# image's packages (2026-11-21): 33 MB for Python 3.12.
+# image's packages: 33 MB for Python 3.12.
 set -euo pipefail
 dir=${1:-.whl}
 py=${2:-3.12}

@@ -10,7 +10,7 @@ seed order and reports per task: dense and sparse accuracy, the paired-bootstrap
 (sparse − dense) over all pooled prompts (:func:`calib.stats.paired_bootstrap_diff`), the discordant
 pairs, and the prompt-weighted mean selectivity.
 
-    python scripts/pool_evals.py RUN_DIR/eval.json ... --out docs/eval/.../pooled.json
+    python scripts/pool_evals.py RUN_DIR/eval.json ... --out pooled.json
 
 ``--out`` writes the summary plus a compact per-prompt record (task, dense and sparse correctness per
 seed), enough to recompute every number without the MLflow store.
@@ -40,7 +40,7 @@ def setting(run: Mapping[str, Any]) -> tuple[str, int | None, str, str]:
     it are pooled."""
     cfg = run["config"]
     ev = cfg.get("eval", {})
-    rt = run.get("runtime") or {}  # what the runtime used (artifact defaults + overrides; runs since 2026-11-21 22:40)
+    rt = run.get("runtime") or {}  # what the runtime used (artifact defaults + overrides); absent in older eval.json
     per_layer = ev.get("top_l_layers") or rt.get("top_l_layers") or {}
     layers = ",".join(f"{k}:{v}" for k, v in sorted(per_layer.items(), key=lambda kv: int(kv[0])))
     return str(cfg.get("artifact")), ev.get("top_l") or rt.get("top_l"), ev.get("ranking") or "mass", layers

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Stage 0 of the tiny model's training: multi-query associative recall on batches built on the device.
 
-Why this stage exists (measured on the H200, 2026-11-21; README "How the tiny model learned key-value
-lookup"): trained only on the synthetic tasks, the tiny Llama never formed the circuit that
+Why this stage exists (docs/results/tiny-model.md, "How the tiny model learned key-value lookup"):
+trained only on the synthetic tasks, the tiny Llama never formed the circuit that
 key-conditioned copying needs - a head that moves a key's identity onto the position of its value, and a
 head that matches the asked key against it (K-composition, the induction mechanism). Fifteen recipes of
 3100 steps left kv_retrieval at chance. Isolated here, the same lookup sits on a loss plateau for
@@ -77,8 +77,8 @@ class RecallStage:
     # Stop early once held-out accuracy reaches ``until`` in every format at ``until_pairs`` pairs (0 =
     # max_pairs), checked every ``check_every`` steps; the learning rate then stays at ``lr`` after warm-up
     # instead of following the cosine, because the plateau breaks at a step no schedule can know: the
-    # same 7000-step cosine stage broke at ~5500 steps in one H200 run and, decayed by then, only half
-    # broke in the next (0.66 at 4 pairs; 2026-11-21). ``steps`` is then the most it may take.
+    # same 7000-step cosine stage broke at ~5500 steps in one run and, decayed by then, only half broke
+    # in another (0.66 at 4 pairs). ``steps`` is then the most it may take.
     until: float = 0.0
     until_pairs: int = 0
     check_every: int = 250
@@ -290,7 +290,7 @@ def _first_table(fmt: str, **changes) -> RecallStage:
                           "formats": (fmt,), **changes})
 
 
-PRESETS: dict[str, tuple[Variant, RecallStage]] = {  # the 2026-11-21 ablation (README)
+PRESETS: dict[str, tuple[Variant, RecallStage]] = {  # the ablation of docs/results/tiny-model.md
     "base": (Variant(), _first_table("json")),
     "adjacent": (Variant(), _first_table("adjacent")),
     "colon": (Variant(), _first_table("colon")),

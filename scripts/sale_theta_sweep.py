@@ -2,7 +2,7 @@
 
     python scripts/sale_theta_sweep.py                                  # tiny: theta = 0.025, 0.05, 0.1
     python scripts/sale_theta_sweep.py --thetas 0.2 0.4 0.8 -- model=llama31 device=cuda
-    python scripts/sale_theta_sweep.py --from multirun/2026-11-21/10-00-00   # only summarize a finished sweep
+    python scripts/sale_theta_sweep.py --from multirun/<date>/<time>       # only summarize a finished sweep
 
 Runs ``python -m calib run -m +method=sale method.theta=a,b,c hydra.sweep.dir=<dir> [overrides]`` (each
 job registers a ``sale-<model>`` version and writes ``<dir>/<job>/result.json``), then reads every job's

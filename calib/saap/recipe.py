@@ -43,7 +43,7 @@ Stages (each timed with ``ctx.timer``, logged as ``time_<stage>_s``):
    (``eval.oracle``: each partition's buckets ranked by the group's true attention mass, the bound of
    any classifier on that partition) and ``by_query_range.{long_range,short_range}.*`` (recall over the
    (head, query) pairs whose top-1 key lies more / not more than ``long_range`` back), which show where
-   SAAP's recall stands against the baselines and why (README, "SAAP on tiny").
+   SAAP's recall stands against the baselines and why (docs/results/saap.md).
 
 Answer-aware calibration (``method.classifier.teacher_forced_answer``, default true). The paper trains
 the classifiers only on long-range queries sampled across the prompt (papers/saap.txt §4 "Query

@@ -381,14 +381,14 @@ def select_buckets(probs: torch.Tensor, counts: torch.Tensor, group: int, top_l:
     bucket) -> ``[B, Hkv, L]`` int64 bucket ids, ``-1`` = no bucket (padding).
 
     ``ranking="mass"`` (the paper, SPEC §5.1): :func:`rank_buckets`, the top-ℓ by the group's summed
-    probability ``p_c``. ``ranking="density"`` (our extension, 2026-11-21): the same number of keys,
+    probability ``p_c``. ``ranking="density"`` (our extension): the same number of keys,
     spent by predicted mass *per key*: buckets in decreasing ``p_c / n_c`` (non-empty ones; ties to the
     lower id) until the keys of the mass top-ℓ are reached, the bucket that crosses that budget
     included. Why: on ``tiny`` the needle's digits sit in buckets of 1–3 keys whose probability the
     classifier cannot concentrate (it cannot know which digit comes next), so mass top-ℓ fills the
     budget with large buckets; density spends a few keys on the small ones (niah_single at 8192 tokens,
     80 prompts: 0.7625 → 0.925 at 3.5 → 3.7 % selectivity, dense 0.95; on 400 fresh held-out prompts
-    the paired loss vs dense goes from −0.16 to −0.075: halved, not closed; README, SAAP diagnosis).
+    the paired loss vs dense goes from −0.16 to −0.075: halved, not closed; docs/results/saap.md).
     """
     if ranking == "mass":
         return rank_buckets(probs, group, top_l)

@@ -1,9 +1,0 @@
-#!/bin/bash
-# GPU run 51 (session 9): the final decode table with the SAAP merge in one 64-partial step; GPU tests first.
-cd "$(dirname "$0")/../.." || exit 1
-R=$OUT/r51; mkdir -p $R
-timeout 120 python3 -m pytest -q -m gpu tests/runtime/saap/test_saap_triton.py > $R/gpu_tests.txt 2>&1
-echo "gpu tests rc=$?" >> $R/gpu_tests.txt; tail -2 $R/gpu_tests.txt
-timeout 200 python3 scripts/bench_decode.py --json $R/bench_decode.json > $R/bench_decode.txt 2>&1
-echo "bench rc=$?" >> $R/bench_decode.txt; head -1 $R/bench_decode.txt; grep -E "^(saap|sdpa) " $R/bench_decode.txt; grep -A31 "^targets" $R/bench_decode.txt
-cd $OUT && tar czf r51.tgz r51 && rm -rf r51

@@ -157,7 +157,9 @@ class StaticGenerator:
         self.pos = torch.zeros(1, dtype=torch.long, device=self.device)  # its position
         self._graph: torch.cuda.CUDAGraph | None = None
         self._graph_view = -1
-        self._pool = None
+        # one memory pool for every graph of this generator, held by this handle: a graph replaced at a
+        # new view length returns its memory to the pool the next one captures into
+        self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self._cache_arg = cache_argument(model)
 
     # ---------------------------------------------------------------------------------- pieces
@@ -218,7 +220,6 @@ class StaticGenerator:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool), self._decoding(view):
             self._step()
-        self._pool = graph.pool()
         self.token.copy_(token)
         self.pos.copy_(pos)
         self._graph, self._graph_view = graph, view
@@ -345,3 +346,32 @@ def cache_argument(model: Any) -> str:
     """The keyword a transformers model's ``forward`` takes its cache by: ``cache`` in recent 5.x
     releases, ``past_key_values`` before (and still accepted, deprecated, after)."""
     return "cache" if _takes(model.forward, "cache") else "past_key_values"
+
+
+class FlashDecode:
+    """Dense decode attention as a calib decode runtime: split-K flash-decoding (the SAAP kernel's
+    dense-layer path, :func:`runtime_kernels.saap.triton.saap_sparse_attention_triton` with no
+    buckets) that reads the valid length on the device, so a static-cache step attends exactly the
+    valid keys. SDPA on a static cache needs a mask over the view, and its masked decode kernels are
+    several times slower than its unmasked ones; this runtime is the dense baseline that a serving loop
+    with a preallocated cache would use instead (``scripts/bench_generate.py`` reports both).
+    ``decode`` returns None (the model's attention) on CPU or without Triton."""
+
+    method = "dense"
+    phase = "decode"
+
+    def observe_prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Any) -> None:
+        """Nothing to build."""
+
+    def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               ctx: Any) -> torch.Tensor | None:
+        """``q [B, Hq, 1, D]``, ``k, v [B, Hkv, T, D]`` -> ``[B, Hq, 1, D]``."""
+        if not q.is_cuda:
+            return None
+        try:
+            from runtime_kernels.saap.triton import saap_sparse_attention_triton
+        except ImportError:
+            return None
+        out = saap_sparse_attention_triton(q[:, :, 0], k, v, None, None, 0, 0, scale,
+                                           getattr(ctx, "cache_len", None))
+        return out[:, :, None]

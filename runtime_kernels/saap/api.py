@@ -236,9 +236,16 @@ class SaapDecode:
         p = self.layers[layer]
         if p.dense or self._padded(ctx, k.shape[0]) or k.shape[2] != q.shape[2]:
             return
+        self.build_index(layer, k, ctx)
+
+    def build_index(self, layer: int, k: torch.Tensor, ctx) -> None:
+        """Index the prompt's keys ``k [B, Hkv, T, D]`` (RoPE'd, positions ``0 .. T-1``) for layer
+        ``layer``; ``ctx`` needs ``rotary_emb`` (an :class:`AttentionPositions` will do)."""
+        p = self.layers[layer]
         self._prefill_ctx = AttentionPositions(ctx.rotary_emb)
         pp = self._params(layer, k.device)
-        self.index[layer] = BucketIndex.build(self._derope(k, ctx, 0), pp.centroids, sink=p.sink, recent=p.recent)
+        self.index[layer] = BucketIndex.build(self._derope(k, self._prefill_ctx, 0), pp.centroids, sink=p.sink,
+                                              recent=p.recent)
 
     def advance(self, layer: int, q: torch.Tensor, k: torch.Tensor, ctx) -> tuple[BucketIndex, torch.Tensor] | None:
         """One decode step's index upkeep: the new (last) key of ``k [B, Hkv, T, D]`` appended to layer

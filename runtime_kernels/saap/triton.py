@@ -16,7 +16,8 @@ shapes, so the step can be captured in a CUDA graph):
    accumulation); online softmax in exp2 units; writes ``(o, m, l)`` in float32. An empty bucket writes
    ``m = -inf, l = 0`` and weighs nothing in the merge.
 4. :func:`_merge_kernel`: exact log-sum-exp merge of the partials, one program per (batch, KV head,
-   ``merge_block_d`` output columns), all partials of a row in one vector step.
+   ``merge_block_d`` output columns), ``merge_block_p`` partials per vector load (one step for the usual
+   36-48).
 
 A dense layer (``params.dense``) is steps 3-4 with the whole cache as the window (flash-decoding).
 
@@ -31,7 +32,8 @@ dependent loads (bucket id, slot start, slots, K/V rows) costs more than its few
 
 Alternatives measured slower on an H200 (graphed step, ℓ = 32) and removed:
 
-* both classifier layers in one split-K launch, partials summed by the last program: 93-147 µs vs 46.
+* both classifier layers in one split-K launch, partials summed by the last program: the classifier
+  alone 93-147 µs vs 46 for two launches.
 * layer 2 as a split-K CUDA-core GEMV at B <= 2: classifier + ranking 43 µs vs 35 at 128k B = 1.
 * layer 2 as one cuBLAS bmm over the three terms: +1.5-1.9 µs (the ranking reads three rows, not one).
 * ``b2`` added by the ranking instead of layer 2's epilogue: +0.7 µs; the filtered candidates placed by
@@ -41,8 +43,8 @@ Alternatives measured slower on an H200 (graphed step, ℓ = 32) and removed:
   partials and merge: no gain.
 * a bucket split over several programs, several buckets per program in turn, V rows loaded with K rows,
   32- or 128-key steps, 8 warps, 3 stages: a tie at best.
-* w2 prefetched into L2 by layer 1, or layer 2 chained to layer 1 with its first tiles requested early:
-  1.7-6 µs slower.
+* w2 prefetched into L2 by layer 1: +1.7-6 µs; layer 2 as layer 1's programmatic dependent with its
+  first w2 tiles requested early: classifier + ranking +5-23 µs.
 """
 
 from __future__ import annotations

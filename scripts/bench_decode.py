@@ -1,6 +1,6 @@
 """Benchmark sparse decode attention (SAAP, SANTA-prop, SANTA-flash) against SDPA and the bandwidth floor.
 
-    python scripts/bench_decode.py            # H200: Llama-3.1-8B shapes, B in {1, 8}, T in {8k, 32k, 128k}
+    python scripts/bench_decode.py            # GPU: Llama-3.1-8B shapes, B in {1, 8}, T in {8k, 32k, 128k}
     python scripts/bench_decode.py --smoke    # CPU, tiny shapes, Triton interpreter: checks the script only
 
 One decode step of one layer (Hq = 32, Hkv = 8, D = 128, bf16, random never-zero inputs). Per row: the
@@ -16,7 +16,7 @@ Methods:
 
 * ``saap`` (ℓ = 16, 32, 64): C = 1024 balanced buckets (a random balanced assignment: each bucket holds
   ``N_s / C`` keys), window 1 + 2047, the classifier (2-layer MLP D -> 1024 -> C per query head, bf16
-  weights, 75.5 MB) included. Stage variants at ℓ = 32 show where the time goes: ``saap-cls`` (classifier
+  weights, 75.5 MB) included. Two stage rows at ℓ = 32 show where the time goes: ``saap-cls`` (classifier
   and ranking: ``saap_select_buckets_triton``), ``saap-attn`` (attention + merge on fixed buckets).
 * ``santa-prop`` (S = 128, 256) and ``santa-flash`` (S = 1024, 2048), tile 256, through
   ``runtime_kernels.santa.api.santa_decode_attention`` (eager: validation and offset drawing included);
@@ -115,9 +115,8 @@ class Timer:
 
     def graphed(self, fn: Callable[[], object], captures: int = 2) -> tuple[float | None, str]:
         """Median replay time of ``fn`` captured in a CUDA graph, or (None, why not); the smaller over
-        ``captures`` separate captures (on the H200 the first capture timed after a heavy step could
-        read ~6 µs slow at B=8 128k for its whole median, and a later capture of the same step not:
-        ``docs/bench/2026-11-21-h200/saap_win_programs.txt``)."""
+        ``captures`` separate captures (the first capture timed after a heavy step can read several µs
+        slow for its whole median, a later capture of the same step not)."""
         if not self.cuda:
             return None, ""
         best = None
@@ -233,7 +232,7 @@ def bench_saap(timer: Timer, sh: Shapes, q, k, v, b: int, t: int, floor: float, 
         if top_l == sh.top_ls[len(sh.top_ls) // 2]:
             variants += [
                 ("saap-cls", lambda top_l=top_l: saap_triton.saap_select_buckets_triton(qd, params, group, top_l),
-                 nb["weights"]),  # classifier + ranking (the GEMV path sums its partial logits in the ranking)
+                 nb["weights"]),  # classifier + ranking
                 ("saap-attn", lambda sel=sel: saap_triton.saap_sparse_attention_triton(
                     q, k, v, index, sel, lo, hi, sh.d ** -0.5), nb["kv"] + nb["index"]),
             ]
@@ -374,199 +373,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, default=None, help="write all rows here")
     p.add_argument("--report", type=Path, default=None, metavar="JSON",
                    help="print the table and targets of a saved --json run (no timing, no GPU)")
-    p.add_argument("--saap-variants", nargs="*", default=None, metavar="NAME",
-                   help=f"time named SAAP configs side by side instead of the full table (B 1 8 x T 8192 131072, "
-                        f"l=32); no name: all of {', '.join(SAAP_VARIANTS)}")
-    p.add_argument("--top-l", type=int, default=None, help="--saap-variants: buckets visited (default 32)")
-    p.add_argument("--saap-config", nargs="*", default=[], metavar="KEY=INT",
-                   help="override runtime_kernels.saap.triton_config.CONFIG fields, e.g. block_n=32 linear_stages=3")
     return p.parse_args(argv)
-
-
-def apply_saap_config(pairs: list[str]) -> None:
-    """Set tile sizes of the SAAP kernels from ``KEY=INT`` pairs (tuning on the GPU without editing code)."""
-    if not pairs:
-        return
-    from dataclasses import replace
-
-    from runtime_kernels.saap import triton_config
-
-    values = dict(pair.split("=", 1) for pair in pairs)
-    triton_config.CONFIG = replace(triton_config.CONFIG, **{k: int(v) for k, v in values.items()})
-    print(f"SAAP config: {triton_config.CONFIG}")
-
-
-# named CONFIG overrides timed side by side by --saap-variants (one GPU run compares schedules)
-SAAP_VARIANTS: dict[str, dict[str, int]] = {
-    "default": {},
-    "fused": {"cls_fused": 1, "overlap_window": 1},  # the split-K one-launch classifier + side-stream window
-    "overlap": {"overlap_window": 1},
-    "cls-h128-n64": {"cls_fused": 1, "cls_block_h": 128, "cls_block_n": 64},
-    "cls-h64-n64-s4": {"cls_fused": 1, "cls_block_h": 64, "cls_block_n": 64, "cls_stages": 4},
-    "cls-h128-n128-w8": {"cls_fused": 1, "cls_block_h": 128, "cls_block_n": 128, "cls_warps": 8},
-    "cls-h64-n256-w8": {"cls_fused": 1, "cls_block_h": 64, "cls_block_n": 256, "cls_warps": 8},
-    "cls-nsplit2": {"cls_fused": 1, "cls_n_split": 2},
-    "tc-cls": {"cls_gemv_max_b": 0},  # the tensor-core classifier at B = 1 too (the previous default)
-    "gemv-n128": {"gemv_block_n": 128},
-    "gemv-ks2": {"gemv_k_split": 2},
-    "gemv-ks8": {"gemv_k_split": 8},
-    "gemv-k32": {"gemv_block_k": 32},
-    "gemv-w8": {"gemv_warps": 8},
-    "gemv-b8": {"cls_gemv_max_b": 8},  # the GEMV classifier at B = 8 as well
-    # whole weight rows per program (2 KB contiguous each), layer 2 split into k chunks of rows
-    "rows-k8-ks16": {"gemv_block_n": 1024, "gemv_block_k": 8, "gemv_k_split": 16, "gemv_warps": 8},
-    "rows-k16-ks16": {"gemv_block_n": 1024, "gemv_block_k": 16, "gemv_k_split": 16, "gemv_warps": 8},
-    "rows-k8-ks8": {"gemv_block_n": 1024, "gemv_block_k": 8, "gemv_k_split": 8, "gemv_warps": 8},
-    "rows-k8-ks32": {"gemv_block_n": 1024, "gemv_block_k": 8, "gemv_k_split": 32, "gemv_warps": 8},
-    "rows-k4-ks32-w4": {"gemv_block_n": 1024, "gemv_block_k": 4, "gemv_k_split": 32, "gemv_warps": 4},
-    "n256-k32-ks8": {"gemv_block_n": 256, "gemv_block_k": 32, "gemv_k_split": 8, "gemv_warps": 8},
-    "n128-l1n128": {"gemv_block_n": 128, "gemv1_block_n": 128},
-    "n128-rank8": {"gemv_block_n": 128, "rank_warps": 8},
-    "n128-rank16": {"gemv_block_n": 128, "rank_warps": 16},
-    "atomic-ks4": {"gemv_atomic": 1},
-    "atomic-ks8": {"gemv_atomic": 1, "gemv_k_split": 8},
-    "atomic-ks16-oneshot": {"gemv_atomic": 1, "gemv_k_split": 16, "gemv_block_k": 64},
-    "atomic-ks8-oneshot-w8": {"gemv_atomic": 1, "gemv_k_split": 8, "gemv_block_k": 128, "gemv_warps": 8},
-    "atomic-ks16-n64": {"gemv_atomic": 1, "gemv_k_split": 16, "gemv_block_n": 64},
-    "bmm": {"cls_bmm_max_b": 16},  # layer 1 GEMV writing three bf16 terms + layer 2 as one cuBLAS bmm
-    "bmm-rank8": {"cls_bmm_max_b": 16, "rank_warps": 8},
-    "bmm-rank16": {"cls_bmm_max_b": 16, "rank_warps": 16},
-    "bmm-rank2": {"cls_bmm_max_b": 16, "rank_warps": 2},
-    "bmm-l1n32": {"cls_bmm_max_b": 16, "gemv1_block_n": 32},
-    "bmm-l1n128": {"cls_bmm_max_b": 16, "gemv1_block_n": 128},
-    # window tiles per (batch, KV head) capped by a program budget: B=8 streams longer tiles
-    "winp0": {"win_programs": 0},  # the window cut by max_win_tiles alone (before 2026-11-21 18:00)
-    "winp128": {"win_programs": 128},
-    "winp256": {"win_programs": 256},
-    "winp512": {"win_programs": 512},
-    "winp256-s3": {"win_programs": 256, "attn_stages": 3},
-    "winp512-s3": {"win_programs": 512, "attn_stages": 3},
-    "winp1024-s3": {"win_programs": 1024, "attn_stages": 3},
-    "s3": {"attn_stages": 3},
-    "winp512-s3-w8": {"win_programs": 512, "attn_stages": 3, "attn_warps": 8},
-    "rank-filter2": {"rank_filter": 2},  # sort only the candidates above the smallest chunk maximum
-    "rank-filter4": {"rank_filter": 4},
-    "rank-filter4-w4": {"rank_filter": 4, "rank_warps": 4},
-    "rank-filter8": {"rank_filter": 8},
-    "prefetch-v": {"attn_prefetch_v": 1},
-    "prefetch-v-overlap": {"attn_prefetch_v": 1, "overlap_window": 1},
-    "attn-bn32": {"block_n": 32, "min_win_steps": 2, "max_win_tiles": 64},
-    "attn-w8": {"attn_warps": 8},
-    "win-big": {"min_win_steps": 4, "max_win_tiles": 16, "attn_stages": 3},
-    "bkt-split2": {"bkt_split": 2},
-    "bkt-per4": {"bkt_per_prog": 4},
-    # the window on a side stream in few long programs, so the classifier's kernels have SMs beside it
-    "overlap-winp64": {"overlap_window": 1, "win_programs": 64},
-    "overlap-winp128": {"overlap_window": 1, "win_programs": 128},
-    "overlap-winp64-per4": {"overlap_window": 1, "win_programs": 64, "bkt_per_prog": 4},
-    "l1n32": {"gemv1_block_n": 32},  # layer 1: twice the programs (B=8: 15.5 us alone at 64)
-    "l1n16": {"gemv1_block_n": 16},
-    "split2-pv": {"bkt_split": 2, "attn_prefetch_v": 1},  # bucket chains halved, V loaded with K
-    # layer 1 (bmm path) in fewer, wider k steps: B=8 walks D = 128 in 8 steps of 16 at the default
-    "l1-k256": {"gemv_block_k": 256},
-    "l1-k256-w8": {"gemv_block_k": 256, "gemv_warps": 8},
-    "l1-k512-w8": {"gemv_block_k": 512, "gemv_warps": 8},
-    "l1-gemv": {"l1_dot_min_b": 0},  # layer 1 as the GEMV at every batch (the default before 2026-11-21 20:00)
-    "l1-dot": {"l1_dot_min_b": 1},  # layer 1 on tensor cores at B = 1 too (the default since)
-    "l1-dot-n32": {"l1_dot_block_n": 32},
-    # the merge reads all partials of a row in one step (36-48 partials: 3 steps of 16 at the default)
-    "merge-p64": {"merge_block_p": 64},
-    "merge-p64-d16": {"merge_block_p": 64, "merge_block_d": 16},
-    "merge-p32": {"merge_block_p": 32},
-    "merge-p64-d64": {"merge_block_p": 64, "merge_block_d": 64},
-    # longer window tiles (fewer partials to merge) and one 128-key step per bucket
-    "winsteps4": {"min_win_steps": 4},
-    "winsteps8": {"min_win_steps": 8},
-    "bn128": {"block_n": 128},
-    # layer 2 as Triton's pipelined w2 stream (three terms summed in its epilogue) instead of cuBLAS bmm
-    "cublas-l2": {"l2_triton": 0},  # the default before 2026-11-21 20:00
-    "cublas-l2-sort": {"l2_triton": 0, "rank_count": 0, "rank_chunks": 1},  # ... and its ranking
-    "l2t": {"l2_triton": 1, "l2_block_n": 64},
-    "l2t-s6": {"l2_triton": 1, "l2_stages": 6},
-    "l2t-n128": {"l2_triton": 1, "l2_block_n": 128},
-    "l2t-k128": {"l2_triton": 1, "l2_block_k": 128, "l2_stages": 3},
-    "l2t-n32": {"l2_triton": 1, "l2_block_n": 32, "l2_stages": 6},
-    "l2t-w8-n128": {"l2_triton": 1, "l2_block_n": 128, "l2_warps": 8},
-    "rank-count": {"rank_count": 1, "rank_chunks": 1},  # filtered candidates placed by counting, not sorted
-    "l2t-n128-count": {"l2_triton": 1, "l2_block_n": 128, "rank_count": 1},
-    # the ranking's threshold from 2 / 4 x K_PAD chunk maxima (fewer candidates, no fallback to the full sort)
-    "count-ch2": {"rank_count": 1, "rank_chunks": 2},
-    "count-ch4": {"rank_count": 1, "rank_chunks": 4},
-    "l2t-n128-count-ch2": {"l2_triton": 1, "l2_block_n": 128, "rank_count": 1, "rank_chunks": 2},
-    "l2t-n128-count-ch4": {"l2_triton": 1, "l2_block_n": 128, "rank_count": 1, "rank_chunks": 4},
-    "l2t-n128-count-ch4-w4": {"l2_triton": 1, "l2_block_n": 128, "rank_count": 1, "rank_chunks": 4, "rank_warps": 4},
-    # session 11: b2 added by layer 2 and sorted candidates became the default; the earlier ranking, and more
-    "b2-in-rank-counted": {"l2_bias": 0, "rank_count": 1},  # the default before session 11
-    "b2-in-rank": {"l2_bias": 0},
-    "counted": {"rank_count": 1},
-    "nofilter": {"rank_filter": 0},
-    "rank-w4": {"rank_warps": 4},
-    "l1-k128": {"l1_dot_block_k": 128},
-    # session 12: small buckets packed, several per program as one key list
-    "pack2": {"bkt_pack": 2},
-    "pack4": {"bkt_pack": 4},
-    "pack8": {"bkt_pack": 8},
-    "pack16": {"bkt_pack": 16},
-    # session 12: the 128k B=1 step's remaining tile shapes
-    "l2n256": {"l2_block_n": 256},
-    "l2n256-w8": {"l2_block_n": 256, "l2_warps": 8},
-    "l2s5": {"l2_stages": 5},
-    "l2s3": {"l2_stages": 3},
-    "l1n128": {"l1_dot_block_n": 128},
-    "l1n128-k128": {"l1_dot_block_n": 128, "l1_dot_block_k": 128},
-}
-
-
-def bench_saap_variants(args: argparse.Namespace, names: list[str]) -> None:
-    """Graphed time of the full SAAP step and of the classifier alone, per named CONFIG, at B x T, l = 32."""
-    from dataclasses import replace
-
-    from runtime_kernels.saap import triton as saap_triton
-    from runtime_kernels.saap import triton_config
-
-    cuda = torch.cuda.is_available() and not args.smoke
-    sh = SMOKE if args.smoke else Shapes(batches=(1, 8), lengths=(8192, 131072))
-    batches = tuple(args.batches) if args.batches else sh.batches
-    lengths = tuple(args.lengths) if args.lengths else sh.lengths
-    top_l = args.top_l or _pick(sh.top_ls, 32, len(sh.top_ls) // 2)
-    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-    timer = Timer(cuda, args.warmup if cuda else 1, args.repeats, args.flush)
-    base = triton_config.CONFIG
-    results: list[tuple[str, int, int, float, float, float | None]] = []
-    for b in batches:
-        for t in lengths:
-            q = _randn(b, sh.hq, sh.d, device=device, dtype=dtype)
-            k, v = (_randn(b, sh.hkv, t, sh.d, device=device, dtype=dtype) for _ in range(2))
-            _, sdpa_graph, _ = bench_sdpa(timer, q, k, v)
-            params, index, qd = saap_setup(sh, b, t, device)
-            # Two rounds over the variants (each timing itself the smaller of two captures), the smaller
-            # median kept: whichever variant was timed first at a (B, T) read ~6 us slow at B=8 128k on the
-            # H200, even after a discarded timing of the same step (2026-11-21, saap_win_programs.txt).
-            best: dict[str, list[float]] = {}
-            for rnd in range(2):
-                for name in names:
-                    triton_config.CONFIG = replace(base, **SAAP_VARIANTS[name])
-                    full = lambda: saap_triton.saap_decode_attention_triton(  # noqa: E731
-                        q, qd, k, v, index, params, top_l=top_l, scale=None)
-                    cls = lambda: saap_triton.saap_select_buckets_triton(qd, params, sh.hq // sh.hkv, top_l)  # noqa: E731
-                    times = []
-                    for fn in (full, cls):
-                        graph, _ = timer.graphed(fn)
-                        times.append(graph if graph is not None else timer.eager(fn))
-                    best[name] = [min(x, y) for x, y in zip(best.get(name, times), times)]
-                    print(f"  round {rnd} {name:<18} B={b} T={t}: saap {times[0]:.1f} us, cls {times[1]:.1f} us",
-                          flush=True)
-            results += [(name, b, t, best[name][0], best[name][1], sdpa_graph) for name in dict.fromkeys(names)]
-            triton_config.CONFIG = base
-            del q, k, v, params, index
-            if cuda:
-                torch.cuda.empty_cache()
-    print(f"\nSAAP variants (graphed us, the smaller of two rounds; l={top_l}, C={sh.clusters}; sdpa graphed)")
-    print(f"{'variant':<18} {'B':>2} {'T':>7} {'saap_us':>8} {'cls_us':>7} {'sdpa_us':>8} {'sdpa/saap':>9}  overrides")
-    for name, b, t, full_us, cls_us, sdpa in results:
-        ratio = f"{sdpa / full_us:.2f}" if sdpa else "-"
-        print(f"{name:<18} {b:>2} {t:>7} {full_us:>8.1f} {cls_us:>7.1f} {_fmt(sdpa):>8} {ratio:>9}  "
-              f"{SAAP_VARIANTS[name]}")
 
 
 def run(args: argparse.Namespace) -> tuple[list[Row], Shapes]:
@@ -580,7 +387,6 @@ def run(args: argparse.Namespace) -> tuple[list[Row], Shapes]:
     timer = Timer(cuda, args.warmup if cuda else 1, args.repeats, args.flush)
     torch.manual_seed(0)
     _print_header(cuda)
-    apply_saap_config(args.saap_config)
     rows: list[Row] = []
     for b in sh.batches:
         for t in sh.lengths:
@@ -627,16 +433,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_decode report of {args.report}")
         print_rows(rows)
         print_targets(targets(rows, sh), "targets (ratios from graphed times where captured)", 44)
-        return 0
-    if args.saap_variants is not None:
-        if args.smoke or not torch.cuda.is_available():
-            os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
-        _print_header(torch.cuda.is_available() and not args.smoke)
-        apply_saap_config(args.saap_config)  # a base that every variant overrides
-        unknown = sorted(set(args.saap_variants) - set(SAAP_VARIANTS))
-        if unknown:
-            raise SystemExit(f"unknown SAAP variants {unknown}; known: {sorted(SAAP_VARIANTS)}")
-        bench_saap_variants(args, args.saap_variants or list(SAAP_VARIANTS))
         return 0
     rows, sh = run(args)
     if args.json:

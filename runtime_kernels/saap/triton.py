@@ -1,95 +1,50 @@
 """SAAP decode attention in Triton: same arguments, same result as
 :func:`runtime_kernels.saap.reference.saap_decode_attention_reference` (papers/saap.txt App. F).
 
-One decode step of one layer in five launches and no host sync (Python ints from shapes size the grids,
-so the step can be captured in a CUDA graph); the defaults in :class:`SaapTritonConfig` are what measured
-fastest on the H200 (two-launch classifier, no side stream); the alternatives below stay selectable:
+One decode step of one layer is five launches and no host synchronization (grids are sized from tensor
+shapes, so the step can be captured in a CUDA graph):
 
-1-2. Classifier and ranking (:mod:`runtime_kernels.saap.triton_classifier`): the classifier MLP of every
-   query head, then one program per (batch, KV head) sums the group's softmaxes and takes the top-ℓ.
+1-2. Classifier (two launches) and ranking (:mod:`runtime_kernels.saap.triton_classifier`): the classifier
+   MLP of every query head, float32-exact from 16-bit weights, then one program per (batch, KV head) that
+   sums the group's softmaxes and writes the top-ℓ bucket ids.
 3. :func:`_partial_kernel`: one program per (batch, KV head, partial). Partials ``0 .. n_win-1`` are tiles
    of the dense region (sink + recent window: positions ``[0, lo) ∪ [hi, T)``, the current key
-   included); partials ``n_win ..`` are the ℓ visited buckets (small buckets packed several per program as
-   one key list, ``CONFIG.bkt_pack``: auto 8 at 8k, 2 at 32k, off at 128k with C = 1024 — 8k B=8 ℓ=64
-   84.3 -> 65.3 µs on the H200; else ``CONFIG.bkt_per_prog`` buckets per program in turn, or a bucket
-   split over ``CONFIG.bkt_split`` programs), each bucket walking its slice of the
-   :class:`BucketIndex` slot array (``slots[b, h, slot_start[c] : slot_start[c] + bucket_count[c]]``: the
-   index's own CSR-with-slack layout, read as is: no repacking, no ``csr()``). Each gathered K/V row is
-   loaded once for all ``G`` query heads of the group (``q`` is a ``[16, D]`` tile; ``tl.dot`` with fp32
-   accumulation), online softmax in exp2 units; writes ``(o, m, l)`` in float32. An empty bucket writes
+   included); the others walk the visited buckets, one per program or, when buckets are small, several
+   as one key list (:func:`_pack`), each bucket read through the :class:`BucketIndex` slot array as is
+   (``slots[b, h, slot_start[c] : slot_start[c] + bucket_count[c]]``). Each gathered K/V row is loaded
+   once for all ``G`` query heads of the group (a ``[16, D]`` query tile, ``tl.dot`` with fp32
+   accumulation); online softmax in exp2 units; writes ``(o, m, l)`` in float32. An empty bucket writes
    ``m = -inf, l = 0`` and weighs nothing in the merge.
 4. :func:`_merge_kernel`: exact log-sum-exp merge of the partials, one program per (batch, KV head,
-   32 output columns), 64 partials per vector load (one step for the usual 36-48: ``merge_block_p``).
+   ``merge_block_d`` output columns), ``merge_block_p`` partials per vector load (one step for the usual
+   36-48).
 
 A dense layer (``params.dense``) is steps 3-4 with the whole cache as the window (flash-decoding).
 
-Performance model (Llama-3.1-8B: Hq = 32, Hkv = 8, D = 128, bf16 K/V and classifier weights, C = 1024,
-hidden 1024, window 1 + 2047, balanced buckets of ``N_s / C`` keys, ``N_vis = 2048 + ℓ · N_s / C``):
+Performance model (Llama-3.1-8B: Hq = 32, Hkv = 8, D = 128, bf16, C = 1024 buckets, hidden 1024, window
+2048, ``N_vis = 2048 + ℓ · N_s / C`` keys per KV head). The step is memory-bound: the classifier streams
+its 75.5 MB of weights whatever B (the largest cost at B = 1); the partials read ``B · Hkv · N_vis · D · 4``
+bytes of K/V plus 4 B of slot per bucket key (T = 128k, ℓ = 32: 25 MB at B = 1, 199 MB at B = 8) and write
+``B · Hkv · P · G · (D + 2) · 4`` bytes of partials (P ≈ 48: 0.8 MB at B = 1); the ranking and the merge are
+latency (a few µs each). At 4.2 TB/s the 128k floor is ~24 µs at B = 1 and ~65 µs at B = 8, against
+128 µs and 1 ms for dense attention. Small buckets (8k, 32k) are packed because a program's chain of
+dependent loads (bucket id, slot start, slots, K/V rows) costs more than its few keys.
 
-* classifier, B ≤ ``cls_bmm_max_b`` (16, the default path): layer 1 (on tensor cores for a query of the
-  weights' 16-bit dtype, whose products are exact in fp32: 7.7 µs alone at B=8 vs 15.5 for the CUDA-core
-  GEMV it replaced, ~1 µs less at B=1; the GEMV for float32 queries) whose epilogue writes the hidden as
-  three bf16 terms, layer 2 as one cuBLAS ``bmm`` (float32 output, ``l2_triton = 0``) over the
-  query heads, the ranking summing the three term rows: float32-exact logits with w2 streamed at 3.3
-  TB/s (20 µs). Measured with the ranking at 128k B=1: 35 µs (H200 2026-11-21, read-flushed L2) vs 43 µs
-  for the GEMV path (``cls_bmm_max_b = 0``, B ≤ ``cls_gemv_max_b``: layer 2 in 4 hidden chunks at 2.35
-  TB/s) and 48 µs for the tensor-core path. Since 2026-11-21 20:00 layer 2 is Triton's own w2 stream
-  (``l2_triton``: ``[64, 128]`` tiles 4 deep, the three terms stacked in one 16-row tile and summed in its
-  epilogue, so the ranking reads one logits row instead of three): 128k B=1 step 47.5 -> 45.7 µs, 8k B=8
-  69.2 -> 67.7; and the ranking places its filtered candidates by counting (``rank_count``) under a
-  threshold from 2ℓ chunk maxima (``rank_chunks``: ~44 candidates instead of ~110, never the full sort
-  on the bench's flat classifier). Alone, layer 2 streams like cuBLAS (19.8 vs 19.5 µs at B=1); the gain
-  is the ranking reading one row instead of three. Session 11: layer 2 adds ``b2`` in its epilogue
-  (``l2_bias``: the bias's cold DRAM load leaves the ranking's critical path) and the filtered candidates
-  are sorted again (``rank_count = 0``: 0.6-1.0 µs faster in the step than counting): 128k B=1 45.0 ->
-  43.7 µs. Left: layer 1 (~6 µs in sequence, latency) and the ranking (~4.6 µs in sequence: launch 1.2,
-  logits load 1.0, group scores 1.0, threshold + compaction 1.2, sort 0.4; ``docs/bench/2026-11-21-h200/
-  saap_rank_b2.txt`` also has what did not pay: TMA w2 tiles, the ranking on layer 2's last programs or
-  inside the bucket programs, layer-2 softmax statistics, an L2 prefetch of the index rows).
-* tried and removed (H200, graphed, 128k B=1): the merge done by the last partial program instead of its
-  own launch (58.2 vs 51.0 µs: one program per row merges slower than the launch's four), and the window
-  partials inside the ranking's launch on the SMs its B·Hkv programs leave idle (53.7 vs 51.2 µs: the
-  combined kernel carries the ranking's registers into every window program);
-  ``docs/bench/2026-11-21-h200/saap_santa_variants_late.txt``; and ranking -> partials -> merge as
-  programmatic dependent launches (window partials beside the ranking, bucket partials waiting for it):
-  no gain once the variants' order was rotated (128k B=8 105.7 vs 105.0-105.6 µs, B=1 49.7 vs 50.0;
-  the first variant timed in a run reads ~7 µs slow, which an earlier run had taken for a PDL gain;
-  ``docs/bench/2026-11-21-h200/saap_win_programs.txt``). SANTA-prop keeps its chain (it gains there).
-  Also removed: layer 2 as Triton programs that each request their whole w2 slice (64 KB) before
-  waiting for layer 1 as its programmatic dependent, the ranking chained after (to hide layer 1's ~7 µs
-  under the weight stream): classifier + ranking 38.9-56.8 µs across block shapes vs 33.9 for layer 1 +
-  cuBLAS + ranking at 128k B=1, 52-80 vs 42.3 at B=8; the chain itself bought ~2 µs
-  (``docs/bench/2026-11-21-h200/saap_prefetch_l2.txt``). Session 10 (``saap_layer2_triton.txt``): layer 1's
-  programs first asking L2 for part of w2 (``cp.async.bulk.prefetch.L2``, 25-100 % of each head's rows)
-  made the classifier 1.7-6 µs slower; the Triton layer 2 as layer 1's programmatic dependent, its first
-  one or two w2 tiles requested before ``gdc_wait``: +6 µs at 128k B=1; both layers in one split-K launch
-  (each program a 128-unit hidden slice and its share of every logit; partials summed by the ranking):
-  46.2 vs 45.3 µs at 128k B=1, 64-unit slices +20 µs. All three removed.
-* classifier: ``Hq · (D·Hd + Hd·C) · 2 B`` = 75.5 MB of weights per call whatever B (≤ 16). First
-  version (two launches, 256 programs streaming K = 1024): measured 46 µs (1.65 TB/s). Fused: 512
-  programs (2 resident per SM: 244 registers, 80 KB smem at 3 stages), each 16 KB of w1 then 8 steps of
-  16 KB of w2; no second launch, no hidden round trip; reduction reads ``16 · B · C · 4 B`` per head from
-  L2. Expected ~20-25 µs at 3-3.8 TB/s; the tile variants in ``bench_decode.py --saap-variants`` pick.
-* ranking: ``B · Hq · C · 4 B`` of logits (128 KB at B = 1), ~2-3 µs (latency).
-* attention: ``B · Hkv · N_vis · D · 2 · 2 B`` of K/V + 4 B per bucket key of slot index; T = 128k,
-  ℓ = 32: N_vis ≈ 6080, 24.9 MB at B = 1, 199 MB at B = 8. 149 registers and 39 KB of smem per program
-  at block_n 64 / 4 warps (3 resident per SM; 8 warps: 102 registers; block_n 32: 87; ptxas sm_90a, no
-  spills). FLOPs ``4 · 16 · D · N_vis`` per
-  (b, KV head) on mma (negligible). Partials ``B · Hkv · P · G · (D + 2) · 4 B`` written and read back
-  (P = n_win + ℓ = 48: 0.8 MB at B = 1, 6.4 MB at B = 8).
-* floor at 128k, ℓ = 32 (4.2 TB/s): B = 1: 100 MB -> 24 µs (dense K+V: 537 MB -> 128 µs); B = 8: 275 MB
-  -> 65 µs (dense: 4.3 GB -> 1023 µs). Expected graphed after the fused classifier and the
-  overlap: B = 1 ≈ 22 (cls) + 3 (rank) + 8 (buckets) + 3 (merge) ≈ 35-40 µs; B = 8, 8k ≈ 25 + 3 + 5 + 3
-  ≈ 40-55 µs (window under the classifier). Eager adds the Python launch cost (~20-40 µs of CPU).
-* window overlap: the window partials (8 MB at B = 1, 64 MB at B = 8, T ≥ 8k) stream under the
-  classifier on a side stream, so at B = 8, 8k the step costs ~max(cls, window) + ranking + buckets +
-  merge instead of their sum.
-* not done: the rank and merge steps could ride on the last
-  program of the previous launch (an arrival counter: ~2 x 2 µs); ``bkt_split`` is one static split for all
-  buckets, so a very unbalanced index still costs its longest bucket / bkt_split. The split-K partial
-  logits are ``hidden / cls_block_h · B · Hq · C · 4 B`` written and read back (2 MB at B = 1, 16 MB at
-  B = 8 with block 64: ``cls-h128-*`` variants halve it). Weights and
-  K/V must have unit stride on their last dim (true of contiguous tensors) for the cp.async pipelines.
+Alternatives measured slower on an H200 (graphed step, ℓ = 32) and removed:
+
+* both classifier layers in one split-K launch, partials summed by the last program: the classifier
+  alone 93-147 µs vs 46 for two launches.
+* layer 2 as a split-K CUDA-core GEMV at B <= 2: classifier + ranking 43 µs vs 35 at 128k B = 1.
+* layer 2 as one cuBLAS bmm over the three terms: +1.5-1.9 µs (the ranking reads three rows, not one).
+* ``b2`` added by the ranking instead of layer 2's epilogue: +0.7 µs; the filtered candidates placed by
+  counting instead of sorted: +0.6-1.0 µs.
+* the window partials on a side stream under the classifier, or inside the ranking's launch: no gain /
+  +2.5 µs; the merge done by the last partial program: +7 µs; a programmatic-dependent chain of ranking,
+  partials and merge: no gain.
+* a bucket split over several programs, several buckets per program in turn, V rows loaded with K rows,
+  32- or 128-key steps, 8 warps, 3 stages: a tie at best.
+* w2 prefetched into L2 by layer 1: +1.7-6 µs; layer 2 as layer 1's programmatic dependent with its
+  first w2 tiles requested early: classifier + ranking +5-23 µs.
 """
 
 from __future__ import annotations
@@ -106,8 +61,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without triton
     raise ModuleNotFoundError("runtime_kernels.saap.triton needs the 'triton' package",
                               name="triton") from exc
 
-from runtime_kernels._triton_support import patch_interpreter
 from runtime_kernels._triton_support import interpreting as _interpreting
+from runtime_kernels._triton_support import patch_interpreter
+from runtime_kernels.saap import triton_config as _tc
 from runtime_kernels.saap.reference import (
     BucketIndex,
     SaapLayerParams,
@@ -120,15 +76,16 @@ from runtime_kernels.saap.triton_classifier import (  # public API of this modul
     saap_rank_buckets_triton,
     saap_select_buckets_triton,
 )
-from runtime_kernels.saap import triton_config as _tc
-from runtime_kernels.saap.triton_config import ROWS as _ROWS, buffer as _buffer, pow2 as _pow2
+from runtime_kernels.saap.triton_config import ROWS as _ROWS
+from runtime_kernels.saap.triton_config import buffer as _buffer
+from runtime_kernels.saap.triton_config import pow2 as _pow2
 
 LOG2E = 1.4426950408889634
 
-
-
-
 patch_interpreter()
+
+__all__ = ["saap_classifier_logits_triton", "saap_decode_attention_triton", "saap_rank_buckets_triton",
+           "saap_select_buckets_triton", "saap_sparse_attention_triton"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -334,8 +291,7 @@ class _Partials:
     win_tile: int
     n_win: int
     n_bkt_prog: int
-    n_split: int
-    n_per: int
+    n_per: int  # buckets per bucket program
     o: torch.Tensor
     m: torch.Tensor
     l: torch.Tensor
@@ -348,8 +304,9 @@ class _Partials:
 
 
 def _pack(n_keys: int, n_buckets: int | None) -> int:
-    """Buckets per bucket program (``0``: one each, as cut by ``bkt_per_prog`` / ``bkt_split``).
-    ``CONFIG.bkt_pack < 0`` (auto): the largest power of two of buckets whose mean size
+    """Buckets per bucket program walked as one key list (``0``: one bucket per program).
+
+    ``CONFIG.bkt_pack < 0`` (the default): the largest power of two of buckets whose mean size
     ``n_keys / n_buckets`` (host ints: no sync) fills at most one ``block_n`` key step, 8 at most, none
     below 2 — packed at 8k and 32k with C = 1024 (6 and 30 keys per bucket), not at 128k (126)."""
     cfg = _tc.CONFIG
@@ -366,25 +323,25 @@ def _pack(n_keys: int, n_buckets: int | None) -> int:
 
 def _plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, n_l: int, lo: int, hi: int,
           scale: float, n_buckets: int | None = None, cache_len: torch.Tensor | None = None) -> _Partials:
+    """Cut one call into partials: window tiles of at least ``min_win_steps`` key steps, at most
+    ``max_win_tiles`` per (batch, KV head) and fewer when ``B · Hkv`` programs already fill the GPU
+    (``win_programs``); then ``cdiv(n_l, pack or 1)`` bucket programs."""
     b, hq, d = q.shape
     hkv, t = k_cache.shape[1], k_cache.shape[2]
     cfg = _tc.CONFIG
     n_dense = lo + (t - hi)
-    max_tiles = cfg.max_win_tiles
-    if cfg.win_programs > 0:  # fewer, longer window tiles when the batch already fills the GPU
-        max_tiles = max(1, min(max_tiles, triton.cdiv(cfg.win_programs, b * hkv)))
+    max_tiles = max(1, min(cfg.max_win_tiles, triton.cdiv(cfg.win_programs, b * hkv)))
     win_tile = cfg.block_n * max(cfg.min_win_steps, triton.cdiv(n_dense, max_tiles * cfg.block_n))
     n_win = triton.cdiv(n_dense, win_tile)
     pack = _pack(hi - lo, n_buckets)
-    n_per = pack if pack > 0 else max(1, cfg.bkt_per_prog)
-    n_split = 1 if pack > 0 else max(1, cfg.bkt_split)
-    n_bkt_prog = triton.cdiv(n_l, n_per) * n_split
+    n_per = max(1, pack)
+    n_bkt_prog = triton.cdiv(n_l, n_per)
     n_part = n_win + n_bkt_prog
     g = hq // hkv
     o, m, l_ = (_buffer(shape, torch.float32, q.device)
                 for shape in ((b, hkv, n_part, g, d), (b, hkv, n_part, g), (b, hkv, n_part, g)))
-    return _Partials(q, k_cache, v_cache, lo, hi, float(scale), n_dense, win_tile, n_win, n_bkt_prog, n_split,
-                     n_per, o, m, l_, pack, cache_len)
+    return _Partials(q, k_cache, v_cache, lo, hi, float(scale), n_dense, win_tile, n_win, n_bkt_prog, n_per,
+                     o, m, l_, pack, cache_len)
 
 
 def _launch_partials(pl: _Partials, state: BucketIndex | None, buckets: torch.Tensor | None, window: bool,
@@ -405,19 +362,21 @@ def _launch_partials(pl: _Partials, state: BucketIndex | None, buckets: torch.Te
         sel = torch.zeros(1, dtype=torch.int32, device=q.device)
     start, count, slots = _index_tensors(state if n_l and bucket else None, b, hkv, q.device)
     f32 = _interpreting() or q.dtype == torch.float32
+    cfg = _tc.CONFIG
     length = pl.cache_len if pl.cache_len is not None else sel  # any int tensor when HAS_LEN is off
     _partial_kernel[(b * hkv, n_prog)](
         q, k_cache, v_cache, sel, start, count, slots, pl.o, pl.m, pl.l, length,
-        hkv, pl.lo, pl.hi, pl.n_dense, pl.win_tile, pl.n_win, pl.n_part, p_base, max(n_l, 1), pl.n_split,
+        hkv, pl.lo, pl.hi, pl.n_dense, pl.win_tile, pl.n_win, pl.n_part, p_base, max(n_l, 1), 1,  # n_split = 1
         pl.n_per, pl.scale * LOG2E, *q.stride(), *k_cache.stride(), *v_cache.stride(), *start.stride(),
         *count.stride(), *slots.stride(),
-        G=g, G_PAD=max(_ROWS, _pow2(g)), D=d, D_PAD=_pow2(d), BLOCK_N=_tc.CONFIG.block_n, F32=f32,
-        PREFETCH_V=bool(_tc.CONFIG.attn_prefetch_v), PACK=pl.pack, HAS_LEN=pl.cache_len is not None,
-        num_warps=_tc.CONFIG.attn_warps, num_stages=_tc.CONFIG.attn_stages,
+        G=g, G_PAD=max(_ROWS, _pow2(g)), D=d, D_PAD=_pow2(d), BLOCK_N=cfg.block_n, F32=f32,
+        PREFETCH_V=False, PACK=pl.pack, HAS_LEN=pl.cache_len is not None, num_warps=cfg.attn_warps,
+        num_stages=cfg.attn_stages,
     )
 
 
 def _merge(pl: _Partials) -> torch.Tensor:
+    """Launch :func:`_merge_kernel` on the partials: ``[B, Hq, D]`` in q's dtype."""
     q = pl.q
     b, hq, d = q.shape
     hkv = pl.k.shape[1]
@@ -448,38 +407,15 @@ def saap_sparse_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     return _merge(pl)
 
 
-__all__ = ["saap_classifier_logits_triton", "saap_decode_attention_triton", "saap_rank_buckets_triton",
-           "saap_select_buckets_triton", "saap_sparse_attention_triton"]
-
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SIDE_STREAMS:
-        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
-    return _SIDE_STREAMS[index]
-
-
 def _sparse_step(q: torch.Tensor, q_derope: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  state: BucketIndex, params: SaapLayerParams, top_l: int, lo: int, hi: int, scale: float,
                  cache_len: torch.Tensor | None = None) -> torch.Tensor:
-    """Classifier, ranking, partials, merge. ``CONFIG.overlap_window`` (CUDA): the window partials run on a
-    side stream while the classifier and ranking run (fork and join by events: graph-capturable)."""
+    """Classifier and ranking, then the window and bucket partials in one launch, then the merge."""
     hkv = k_cache.shape[1]
     c = params.w2.shape[-1]
     pl = _plan(q, k_cache, v_cache, min(int(top_l), c), lo, hi, scale, c, cache_len)
-    overlap = bool(_tc.CONFIG.overlap_window) and q.is_cuda and not _interpreting()
-    if overlap:
-        main = torch.cuda.current_stream(q.device)
-        side = _side_stream(q.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            _launch_partials(pl, None, None, True, False)
     buckets = saap_select_buckets_triton(q_derope, params, q.shape[1] // hkv, top_l)
-    _launch_partials(pl, state, buckets, not overlap, True)
-    if overlap:
-        main.wait_stream(side)
+    _launch_partials(pl, state, buckets, True, True)
     return _merge(pl)
 
 

@@ -157,8 +157,8 @@ class StaticGenerator:
         self.pos = torch.zeros(1, dtype=torch.long, device=self.device)  # its position
         self._graph: torch.cuda.CUDAGraph | None = None
         self._graph_view = -1
-        # one memory pool for every graph of this generator, held by this handle: a graph replaced at a
-        # new view length returns its memory to the pool the next one captures into
+        # one memory pool for every graph of this generator: a graph replaced at a new view length
+        # returns its memory to the pool once the next one is captured
         self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self._cache_arg = cache_argument(model)
 
@@ -207,7 +207,6 @@ class StaticGenerator:
     def _capture(self, view: int) -> float:
         """Capture :meth:`_step` for ``view``; returns the host milliseconds it took."""
         t0 = time.perf_counter()
-        self._graph = None
         token, pos = self.token.clone(), self.pos.clone()
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
@@ -222,6 +221,7 @@ class StaticGenerator:
             self._step()
         self.token.copy_(token)
         self.pos.copy_(pos)
+        # the previous graph goes only now: a pool whose last graph is gone cannot take a new capture
         self._graph, self._graph_view = graph, view
         return (time.perf_counter() - t0) * 1e3
 

@@ -150,6 +150,8 @@ class SaapDecode:
         self.stats = stats
         self.index: dict[int, BucketIndex] = {}
         self._prefill_ctx: AttentionPositions | None = None  # the rotary module, for before_graph
+        self._rot: torch.Tensor | None = None  # [B, D, D] de-RoPE map of this step's query position
+        self._rot_layer = -1  # the layer that used it last: a lower or equal one starts a new step
         self._on_device: dict[tuple[int, str], SaapLayerParams] = {}
         self._sums: torch.Tensor | None = None  # [selectivity, selectivity_with_window, count] summed
 
@@ -226,6 +228,27 @@ class SaapDecode:
         cos, sin = ctx.rotary_emb(torch.empty(0, dtype=torch.float32, device=x.device), pos)
         return derope(x, cos, sin)
 
+    def _query_derope(self, layer: int, q: torch.Tensor, ctx, first: int) -> torch.Tensor:
+        """The de-RoPE'd query ``[B, Hq, D]`` (float32) of ``q [B, Hq, 1, D]`` at its position.
+
+        De-RoPE at one position is a linear map, ``x ↦ x @ M`` with ``M = diag(c) − R·diag(n)`` (``c, n``
+        as in :func:`derope` divided by ``c² + n²``, ``R`` the matrix of ``rotate_half``): ``M [B, D, D]`` is
+        built once per step (at the first SAAP layer; every layer's query has the same position) and
+        each layer pays one batched matmul instead of a dozen element-wise kernels."""
+        if self._rot is None or layer <= self._rot_layer:
+            b, _, _, d = q.shape
+            pos = self._positions(ctx, b, first, 1, q.device)  # [B, 1]
+            cos, sin = ctx.rotary_emb(torch.empty(0, dtype=torch.float32, device=q.device), pos)
+            c, n = cos.float()[:, 0], sin.float()[:, 0]  # [B, D]
+            den = c * c + n * n
+            half = torch.zeros(d, d, device=q.device)
+            i = torch.arange(d // 2, device=q.device)
+            half[i + d // 2, i] = -1.0  # rotate_half(x) = x @ half
+            half[i, i + d // 2] = 1.0
+            self._rot = torch.diag_embed(c / den) - half[None] * (n / den)[:, None, :]  # [B, D, D]
+        self._rot_layer = layer
+        return torch.bmm(q[:, :, 0].float(), self._rot)
+
     @staticmethod
     def _padded(ctx, batch: int) -> bool:
         return batch > 1 and getattr(ctx, "attention_mask", None) is not None
@@ -262,13 +285,13 @@ class SaapDecode:
                 return None
             if getattr(ctx, "position_ids", None) is None:
                 raise ValueError("a static-cache SAAP step needs the position ids (the query's position)")
-            return idx, self._derope(q, ctx, 0)[:, :, 0]
+            return idx, self._query_derope(layer, q, ctx, 0)
         t = k.shape[2]
         if idx is None or self.layers[layer].dense or self._padded(ctx, k.shape[0]) or idx.length != t - 1:
             self.index.pop(layer, None)
             return None
         idx.append(self._derope(k[:, :, -1:], ctx, t - 1))
-        return idx, self._derope(q, ctx, t - 1)[:, :, 0]
+        return idx, self._query_derope(layer, q, ctx, t - 1)
 
     def before_graph(self, cache, valid: int, view: int) -> None:
         """Static-cache hook (:class:`runtime_kernels.generate.StaticGenerator`), outside any graph: every

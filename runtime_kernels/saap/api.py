@@ -89,6 +89,21 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-b, a], -1)
 
 
+_HALF: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _rotate_half_matrix(d: int, device: torch.device) -> torch.Tensor:
+    """``R [D, D]`` with ``rotate_half(x) = x @ R`` (cached per device: built once, never in a graph)."""
+    key = (d, str(device))
+    if key not in _HALF:
+        i = torch.arange(d // 2)
+        half = torch.zeros(d, d)
+        half[i + d // 2, i] = -1.0
+        half[i, i + d // 2] = 1.0
+        _HALF[key] = half.to(device)
+    return _HALF[key]
+
+
 def derope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Undo HF-style RoPE: ``x [B, H, T, D]`` post-RoPE, ``cos, sin [B, T, D]`` -> pre-RoPE, float32.
 
@@ -241,11 +256,7 @@ class SaapDecode:
             cos, sin = ctx.rotary_emb(torch.empty(0, dtype=torch.float32, device=q.device), pos)
             c, n = cos.float()[:, 0], sin.float()[:, 0]  # [B, D]
             den = c * c + n * n
-            half = torch.zeros(d, d, device=q.device)
-            i = torch.arange(d // 2, device=q.device)
-            half[i + d // 2, i] = -1.0  # rotate_half(x) = x @ half
-            half[i, i + d // 2] = 1.0
-            self._rot = torch.diag_embed(c / den) - half[None] * (n / den)[:, None, :]  # [B, D, D]
+            self._rot = torch.diag_embed(c / den) - _rotate_half_matrix(d, q.device)[None] * (n / den)[:, None, :]
         self._rot_layer = layer
         return torch.bmm(q[:, :, 0].float(), self._rot)
 

@@ -108,8 +108,9 @@ def _expected_from_counts(counts, v, num_samples, tiling, mass, tile, cache_len)
     return torch.einsum("bkgn,bknd->bkgd", w, vv).reshape(b, hq, -1)
 
 
-def _check_draws(q, k, v, num_samples, offsets, cache_len, *, tiling, tile, out_rtol):
-    """Kernel counts / budgets / output vs the reference; returns the fraction of flagged keys."""
+def _check_draws(q, k, v, num_samples, offsets, cache_len, *, tiling, tile, out_rtol, keep=None):
+    """Kernel counts / budgets / output vs the reference; returns the fraction of flagged keys
+    (``keep``, a dict, receives the kernel's ``drawn`` samples and ``out``put)."""
     scale = q.shape[-1] ** -0.5
     drawn = tk.decode_samples(q, k, num_samples, tiling=tiling, tile=tile, scale=scale,
                               tile_uniforms=offsets, cache_len=cache_len)
@@ -137,6 +138,8 @@ def _check_draws(q, k, v, num_samples, offsets, cache_len, *, tiling, tile, out_
     want = _expected_from_counts(drawn.counts, v, num_samples, tiling, mass, tile, cache_len)
     err = (out.to(F64) - want).abs().max() / want.abs().max()
     assert err < out_rtol, f"output relative error {err:.2e}"
+    if keep is not None:
+        keep.update(drawn=drawn, out=out)
     return flagged.float().mean().item()
 
 
@@ -296,6 +299,48 @@ def test_flash_chunked_lookup_from_the_tile_count():
     assert not tk._flash_chunked(geo(127 * 256)) and tk._flash_chunked(geo(127 * 256 + 1))
 
 
+@pytest.mark.parametrize("tiling, chunked", [("prop", False), ("flash", False), ("flash", True)],
+                         ids=["prop", "flash-whole-tile", "flash-chunk-first"])
+def test_preallocated_cache_reads_nothing_past_cache_len(tiling, chunked, monkeypatch):
+    """The CUDA-graph call: k / v hold Tk keys, cache_len < Tk (row 0 ends mid-tile and mid-chunk, row 1
+    on a tile boundary, row 2 one key into its last tile), K / V past cache_len are NaN, and the
+    per-tile uniforms cover all ceil(Tk / tile) tiles, the extra ones with values too. The reference's
+    contract (``reference.decode_samples``): keys past cache_len are not in the row and uniforms of
+    tiles past it are ignored, their budgets 0. So each row draws and returns exactly what the call on
+    ``k[:, :, :cache_len]`` with ``uniforms[..., :ceil(cache_len / tile)]`` does, the reference agrees,
+    and other values in the extra tiles' uniforms change nothing."""
+    if chunked:
+        _force_flash_chunk_lookup(monkeypatch)
+    tile = 64
+    q, k, v = _problem(13, b=3, hq=4, hkv=2, tk=448, d=32)  # 7 tiles
+    lens = torch.tensor([300, 128, 257])
+    s = torch.tensor([40, 9, 17]) if tiling == "prop" else torch.tensor([100, 9, 33])
+    u = _offsets(13, 3, 4, 448, tile)
+    for row, n in enumerate(lens.tolist()):
+        k[row, :, n:] = float("nan")
+        v[row, :, n:] = float("nan")
+    kw = dict(tiling=tiling, tile=tile, scale=32 ** -0.5)
+    long: dict = {}
+    _check_draws(q, k, v, s, u, lens, tiling=tiling, tile=tile, out_rtol=1e-5, keep=long)  # vs the reference
+    drawn, out = long["drawn"], long["out"]
+    for row, n in enumerate(lens.tolist()):
+        t_b, one = -(-n // tile), slice(row, row + 1)
+        want = tk.decode_samples(q[one], k[one, :, :n], s[one], tile_uniforms=u[one, :, :t_b], cache_len=lens[one],
+                                 **kw)
+        assert torch.equal(drawn.counts[one, :, :n], want.counts) and not drawn.counts[row, :, n:].any()
+        assert torch.equal(drawn.tile_budgets[one, :, :t_b], want.tile_budgets)
+        assert not drawn.tile_budgets[row, :, t_b:].any()
+        want_out = tk.santa_decode_forward(q[one], k[one, :, :n], v[one, :, :n], s[one], estimator="sys",
+                                           uniforms=u[one, :, :t_b], cache_len=lens[one], **kw)
+        # The same samples; float32 partial sums may group differently (merge steps, tiles per program).
+        torch.testing.assert_close(out[one], want_out, rtol=1e-6, atol=1e-6)
+    u_other = u.clone()
+    for row, n in enumerate(lens.tolist()):
+        u_other[row, :, -(-n // tile):] = 1.0 - u[row, :, -(-n // tile):] / 2
+    again = tk.santa_decode_forward(q, k, v, s, estimator="sys", uniforms=u_other, cache_len=lens, **kw)
+    assert torch.equal(again, out)
+
+
 def test_unsupported_calls_use_the_reference():
     q, k, v = _problem(7, b=1, hq=4, hkv=2, tk=50, d=16)
     lens, s = torch.tensor([50]), torch.tensor([8])
@@ -422,6 +467,39 @@ def test_gpu_prop_programmatic_dependent_launch_draws_the_same(monkeypatch):
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(captured, plain_out, rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("tiling", "s_val"), [("prop", 128), ("flash", 2048)], ids=["prop-S128", "flash-S2048"])
+def test_gpu_graph_replay_follows_cache_len(tiling, s_val):
+    """Captured once on a preallocated cache of 40000 keys (157 tiles: flash's chunk-first lookup), then
+    replayed after writing new ``cache_len`` values (mid-tile, one key into a tile, the whole cache) and
+    NaN past them into the same tensors: each replay returns what an eager call on those inputs returns."""
+    t_alloc, tile = 40000, 256
+    q, k, v = _gpu_problem(15, b=2, hq=32, hkv=8, tk=t_alloc, d=128, dtype=torch.bfloat16)
+    k_clean, v_clean = k.clone(), v.clone()
+    u = _offsets(15, 2, 32, t_alloc, tile, "cuda")
+    s = torch.tensor([s_val, s_val // 2 + 1], device="cuda")
+    lens = torch.tensor([1000, 333], device="cuda")
+    fwd = lambda: tk.santa_decode_forward(q, k, v, s, tiling=tiling, tile=tile, estimator="sys",  # noqa: E731
+                                          scale=128 ** -0.5, uniforms=u, cache_len=lens)
+    fwd()  # compiles the kernels and allocates the arrival counters before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fwd()
+    for new_lens in ([1000, 333], [32768 + 5, 257], [t_alloc, 9000]):
+        lens.copy_(torch.tensor(new_lens))
+        k.copy_(k_clean)
+        v.copy_(v_clean)
+        for row, n in enumerate(new_lens):
+            k[row, :, n:] = float("nan")
+            v[row, :, n:] = float("nan")
+        graph.replay()
+        eager = fwd()
+        torch.cuda.synchronize()
+        assert torch.isfinite(captured).all()
+        torch.testing.assert_close(captured, eager, rtol=1e-2, atol=1e-3)  # prop: float32 atomics' order
 
 
 def test_programmatic_dependent_launch_is_off_without_a_compiled_gpu():

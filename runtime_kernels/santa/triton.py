@@ -29,13 +29,15 @@ Choices made at run time, by rule:
 * prop's gather takes ``triton_prop.gather_tiles(geo)`` tiles per program (2, fewer for huge tiles).
 
 CUDA graphs: a call never waits on the device (no ``.item()``, no data-dependent host branch) and its
-grids, buffers and the rules above depend on tensor shapes only; ``cache_len`` and ``num_samples`` are
-read by the kernels. ``k_cache`` / ``v_cache`` may be views of a longer preallocated cache: keys past
+grids, buffers and the rules above depend on tensor shapes and the device only; ``cache_len`` and
+``num_samples`` are read by the kernels (so under a graph flash's lookup follows the allocation's tile
+count, not the valid length's). ``k_cache`` / ``v_cache`` may be views of a longer preallocated cache: keys past
 ``cache_len`` are never read (they may hold NaN), and uniforms of tiles past it are ignored. Each call
 allocates its scratch with ``torch.empty`` (graph-pool memory under capture). The arrival counters of
 prop's gather are one persistent zeroed buffer per device (``_triton_support.arrival_counters``), reset
 by the last program of each launch; run one eager call first (it also compiles the kernels) so that
 buffer exists before capture, and don't run two calls concurrently on different streams of a device.
+Calls that go to the reference (``supported`` false) read budgets back to the host: not capturable.
 
 Cost model (Llama-3.1-8B decode: Hq=32, Hkv=8, D=128, bf16, N keys per batch row; H200 ~4.2 TB/s):
 
@@ -51,7 +53,7 @@ Alternatives measured and dropped (H200, CUDA-graph replay, Llama-3.1-8B shapes)
 * 64-key K chunks 3 deep instead of 32 x 4: 5-13 % slower at 32k.
 * 4 warps per score / gather program instead of 2: 10-20 % slower at B = 8, no faster at B = 1.
 * prop gather prefix-summing every key of a tile in int64 (exact) instead of chunk first: 5-7 % slower at 32k.
-* prop per-tile sums added in tile order by a second launch (deterministic): ~5 µs slower than atomics.
+* prop per-tile sums added in tile order by a second launch (deterministic): 5 µs slower at 32k B = 1.
 * prop budgets + gather as one program per query head: slower at 32k B = 1 (34 -> 42 µs).
 * flash as a shared score pass + a tile kernel merging inline through arrival counters: the merge's
   chain of dependent L2 round trips cost 25-60 µs at 32k.

@@ -1,7 +1,6 @@
-"""Time each stage of the S²ANTA Triton decode kernels alone, per launch-config variant.
+"""Time each stage of the S²ANTA Triton decode kernels alone.
 
-    python scripts/bench_santa_stages.py                          # H200: B in {1, 8}, T in {8k, 32k, 128k}
-    python scripts/bench_santa_stages.py --variants default tpp4 fused
+    python scripts/bench_santa_stages.py                          # GPU: B in {1, 8}, T in {8k, 32k, 128k}
     python scripts/bench_santa_stages.py --ptxas                  # no GPU: sm_90 registers / spills / smem
     python scripts/bench_santa_stages.py --smoke                  # CPU, interpreter, tiny shapes
 
@@ -10,20 +9,16 @@ Llama-3.1-8B shapes (Hq = 32, Hkv = 8, D = 128, bf16, tile 256), prop S = 128, f
 
 * prop: ``scores`` (K pass: scores + tile statistics), ``budgets`` (largest remainder per head),
   ``gather`` (counts from the stored scores, sampled V rows, output), ``full`` (the three).
-* flash: ``scores`` (the same K pass), ``tiles`` (counts + sampled V rows + partials, no merge),
-  ``merge_tiles`` (the split mode's second launch: tiles + merge), ``fused_nomerge`` / ``fused`` (the
-  one-kernel variant without / with merge), ``stream`` (one pass per tile: pipelined K chunks, then its
-  counts, V rows and partial), ``merge`` (the separate merge launch), ``full`` (the configured mode end
-  to end).
+* flash: ``stream`` (one pass per tile: pipelined K chunks, then its counts, V rows and partial),
+  ``merge`` (the log-sum-exp merge of the partials), ``full`` (the two).
 
 Times: ``scripts/benchutil.py`` cuda_time (CUDA events, warm-up, cold L2, median), eager launches (the
 gaps between launches of ``full`` are included; bench_decode.py's graphed column removes the CPU part).
 Bytes are what each stage must move (upper bounds for sampled rows); TB/s = bytes / time. ``floor_us``
 is the dense K+V floor at 4.2 TB/s, the issue's reference.
 
-``--variants`` picks configs from ``triton.VARIANTS`` (``all`` = every one); ``--ptxas`` compiles every
-kernel of every variant for sm_90 offline (Triton + its bundled ptxas) and prints registers, spill
-stack and shared memory: the occupancy half of the story without a GPU.
+``--ptxas`` compiles every kernel launch of every stage for sm_90 offline (Triton + its bundled ptxas)
+and prints registers, spill stack and shared memory: the occupancy half of the story without a GPU.
 """
 
 from __future__ import annotations
@@ -52,6 +47,7 @@ import torch  # noqa: E402
 from benchutil import cuda_time, floor_ms  # noqa: E402
 
 from runtime_kernels.santa import triton as tk  # noqa: E402
+from runtime_kernels.santa import triton_flash, triton_prop, triton_score  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -88,13 +84,8 @@ def stage_bytes(sh: Shape, tiling: str, s: int, b: int, t: int, elem: int) -> di
     s_tile = max(1, (2 * s + n_tiles) // (2 * n_tiles))
     v_rows = b * sh.hq * n_tiles * s_tile * sh.d * elem
     partials = b * sh.hq * n_tiles * (2 + sh.d) * 4
-    tiles = score_bytes + v_rows + partials
-    fused = k_bytes + v_rows + partials
     stream = k_bytes + score_bytes + v_rows + partials  # scores stored, then re-read from L2 (not counted)
-    full = {"fused": fused + partials, "stream": stream + partials}.get(
-        tk.CONFIG.flash_mode, k_bytes + 2 * score_bytes + v_rows + 2 * partials)
-    return {"scores": k_bytes + score_bytes + stats, "tiles": tiles, "merge_tiles": tiles + partials,
-            "fused_nomerge": fused, "fused": fused + partials, "stream": stream, "merge": partials, "full": full}
+    return {"stream": stream, "merge": partials, "full": stream + partials}
 
 
 def _wall_ms(fn: Callable[[], object]) -> float:
@@ -105,40 +96,37 @@ def _wall_ms(fn: Callable[[], object]) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
-def bench(variants: list[str], batches: list[int], lengths: list[int], sh: Shape, smoke: bool,
+def bench(batches: list[int], lengths: list[int], sh: Shape, smoke: bool,
           tilings: tuple[str, ...] = ("prop", "flash")) -> list[tuple]:
     device, dtype = ("cpu", torch.float32) if smoke else ("cuda", torch.bfloat16)
     rows = []
-    for name in variants:
-        tk.CONFIG = tk.VARIANTS[name]
-        for b in batches:
-            for t in lengths:
-                q, k, v, u, lens = _inputs(sh, b, t, device, dtype)
-                elem = k.element_size()
-                floor_us = floor_ms(2 * k.numel() * elem) * 1e3
-                for tiling, s in (("prop", sh.s_prop), ("flash", sh.s_flash)):
-                    if tiling not in tilings:
-                        continue
-                    n_s = torch.full((b,), s, dtype=torch.int64, device=device)
-                    stages = tk.santa_stages(q, k, v, n_s, tiling=tiling, tile=sh.tile, scale=sh.d ** -0.5,
-                                             uniforms=u, cache_len=lens)
-                    nbytes = stage_bytes(sh, tiling, s, b, t, elem)
-                    for stage, fn in stages.items():
-                        ms = _wall_ms(fn) if smoke else cuda_time(fn, warmup=5, repeats=30).median_ms
-                        rows.append((name, tiling, stage, b, t, s, ms * 1e3, nbytes[stage], floor_us))
-                del q, k, v
-                if not smoke:
-                    torch.cuda.empty_cache()
+    for b in batches:
+        for t in lengths:
+            q, k, v, u, lens = _inputs(sh, b, t, device, dtype)
+            elem = k.element_size()
+            floor_us = floor_ms(2 * k.numel() * elem) * 1e3
+            for tiling, s in (("prop", sh.s_prop), ("flash", sh.s_flash)):
+                if tiling not in tilings:
+                    continue
+                n_s = torch.full((b,), s, dtype=torch.int64, device=device)
+                stages = tk.santa_stages(q, k, v, n_s, tiling=tiling, tile=sh.tile, scale=sh.d ** -0.5,
+                                         uniforms=u, cache_len=lens)
+                nbytes = stage_bytes(sh, tiling, s, b, t, elem)
+                for stage, fn in stages.items():
+                    ms = _wall_ms(fn) if smoke else cuda_time(fn, warmup=5, repeats=30).median_ms
+                    rows.append((tiling, stage, b, t, s, ms * 1e3, nbytes[stage], floor_us))
+            del q, k, v
+            if not smoke:
+                torch.cuda.empty_cache()
     return rows
 
 
 def print_table(rows: list[tuple]) -> None:
-    head = f"{'variant':<9} {'method':<6} {'stage':<14} {'B':>2} {'T':>7} {'S':>5} {'us':>9} {'MB':>8} " \
-           f"{'TB/s':>5} {'floor_us':>9}"
+    head = f"{'method':<6} {'stage':<8} {'B':>2} {'T':>7} {'S':>5} {'us':>9} {'MB':>8} {'TB/s':>5} {'floor_us':>9}"
     print(head)
     print("-" * len(head))
-    for name, tiling, stage, b, t, s, us, nbytes, floor_us in rows:
-        print(f"{name:<9} {tiling:<6} {stage:<14} {b:>2} {t:>7} {s:>5} {us:>9.1f} {nbytes / 1e6:>8.1f} "
+    for tiling, stage, b, t, s, us, nbytes, floor_us in rows:
+        print(f"{tiling:<6} {stage:<8} {b:>2} {t:>7} {s:>5} {us:>9.1f} {nbytes / 1e6:>8.1f} "
               f"{nbytes / (us * 1e-6) / 1e12:>5.2f} {floor_us:>9.1f}")
 
 
@@ -196,61 +184,58 @@ def _compile_one(fn, args: tuple, kw: dict) -> str:
            f"smem {kern.metadata.shared / 1024:6.1f} KB warps {opts.get('num_warps', 4)}"
 
 
-def ptxas_report(variants: list[str], sh: Shape) -> None:
+_KERNELS = ((triton_score, "_score_kernel"), (triton_prop, "_prop_budget_kernel"), (triton_prop, "_prop_gather_kernel"),
+            (triton_flash, "_flash_stream_kernel"), (triton_flash, "_flash_merge_kernel"))
+
+
+def ptxas_report(sh: Shape) -> None:
     """Record every launch of every stage (CPU tensors, no GPU) and compile it for sm_90."""
-    kernels = ("_score_kernel", "_prop_budget_kernel", "_prop_gather_kernel", "_flash_kernel", "_flash_stream_kernel",
-               "_flash_merge_kernel")
+    log: list = []
+    originals = [(module, name, getattr(module, name)) for module, name in _KERNELS]
+    for module, name, fn in originals:
+        setattr(module, name, _Recorder(fn, log))
+    try:
+        for t in (8192, 32768):  # flash's stream kernel looks samples up whole-tile below 128 tiles
+            q, k, v, u, lens = _inputs(sh, 1, t, "cpu", torch.bfloat16)
+            for tiling, s in (("prop", sh.s_prop), ("flash", sh.s_flash)):
+                n_s = torch.full((1,), s, dtype=torch.int64)
+                stages = tk.santa_stages(q, k, v, n_s, tiling=tiling, tile=sh.tile, scale=sh.d ** -0.5,
+                                         uniforms=u, cache_len=lens)
+                for stage, fn in stages.items():
+                    if stage != "full":
+                        fn()
+    finally:
+        for module, name, fn in originals:
+            setattr(module, name, fn)
     seen: set[str] = set()
-    for name in variants:
-        tk.CONFIG = tk.VARIANTS[name]
-        log: list = []
-        originals = {kn: getattr(tk, kn) for kn in kernels}
-        for kn, fn in originals.items():
-            setattr(tk, kn, _Recorder(fn, log))
-        try:
-            for t in (8192, 32768):  # flash's stream kernel looks samples up whole-tile below 128 tiles
-                q, k, v, u, lens = _inputs(sh, 1, t, "cpu", torch.bfloat16)
-                for tiling, s in (("prop", sh.s_prop), ("flash", sh.s_flash)):
-                    n_s = torch.full((1,), s, dtype=torch.int64)
-                    stages = tk.santa_stages(q, k, v, n_s, tiling=tiling, tile=sh.tile, scale=sh.d ** -0.5,
-                                             uniforms=u, cache_len=lens)
-                    for stage, fn in stages.items():
-                        if stage != "full":
-                            fn()
-        finally:
-            for kn, fn in originals.items():
-                setattr(tk, kn, fn)
-        for fn, args, kw in log:
-            key = f"{fn.fn.__name__} {sorted(kw.items())}"
-            if key in seen:
-                continue
-            seen.add(key)
-            flags = {x: kw[x] for x in ("BK", "TPP", "TPG", "STAGES", "FUSED", "MERGE", "HP", "CHUNKED", "COUNTS_DOT")
-                     if x in kw}
-            print(f"{name:<8} {fn.fn.__name__:<20} {str(flags):<72} {_compile_one(fn, args, dict(kw))}")
+    for fn, args, kw in log:
+        key = f"{fn.fn.__name__} {sorted(kw.items())}"
+        if key in seen:
+            continue
+        seen.add(key)
+        flags = {x: kw[x] for x in ("BK", "TPG", "STAGES", "MAXS", "CHUNKED") if x in kw}
+        print(f"{fn.fn.__name__:<20} {str(flags):<56} {_compile_one(fn, args, dict(kw))}")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes")
     p.add_argument("--ptxas", action="store_true", help="compile for sm_90 offline; print registers / smem")
-    p.add_argument("--variants", nargs="+", default=["default"], help=f"of {sorted(tk.VARIANTS)} or all")
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     p.add_argument("--lengths", nargs="+", type=int, default=[8192, 32768, 131072])
     p.add_argument("--tilings", nargs="+", choices=["prop", "flash"], default=["prop", "flash"])
     args = p.parse_args()
-    variants = sorted(tk.VARIANTS) if args.variants == ["all"] else args.variants
     if args.ptxas:
-        ptxas_report(variants, Shape())
+        ptxas_report(Shape())
         return
     if args.smoke:
         sh = Shape(hq=4, hkv=2, d=32, tile=64, s_prop=16, s_flash=64)
-        rows = bench(variants, [1], [300], sh, smoke=True, tilings=tuple(args.tilings))
+        rows = bench([1], [300], sh, smoke=True, tilings=tuple(args.tilings))
     else:
         if not torch.cuda.is_available():
             raise SystemExit("needs CUDA (or --smoke / --ptxas)")
         print(f"{torch.cuda.get_device_name()}  {time.strftime('%Y-%m-%d')}  torch {torch.__version__}")
-        rows = bench(variants, args.batches, args.lengths, Shape(), smoke=False, tilings=tuple(args.tilings))
+        rows = bench(args.batches, args.lengths, Shape(), smoke=False, tilings=tuple(args.tilings))
     print_table(rows)
 
 

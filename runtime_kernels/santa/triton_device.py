@@ -1,8 +1,11 @@
-"""Device functions (``@triton.jit`` helpers) of the SANTA decode kernels in
-:mod:`runtime_kernels.santa.triton` (whose docstring has the algorithm, the stages and their costs):
-the group's queries and a key tile's scores, systematic per-key counts and the gather of sampled V
-rows, proportional tile budgets by largest remainder, and the flash path's per-tile partials and
-their merge by tile mass (papers/santa.txt §3, App. P, Q)."""
+"""``@triton.jit`` helpers shared by the SANTA decode stages (``triton_score``, ``triton_prop``,
+``triton_flash``; the algorithm is in :mod:`runtime_kernels.santa.triton`'s docstring): the group's
+queries, a key tile's or chunk's scores, the online tile statistics ``(m_t, ℓ_t)`` of papers/santa.txt
+App. P Alg. 3, and the systematic draw of App. P Alg. 5 / App. Q Alg. 7 resolved chunk first, with the
+gather of the sampled V rows.
+
+The G query heads of a KV head are processed together (a [GP, ·] block, GP = G padded to a power of
+two), so each K chunk and each sampled V row is loaded once for the group (GQA)."""
 
 from __future__ import annotations
 
@@ -53,26 +56,6 @@ def _online_chunk(s, m_run, l_run):
 
 
 @triton.jit
-def _systematic_counts(w, budget, u):
-    """Per-key sample counts of the in-tile weights w [GP, BN] (float32 in [0, 1]).
-
-    budget: [GP] int32 (S_t per head), u: [GP] float64 offsets. Returns ``(counts, c_hi)``, both
-    [GP, BN] int32: ``c_hi[n]`` = samples drawn at keys ``<= n`` (``S_t`` at the last key) and
-    ``counts[n] = c_hi[n] - c_hi[n-1]``; each row of counts sums to its budget exactly.
-    """
-    wq = (w * 4294967296.0).to(tl.int64)  # fixed point 2^32: the prefix sum below is exact
-    cum = tl.cumsum(wq, axis=1)
-    z = tl.maximum(tl.max(cum, axis=1), 1)
-    ratio = budget.to(tl.float64) / z.to(tl.float64)
-    top = budget.to(tl.float64)[:, None]
-    c_hi = tl.ceil(cum.to(tl.float64) * ratio[:, None] - u[:, None])
-    c_lo = tl.ceil((cum - wq).to(tl.float64) * ratio[:, None] - u[:, None])
-    c_hi = tl.minimum(tl.maximum(c_hi, 0.0), top).to(tl.int32)
-    c_lo = tl.minimum(tl.maximum(c_lo, 0.0), top).to(tl.int32)
-    return c_hi - c_lo, c_hi
-
-
-@triton.jit
 def _sampled_rows(v_base, keys, ok, D, svn, svd, BLOCK_D: tl.constexpr):
     """``Σ_j V[keys[:, j]]`` [R, BLOCK_D] float32 over the samples with ``ok`` (keys, ok: [R, MAXS])."""
     d = tl.arange(0, BLOCK_D)
@@ -82,60 +65,10 @@ def _sampled_rows(v_base, keys, ok, D, svn, svd, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _gather_samples(c_hi, budget, v_base, tile_start, D, svn, svd,
-                    BLOCK_D: tl.constexpr, MAXS: tl.constexpr):
-    """``Σ_j V[key_j]`` [GP, BLOCK_D] float32 over each head's samples ``j < budget``, MAXS at a time.
-
-    Sample j sits at key ``#{n : c_hi[n] <= j}``; only the sampled rows are loaded (no V tile staging).
-    """
-    j = tl.arange(0, MAXS)
-    out = tl.zeros((c_hi.shape[0], BLOCK_D), tl.float32)
-    top = tl.max(budget, axis=0)
-    j0 = tl.full((), 0, tl.int32)
-    while j0 < top:
-        jj = j0 + j
-        key = tl.sum((c_hi[:, None, :] <= jj[None, :, None]).to(tl.int32), axis=2)  # [GP, MAXS]
-        out += _sampled_rows(v_base, tile_start + key, jj[None, :] < budget[:, None], D, svn, svd, BLOCK_D)
-        j0 += MAXS
-    return out
-
-
-@triton.jit
-def _gather_by_thresholds(w, budget, u, v_base, tile_start, D, svn, svd,
-                          BLOCK_D: tl.constexpr, MAXS: tl.constexpr):
-    """:func:`_gather_samples` of :func:`_systematic_counts`'s draw without per-key float64 work.
-
-    Sample j lands at the first key whose ``c_hi`` exceeds j, and ``ceil(S_t·C_n/Z - u) <= j`` iff
-    ``C_n <= (j + u)·Z/S_t`` iff ``C_n <= floor((j + u)·Z/S_t)`` (C_n an integer): so one float64
-    threshold per sample ([R, MAXS]) and int64 compares replace the per-key conversions, scaling and
-    ceilings of ``c_hi`` (float64 rounding of the threshold vs of ``S_t·C_n/Z``: ~1e-16 relative,
-    far inside the float32-score tolerance the counts are specified to). The threshold is capped at
-    ``Z - 1``, so every sample stays on a key of positive weight. w: [R, BN] in-tile weights,
-    budget: [R] int32, u: [R] float64, tile_start: [R, 1] (or scalar) first key of each row's tile.
-    """
-    wq = (w * 4294967296.0).to(tl.int64)
-    cum = tl.cumsum(wq, axis=1)
-    z = tl.maximum(tl.max(cum, axis=1), 1)
-    step = z.to(tl.float64) / tl.maximum(budget, 1).to(tl.float64)
-    j = tl.arange(0, MAXS)
-    out = tl.zeros((w.shape[0], BLOCK_D), tl.float32)
-    top = tl.max(budget, axis=0)
-    j0 = tl.full((), 0, tl.int32)
-    while j0 < top:
-        jj = j0 + j
-        thr = tl.floor((jj.to(tl.float64)[None, :] + u[:, None]) * step[:, None]).to(tl.int64)
-        thr = tl.minimum(thr, z[:, None] - 1)
-        key = tl.sum((cum[:, None, :] <= thr[:, :, None]).to(tl.int32), axis=2)  # [R, MAXS]
-        out += _sampled_rows(v_base, tile_start + key, jj[None, :] < budget[:, None], D, svn, svd, BLOCK_D)
-        j0 += MAXS
-    return out
-
-
-@triton.jit
 def _gather_by_chunks(s_rows, cm, cl, budget, u, v_base, tile_start, tile, length, D, svn, svd,
                       BK: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr, MAXS: tl.constexpr,
                       COUNTS: tl.constexpr):
-    """:func:`_gather_samples`'s draw located chunk first, reading one BK-key chunk of scores per sample.
+    """The systematic draw of R tile rows, located chunk first: one BK-key chunk of scores read per sample.
 
     Sample j of a tile with budget ``S_t`` and offset u sits at key ``#{n : C_n <= x_j}``, ``x_j = (j + u)·Z/S_t``
     (``C_n`` the inclusive cumulative weight ``Σ exp(s - M)``, M the tile max, Z the total). The score
@@ -195,195 +128,3 @@ def _gather_by_chunks(s_rows, cm, cl, budget, u, v_base, tile_start, tile, lengt
     return out, counts
 
 
-@triton.jit
-def _gather_values(counts, v_base, key, kmask, D, svn, svd, BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
-    """``Σ_n counts[:, n] V_n`` [GP, BLOCK_D] float32, loading only rows some head sampled."""
-    d = tl.arange(0, BLOCK_D)
-    rows = (tl.max(counts, axis=0) > 0) & kmask
-    v = tl.load(v_base + key[:, None].to(tl.int64) * svn + d[None, :] * svd,
-                mask=rows[:, None] & (d < D)[None, :], other=0.0)
-    out = tl.zeros((counts.shape[0], BLOCK_D), tl.float32)
-    rem = counts
-    mult = tl.full((), 1.0, tl.float32)
-    while tl.max(tl.max(rem, axis=1), axis=0) > 0:  # base-256 digits: exact in bf16; once if all < 256
-        digit = (rem & 255).to(v.dtype)
-        if IEEE:
-            part = tl.dot(digit, v, input_precision="ieee")
-        else:
-            part = tl.dot(digit, v)
-        out += mult * part
-        rem = rem >> 8
-        mult = mult * 256.0
-    return out
-
-
-@triton.jit
-def _store_rows(out_ptr, b, kvh, G, D, sob, soh, sod, val, GP: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Write val [GP, BLOCK_D] (float32) as the output rows of the group's heads, in the output dtype."""
-    g = tl.arange(0, GP)
-    d = tl.arange(0, BLOCK_D)
-    ptr = out_ptr + b.to(tl.int64) * sob + (kvh * G + g).to(tl.int64)[:, None] * soh + d[None, :] * sod
-    tl.store(ptr, val.to(out_ptr.dtype.element_ty), mask=(g < G)[:, None] & (d < D)[None, :])
-
-
-@triton.jit
-def _prop_budgets(m_ptr, l_ptr, bud_ptr, row, gmask, T_all, T_b, S,
-                  BLOCK_T: tl.constexpr, FRAC_BITS: tl.constexpr, RADIX_BITS: tl.constexpr):
-    """Largest-remainder budgets of S·m̄_t for the group's heads; stores [GP, T_all] int32 rows.
-
-    The ``rest = S - Σ floor(q_t)`` largest fractional parts (quantized to 2^-FRAC_BITS; ties to the
-    lower tile) get one more sample. Their threshold is found by a radix select: each round counts, for
-    2^RADIX_BITS candidate thresholds at once, how many fractions reach each, and keeps the largest
-    candidate reached by at least ``rest`` of them (FRAC_BITS / RADIX_BITS rounds).
-    """
-    t = tl.arange(0, BLOCK_T)
-    valid = gmask[:, None] & (t < T_b)[None, :]
-    offs = row[:, None] * T_all + t[None, :]
-    m = tl.load(m_ptr + offs, mask=valid, other=float("-inf"), cache_modifier=".cg")
-    ell = tl.load(l_ptr + offs, mask=valid, other=0.0, cache_modifier=".cg")
-    m_star = tl.max(m, axis=1)
-    m_star = tl.where(gmask, m_star, 0.0)
-    w = tl.where(valid, tl.exp(m - m_star[:, None]).to(tl.float64) * ell.to(tl.float64), 0.0)
-    z = tl.sum(w, axis=1)
-    z = tl.where(z > 0, z, 1.0)
-    quota = w * (S.to(tl.float64) / z)[:, None]
-    floors = tl.floor(quota)
-    whole = floors.to(tl.int32)
-    rest = S - tl.sum(whole, axis=1)  # samples left for the largest fractional parts
-    frac = tl.where(valid, ((quota - floors) * (1 << FRAC_BITS)).to(tl.int32), -1)
-    cand = tl.arange(0, 1 << RADIX_BITS)
-    thresh = tl.zeros_like(rest)
-    for r in tl.static_range(FRAC_BITS // RADIX_BITS):  # largest thresh with #{frac >= thresh} >= rest
-        trial = thresh[:, None] + (cand[None, :] << (FRAC_BITS - RADIX_BITS * (r + 1)))  # [GP, C]
-        reach = tl.sum((frac[:, :, None] >= trial[:, None, :]).to(tl.int32), axis=1)  # [GP, C]
-        step = tl.sum((reach >= rest[:, None]).to(tl.int32), axis=1) - 1
-        thresh += step << (FRAC_BITS - RADIX_BITS * (r + 1))
-    above = frac > thresh[:, None]
-    need = rest - tl.sum(above.to(tl.int32), axis=1)
-    tied = frac == thresh[:, None]
-    plus = above | (tied & (tl.cumsum(tied.to(tl.int32), axis=1) <= need[:, None]))
-    budget = tl.where(valid, whole + plus.to(tl.int32), 0)
-    tl.store(bud_ptr + offs, budget, mask=gmask[:, None] & (t < T_all)[None, :])
-
-
-# ---------------------------------------- flash: per-tile partials and their merge
-
-
-@triton.jit
-def _merge_partials(pm_ptr, pl_ptr, pa_ptr, first, lo, hi, d,
-                    GP: tl.constexpr, BLOCK_D: tl.constexpr, CH: tl.constexpr):
-    """Log-sum-exp merge of partial rows ``first + [lo, hi)`` for the columns ``d`` (a [MD] block of
-    ``[0, BLOCK_D)``), CH rows per software-pipelined step.
-
-    A partial is ``(m, L, A)`` per head: ``L = Σ e^{s-m}``, ``A = Σ e^{s-m}·value``; rows live at
-    ``pm/pl[(first + r)·GP + g]`` and ``pa[((first + r)·GP + g)·BLOCK_D + d]``. Returns the merged
-    ``(m [GP], L [GP], A [GP, MD])``; no rows gives ``(-inf, 0, 0)``. Loads bypass L1 (``.cg``): the
-    partials come from other programs.
-    """
-    g = tl.arange(0, GP)
-    c = tl.arange(0, CH)
-    m_run = tl.full((GP,), float("-inf"), tl.float32)
-    l_run = tl.zeros((GP,), tl.float32)
-    acc = tl.zeros((GP, d.shape[0]), tl.float32)
-    for r in tl.range(lo, hi, CH, num_stages=3):
-        rows = first + r + c
-        rmask = (r + c) < hi
-        pm = tl.load(pm_ptr + rows[:, None] * GP + g[None, :], mask=rmask[:, None], other=float("-inf"),
-                     cache_modifier=".cg")
-        pl = tl.load(pl_ptr + rows[:, None] * GP + g[None, :], mask=rmask[:, None], other=0.0,
-                     cache_modifier=".cg")
-        pa = tl.load(pa_ptr + (rows[:, None, None] * GP + g[None, :, None]) * BLOCK_D + d[None, None, :],
-                     mask=rmask[:, None, None], other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m_run, tl.max(pm, axis=0))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        wgt = tl.exp(pm - m_ref[None, :])  # [CH, GP]
-        alpha = tl.exp(m_run - m_ref)
-        l_run = l_run * alpha + tl.sum(wgt * pl, axis=0)
-        acc = acc * alpha[:, None] + tl.sum(wgt[:, :, None] * pa, axis=0)
-        m_run = m_new
-    return m_run, l_run, acc
-
-
-@triton.jit
-def _store_partial(pm_ptr, pl_ptr, pa_ptr, row, m, ell, acc, GP: tl.constexpr, BLOCK_D: tl.constexpr):
-    g = tl.arange(0, GP)
-    d = tl.arange(0, BLOCK_D)
-    tl.store(pm_ptr + row * GP + g, m)
-    tl.store(pl_ptr + row * GP + g, ell)
-    tl.store(pa_ptr + (row * GP + g[:, None]) * BLOCK_D + d[None, :], acc)
-
-
-@triton.jit
-def _flash_tile_budget(ns_ptr, b, sns, T_b):
-    """flash's per-tile budget ``S_tile = max(1, round_half_up(S / T_b))`` of batch row b."""
-    S = tl.load(ns_ptr + b * sns).to(tl.int32)
-    return tl.maximum((2 * S + T_b) // (2 * T_b), 1)
-
-
-@triton.jit
-def _store_flash_partial(work_ptr, bh, t, T_all, m_t, l_t, sum_v, s_tile, GP: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Tile t's partial ``(m_t, ℓ_t, ℓ_t · mean of its S_tile samples)`` into the work buffer's three planes."""
-    n_tp = tl.num_programs(1).to(tl.int64) * T_all * GP
-    _store_partial(work_ptr, work_ptr + n_tp, work_ptr + 2 * n_tp, bh.to(tl.int64) * T_all + t, m_t, l_t,
-                   sum_v * (l_t / s_tile.to(tl.float32))[:, None], GP, BLOCK_D)
-
-
-@triton.jit
-def _flash_tile(s, kmask, key, b, kvh, t, bh, G, Hq, D, T_all, Tk_pad, v_ptr, u_ptr, ns_ptr, work_ptr,
-                counts_ptr, T_b, tile, svb, svh, svn, svd, sub, suh, sut, sns, GP: tl.constexpr,
-                BLOCK_D: tl.constexpr, IEEE: tl.constexpr, WRITE_COUNTS: tl.constexpr, MAXS: tl.constexpr):
-    """Tile t's partial ``(m_t, ℓ_t, ℓ_t·μ̂_t)`` from its scores s [GP, BN] (``-inf`` off the tile)."""
-    g = tl.arange(0, GP)
-    gmask = g < G
-    s_tile = _flash_tile_budget(ns_ptr, b, sns, T_b)
-    m_t = tl.max(s, axis=1)
-    m_t = tl.where(gmask, m_t, 0.0)  # padding heads: no scores, no samples
-    w = tl.exp(s - m_t[:, None])
-    l_t = tl.sum(w, axis=1)
-    head = (kvh * G + g).to(tl.int64)
-    u = tl.load(u_ptr + b.to(tl.int64) * sub + head * suh + t * sut, mask=gmask, other=0.0)
-    budget = tl.where(gmask, s_tile, 0)
-    counts, c_hi = _systematic_counts(w, budget, u)
-    v_base = v_ptr + b.to(tl.int64) * svb + kvh.to(tl.int64) * svh
-    if MAXS > 0:  # sampled rows only, MAXS samples per head per step (no V tile staging)
-        o = _gather_samples(c_hi, budget, v_base, t * tile, D, svn, svd, BLOCK_D, MAXS)
-    else:  # counts @ V over the row-masked V tile (base-256 digits)
-        o = _gather_values(counts, v_base, key, kmask, D, svn, svd, BLOCK_D, IEEE)
-    _store_flash_partial(work_ptr, bh, t, T_all, m_t, l_t, o, s_tile, GP, BLOCK_D)
-    if WRITE_COUNTS:
-        row = (b * Hq + kvh * G + g).to(tl.int64)
-        tl.store(counts_ptr + row[:, None] * Tk_pad + key[None, :], counts, mask=gmask[:, None] & kmask[None, :])
-
-
-@triton.jit
-def _flash_merge(b, kvh, t, bh, G, D, T_all, T_b, n_groups, work_ptr, cnt_ptr, out_ptr, sob, soh, sod,
-                 GP: tl.constexpr, BLOCK_D: tl.constexpr, TPG: tl.constexpr, CH: tl.constexpr):
-    """Log-sum-exp merge: the last tile of each group of TPG tiles merges the group, the last group the row.
-
-    work buffer: tile partials (m, L [BH·T_all·GP], A [BH·T_all·GP·BLOCK_D]), then group partials.
-    """
-    n_bh = tl.num_programs(1)
-    n_tp = n_bh.to(tl.int64) * T_all * GP
-    n_gp = n_bh.to(tl.int64) * n_groups * GP
-    ta_ptr = work_ptr + 2 * n_tp
-    gm_ptr = ta_ptr + n_tp * BLOCK_D
-    gl_ptr = gm_ptr + n_gp
-    ga_ptr = gm_ptr + 2 * n_gp
-    grp = t // TPG
-    g_lo = grp * TPG
-    in_group = tl.minimum(T_all - g_lo, TPG)
-    done = tl.atomic_add(cnt_ptr + bh * n_groups + grp, 1)
-    if done == in_group - 1:  # last tile of its group: merge the group's tiles
-        d = tl.arange(0, BLOCK_D)
-        m_g, l_g, a_g = _merge_partials(work_ptr, work_ptr + n_tp, ta_ptr, bh.to(tl.int64) * T_all, g_lo,
-                                        tl.minimum(g_lo + TPG, T_b), d, GP, BLOCK_D, CH)
-        _store_partial(gm_ptr, gl_ptr, ga_ptr, bh.to(tl.int64) * n_groups + grp, m_g, l_g, a_g, GP, BLOCK_D)
-        tl.atomic_xchg(cnt_ptr + bh * n_groups + grp, 0)
-        tl.debug_barrier()
-        done_groups = tl.atomic_add(cnt_ptr + n_bh * n_groups + bh, 1)
-        if done_groups == n_groups - 1:  # last group of this (b, kv head): the output
-            _, l_o, a_o = _merge_partials(gm_ptr, gl_ptr, ga_ptr, bh.to(tl.int64) * n_groups, 0, n_groups, d,
-                                          GP, BLOCK_D, CH)
-            res = a_o / tl.where(l_o > 0, l_o, 1.0)[:, None]
-            _store_rows(out_ptr, b, kvh, G, D, sob, soh, sod, res, GP, BLOCK_D)
-            tl.atomic_xchg(cnt_ptr + n_bh * n_groups + bh, 0)

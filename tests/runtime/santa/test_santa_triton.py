@@ -23,6 +23,7 @@ from runtime_kernels.santa import reference
 from runtime_kernels.santa.tiling import flash_tile_budget, num_tiles, tile_statistics
 
 tk = pytest.importorskip("runtime_kernels.santa.triton")
+triton_flash = pytest.importorskip("runtime_kernels.santa.triton_flash")
 _triton_support = pytest.importorskip("runtime_kernels._triton_support")
 
 F64 = torch.float64
@@ -107,8 +108,9 @@ def _expected_from_counts(counts, v, num_samples, tiling, mass, tile, cache_len)
     return torch.einsum("bkgn,bknd->bkgd", w, vv).reshape(b, hq, -1)
 
 
-def _check_draws(q, k, v, num_samples, offsets, cache_len, *, tiling, tile, out_rtol):
-    """Kernel counts / budgets / output vs the reference; returns the fraction of flagged keys."""
+def _check_draws(q, k, v, num_samples, offsets, cache_len, *, tiling, tile, out_rtol, keep=None):
+    """Kernel counts / budgets / output vs the reference; returns the fraction of flagged keys
+    (``keep``, a dict, receives the kernel's ``drawn`` samples and ``out``put)."""
     scale = q.shape[-1] ** -0.5
     drawn = tk.decode_samples(q, k, num_samples, tiling=tiling, tile=tile, scale=scale,
                               tile_uniforms=offsets, cache_len=cache_len)
@@ -136,6 +138,8 @@ def _check_draws(q, k, v, num_samples, offsets, cache_len, *, tiling, tile, out_
     want = _expected_from_counts(drawn.counts, v, num_samples, tiling, mass, tile, cache_len)
     err = (out.to(F64) - want).abs().max() / want.abs().max()
     assert err < out_rtol, f"output relative error {err:.2e}"
+    if keep is not None:
+        keep.update(drawn=drawn, out=out)
     return flagged.float().mean().item()
 
 
@@ -177,14 +181,11 @@ def test_hundreds_of_samples_on_one_key(tiling):
     _check_draws(q, k, v, s, _offsets(3, 1, 2, 40, 16), lens, tiling=tiling, tile=16, out_rtol=1e-5)
 
 
-@pytest.mark.parametrize("variant", ["default", "full"])
-def test_prop_gather_far_negative_peaked_scores(variant, monkeypatch):
+def test_prop_gather_far_negative_peaked_scores():
     """Scores all near -60 (exp(s) alone underflows float32: the gather must weigh keys relative to each
     tile's max), peaked (most chunks of a tile carry ~0 weight), a tile of 100 keys (its last 32-key
-    chunk is partial and the padding chunk empty) and caches ending mid-chunk: the chunked gather
-    (default: score-pass chunk statistics, one chunk of scores per sample) and the whole-tile one
-    (``full``) draw what the reference draws."""
-    monkeypatch.setattr(tk, "CONFIG", tk.VARIANTS[variant])
+    chunk is partial and the padding chunk empty) and caches ending mid-chunk: the chunk-first gather
+    (score-pass chunk statistics, one chunk of scores per sample) draws what the reference draws."""
     q, k, v = _problem(12, b=2, hq=4, hkv=2, tk=530, d=32, sharp=4.0)
     q[..., 0] = 1.0
     k[..., 0] = -60.0 * 32 ** 0.5  # adds -60 to every scaled score
@@ -210,12 +211,17 @@ def test_single_key_and_one_sample():
         _check_draws(q, k, v, torch.tensor([1, 1]), u, lens, tiling=tiling, tile=16, out_rtol=1e-5)
 
 
-@pytest.mark.parametrize("tiling, variant", [("prop", "default"), ("prop", "gt1"), ("prop", "propsum"), ("prop", "gt4"),
-                                             ("prop", "th_gt2"), ("prop", "full"), ("flash", "fch"),
-                                             ("flash", "fwhole"), ("flash", "default"), ("flash", "split")])
-def test_nan_poisoned_buffers_and_padding(tiling, variant, monkeypatch):
+def _force_flash_chunk_lookup(monkeypatch) -> None:
+    """flash's chunk-first lookup on these tiny caches (by default it starts at FLASH_CHUNK_TILES tiles)."""
+    monkeypatch.setattr(tk, "FLASH_CHUNK_TILES", 1)
+
+
+@pytest.mark.parametrize("tiling, chunked", [("prop", False), ("flash", False), ("flash", True)],
+                         ids=["prop", "flash-whole-tile", "flash-chunk-first"])
+def test_nan_poisoned_buffers_and_padding(tiling, chunked, monkeypatch):
     """Every buffer the wrapper allocates starts as NaN / garbage, the cache padding is NaN: same result."""
-    monkeypatch.setattr(tk, "CONFIG", tk.VARIANTS[variant])
+    if chunked:
+        _force_flash_chunk_lookup(monkeypatch)
     q, k, v = _problem(5, tk=520)
     lens = torch.tensor([520, 257])
     s, u = torch.tensor([20, 9]), _offsets(5, 2, 8, 520, 128)
@@ -259,48 +265,80 @@ def test_strided_inputs_and_counter_reset(tiling):
     assert torch.allclose(again, base, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("tiling, variant", [
-    *((t, v) for t in ("prop", "flash") for v in ("nopipe", "tpp4", "bk64", "fused_dot", "split", "launchmerge",
-                                                  "propsum")),
-    ("prop", "gt1"), ("prop", "gt4"), ("prop", "gt8w1"), ("prop", "th"), ("prop", "th_gt2"), ("prop", "th_gt2s2"),
-    ("prop", "full"), ("prop", "ch_gt1"), ("prop", "ch_gt4s8"), ("flash", "fch"), ("flash", "fch_s8"),
-])
-def test_launch_variants_draw_the_same_samples(tiling, variant, monkeypatch):
-    """Every launch config in VARIANTS (chunked / pipelined K pass, tiles per program, fused flash with
-    the counts @ V dot, prop gathers over 1-8 tiles per program: this cache has 4 tiles, so 8 is capped
-    at 4; the poisoned test's 5 leave a partial program; samples located by thresholds, or chunk first
-    from chunk statistics (prop's default since session 14; ``full`` = the whole-tile lookup; flash's
-    ``fch*``)) draws what the reference draws: configs change speed, not the estimator."""
-    monkeypatch.setattr(tk, "CONFIG", tk.VARIANTS[variant])
+def test_flash_chunk_first_lookup_draws_the_same_samples(monkeypatch):
+    """flash's chunk-first lookup (chosen on long caches) draws what the reference draws: a partial
+    last tile ending mid-chunk, 100 samples over 4 tiles (25 per tile: several lookup steps)."""
+    _force_flash_chunk_lookup(monkeypatch)
     q, k, v = _problem(8, b=1, hq=8, hkv=2, tk=450, d=32)
     lens = torch.tensor([450])
-    s = torch.tensor([40]) if tiling == "prop" else torch.tensor([100])
-    _check_draws(q, k, v, s, _offsets(8, 1, 8, 450, 128), lens, tiling=tiling, tile=128, out_rtol=1e-5)
+    _check_draws(q, k, v, torch.tensor([100]), _offsets(8, 1, 8, 450, 128), lens, tiling="flash", tile=128,
+                 out_rtol=1e-5)
 
 
-@pytest.mark.parametrize("variant", ["default", "split", "fch_s8", "mc8"])
-def test_flash_ragged_batch_rows(variant, monkeypatch):
+@pytest.mark.parametrize("lookup", ["whole-tile", "chunk-first", "merge-steps"])
+def test_flash_ragged_batch_rows(lookup, monkeypatch):
     """Rows of one batch with different cache lengths (tiles past a row's end write no partial; the
-    merge reads only that row's tiles), an odd last tile, and more tiles than one merge chunk; with
-    ``fch_s8`` through the chunked sample lookup, with ``mc8`` the merge launch in several load steps."""
-    monkeypatch.setattr(tk, "CONFIG", tk.VARIANTS[variant])
+    merge reads only that row's tiles) and an odd last tile, through both sample lookups; with
+    ``merge-steps`` the merge loads its 22 partials in several pipelined steps (as on caches of more
+    than MERGE_CHUNK tiles)."""
+    if lookup == "chunk-first":
+        _force_flash_chunk_lookup(monkeypatch)
+    if lookup == "merge-steps":
+        monkeypatch.setattr(triton_flash, "MERGE_CHUNK", 8)
     q, k, v = _problem(9, b=2, hq=4, hkv=2, tk=700, d=32)
     lens = torch.tensor([700, 333])
     _check_draws(q, k, v, torch.tensor([64, 48]), _offsets(9, 2, 4, 700, 32), lens, tiling="flash", tile=32,
                  out_rtol=1e-5)
 
 
-def test_flash_chunked_lookup_from_the_tile_count(monkeypatch):
-    """The stream kernel's chunked lookup is chosen from the cache allocation's tile count alone (a host
-    int: no sync); both lookups draw the reference's samples (the variant tests above)."""
-    geo = lambda tk_: tk._Geometry.of(torch.zeros(1, 8, 64), torch.zeros(1, 2, tk_, 64), 256)  # noqa: E731
-    monkeypatch.setattr(tk, "CONFIG", tk.VARIANTS["default"])
-    assert tk.CONFIG.flash_chunk_tiles == 128
+def test_flash_chunked_lookup_from_the_tile_count():
+    """The stream kernel's chunk-first lookup is chosen from the cache allocation's tile count alone (a
+    host int: no sync); both lookups draw the reference's samples (the tests above)."""
+    geo = lambda tk_: tk.Geometry.of(torch.zeros(1, 8, 64), torch.zeros(1, 2, tk_, 64), 256)  # noqa: E731
+    assert tk.FLASH_CHUNK_TILES == 128
     assert not tk._flash_chunked(geo(127 * 256)) and tk._flash_chunked(geo(127 * 256 + 1))
-    monkeypatch.setattr(tk, "CONFIG", tk.VARIANTS["fwhole"])
-    assert not tk._flash_chunked(geo(1 << 20))
-    monkeypatch.setattr(tk, "CONFIG", tk.VARIANTS["fch_s8"])
-    assert tk._flash_chunked(geo(1))
+
+
+@pytest.mark.parametrize("tiling, chunked", [("prop", False), ("flash", False), ("flash", True)],
+                         ids=["prop", "flash-whole-tile", "flash-chunk-first"])
+def test_preallocated_cache_reads_nothing_past_cache_len(tiling, chunked, monkeypatch):
+    """The CUDA-graph call: k / v hold Tk keys, cache_len < Tk (row 0 ends mid-tile and mid-chunk, row 1
+    on a tile boundary, row 2 one key into its last tile), K / V past cache_len are NaN, and the
+    per-tile uniforms cover all ceil(Tk / tile) tiles, the extra ones with values too. The reference's
+    contract (``reference.decode_samples``): keys past cache_len are not in the row and uniforms of
+    tiles past it are ignored, their budgets 0. So each row draws and returns exactly what the call on
+    ``k[:, :, :cache_len]`` with ``uniforms[..., :ceil(cache_len / tile)]`` does, the reference agrees,
+    and other values in the extra tiles' uniforms change nothing."""
+    if chunked:
+        _force_flash_chunk_lookup(monkeypatch)
+    tile = 64
+    q, k, v = _problem(13, b=3, hq=4, hkv=2, tk=448, d=32)  # 7 tiles
+    lens = torch.tensor([300, 128, 257])
+    s = torch.tensor([40, 9, 17]) if tiling == "prop" else torch.tensor([100, 9, 33])
+    u = _offsets(13, 3, 4, 448, tile)
+    for row, n in enumerate(lens.tolist()):
+        k[row, :, n:] = float("nan")
+        v[row, :, n:] = float("nan")
+    kw = dict(tiling=tiling, tile=tile, scale=32 ** -0.5)
+    long: dict = {}
+    _check_draws(q, k, v, s, u, lens, tiling=tiling, tile=tile, out_rtol=1e-5, keep=long)  # vs the reference
+    drawn, out = long["drawn"], long["out"]
+    for row, n in enumerate(lens.tolist()):
+        t_b, one = -(-n // tile), slice(row, row + 1)
+        want = tk.decode_samples(q[one], k[one, :, :n], s[one], tile_uniforms=u[one, :, :t_b], cache_len=lens[one],
+                                 **kw)
+        assert torch.equal(drawn.counts[one, :, :n], want.counts) and not drawn.counts[row, :, n:].any()
+        assert torch.equal(drawn.tile_budgets[one, :, :t_b], want.tile_budgets)
+        assert not drawn.tile_budgets[row, :, t_b:].any()
+        want_out = tk.santa_decode_forward(q[one], k[one, :, :n], v[one, :, :n], s[one], estimator="sys",
+                                           uniforms=u[one, :, :t_b], cache_len=lens[one], **kw)
+        # The same samples; float32 partial sums may group differently (merge steps, tiles per program).
+        torch.testing.assert_close(out[one], want_out, rtol=1e-6, atol=1e-6)
+    u_other = u.clone()
+    for row, n in enumerate(lens.tolist()):
+        u_other[row, :, -(-n // tile):] = 1.0 - u[row, :, -(-n // tile):] / 2
+    again = tk.santa_decode_forward(q, k, v, s, estimator="sys", uniforms=u_other, cache_len=lens, **kw)
+    assert torch.equal(again, out)
 
 
 def test_unsupported_calls_use_the_reference():
@@ -416,10 +454,10 @@ def test_gpu_prop_programmatic_dependent_launch_draws_the_same(monkeypatch):
     kw = dict(tiling="prop", tile=256, scale=128 ** -0.5, tile_uniforms=u, cache_len=lens)
     fwd = lambda: tk.santa_decode_forward(q, k, v, s, tiling="prop", tile=256, estimator="sys",  # noqa: E731
                                           scale=128 ** -0.5, uniforms=u, cache_len=lens)
-    monkeypatch.setattr(tk, "CONFIG", tk.VARIANTS["nopdl"])
-    plain_out, plain_counts = fwd(), tk.decode_samples(q, k, s, **kw).counts
-    monkeypatch.setattr(tk, "CONFIG", tk.VARIANTS["default"])
-    assert tk.CONFIG.pdl
+    assert tk._pdl(q.device) == _triton_support.pdl_available(q.device)  # on wherever the device has it
+    with monkeypatch.context() as plain:
+        plain.setattr(tk, "_pdl", lambda device: False)
+        plain_out, plain_counts = fwd(), tk.decode_samples(q, k, s, **kw).counts
     assert torch.equal(tk.decode_samples(q, k, s, **kw).counts, plain_counts)
     # float32 atomics add tile sums in arrival order: the output may differ in the last bits
     torch.testing.assert_close(fwd(), plain_out, rtol=1e-2, atol=1e-3)
@@ -429,6 +467,39 @@ def test_gpu_prop_programmatic_dependent_launch_draws_the_same(monkeypatch):
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(captured, plain_out, rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("tiling", "s_val"), [("prop", 128), ("flash", 2048)], ids=["prop-S128", "flash-S2048"])
+def test_gpu_graph_replay_follows_cache_len(tiling, s_val):
+    """Captured once on a preallocated cache of 40000 keys (157 tiles: flash's chunk-first lookup), then
+    replayed after writing new ``cache_len`` values (mid-tile, one key into a tile, the whole cache) and
+    NaN past them into the same tensors: each replay returns what an eager call on those inputs returns."""
+    t_alloc, tile = 40000, 256
+    q, k, v = _gpu_problem(15, b=2, hq=32, hkv=8, tk=t_alloc, d=128, dtype=torch.bfloat16)
+    k_clean, v_clean = k.clone(), v.clone()
+    u = _offsets(15, 2, 32, t_alloc, tile, "cuda")
+    s = torch.tensor([s_val, s_val // 2 + 1], device="cuda")
+    lens = torch.tensor([1000, 333], device="cuda")
+    fwd = lambda: tk.santa_decode_forward(q, k, v, s, tiling=tiling, tile=tile, estimator="sys",  # noqa: E731
+                                          scale=128 ** -0.5, uniforms=u, cache_len=lens)
+    fwd()  # compiles the kernels and allocates the arrival counters before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fwd()
+    for new_lens in ([1000, 333], [32768 + 5, 257], [t_alloc, 9000]):
+        lens.copy_(torch.tensor(new_lens))
+        k.copy_(k_clean)
+        v.copy_(v_clean)
+        for row, n in enumerate(new_lens):
+            k[row, :, n:] = float("nan")
+            v[row, :, n:] = float("nan")
+        graph.replay()
+        eager = fwd()
+        torch.cuda.synchronize()
+        assert torch.isfinite(captured).all()
+        torch.testing.assert_close(captured, eager, rtol=1e-2, atol=1e-3)  # prop: float32 atomics' order
 
 
 def test_programmatic_dependent_launch_is_off_without_a_compiled_gpu():

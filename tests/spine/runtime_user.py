@@ -1,9 +1,10 @@
 """What an inference user does with only ``calib-runtime`` installed; run by test_runtime_install.py in a
 fresh virtual environment (standalone: it imports nothing from the repository).
 
-``python runtime_user.py MODEL_DIR SAAP_ARTIFACT_DIR`` loads the model with transformers, decodes a few
-greedy steps densely, then with ``runtime_kernels.hf.apply(model, artifact)`` (every bucket visited, and
-one bucket), tries a ``models:/`` URI without mlflow, and prints one JSON object of what it saw.
+``python runtime_user.py MODEL_DIR ARTIFACT [TRACKING_URI]`` loads the model with transformers, decodes a
+few greedy steps densely, then with ``runtime_kernels.hf.apply(model, ARTIFACT)`` (a SAAP artifact directory
+or ``models:/`` URI; every bucket visited, and one bucket), tries a ``models:/`` URI when mlflow is not
+installed, and prints one JSON object of what it saw.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def decode_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def main(model_dir: str, artifact_dir: str) -> dict:
+def main(model_dir: str, artifact: str, tracking_uri: str | None) -> dict:
     from transformers import AutoModelForCausalLM
 
     import runtime_kernels
@@ -41,23 +42,24 @@ def main(model_dir: str, artifact_dir: str) -> dict:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids = torch.randint(4, model.config.vocab_size, (2, PROMPT), generator=torch.Generator().manual_seed(0))
     dense = decode_logits(model, ids)
-    state = hf.apply(model, artifact_dir)
+    state = hf.apply(model, artifact, tracking_uri=tracking_uri)
+    applied = {"decode_runtime": type(state.decode).__name__, "prefill_is_dense": state.prefill is None,
+               "artifact_path": str(state.artifacts[0].path)}
     every_bucket = decode_logits(model, ids)
-    runtime = type(state.decode).__name__, state.prefill is None
     hf.remove(model)
-    hf.apply(model, artifact_dir, options={"saap": {"top_l": 1}})
+    hf.apply(model, artifact, tracking_uri=tracking_uri, options={"saap": {"top_l": 1}})
     one_bucket = decode_logits(model, ids)
     hf.remove(model)
-    try:
-        hf.apply(model, "models:/saap-tiny@candidate")
-        registry_error = None
-    except ArtifactError as exc:
-        registry_error = str(exc)
+    registry_error = None
+    if importlib.util.find_spec("mlflow") is None:
+        try:
+            hf.apply(model, "models:/saap-tiny@candidate")
+        except ArtifactError as exc:
+            registry_error = str(exc)
     calib_stack = ("hydra", "omegaconf", "mlflow", "calib", "faiss", "sklearn", "matplotlib", "datasets")
     return {
         "runtime_kernels": runtime_kernels.__file__,
-        "decode_runtime": runtime[0],
-        "prefill_is_dense": runtime[1],
+        **applied,
         "dense_scale": float(dense.abs().max()),
         "every_bucket_max_diff": float((every_bucket - dense).abs().max()),
         "one_bucket_max_diff": float((one_bucket - dense).abs().max()),
@@ -69,4 +71,4 @@ def main(model_dir: str, artifact_dir: str) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1], sys.argv[2])))
+    print(json.dumps(main(sys.argv[1], sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else None)))

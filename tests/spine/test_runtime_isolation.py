@@ -1,4 +1,5 @@
-"""`import runtime_kernels` (and every submodule) pulls in neither hydra, mlflow nor calib."""
+"""`import runtime_kernels` (and every submodule) pulls in nothing of the calibration stack: neither hydra,
+mlflow nor calib, nor faiss, scikit-learn, matplotlib or datasets (calib-runtime declares none of them)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ for name in names:
     if "triton" in name.rsplit(".", 1)[-1]:
         continue  # GPU kernels and their helpers import triton; checked on the GPU box
     importlib.import_module(name)
-bad = sorted(m for m in sys.modules if m.split(".")[0] in {"hydra", "mlflow", "calib", "omegaconf"})
+stack = {"hydra", "omegaconf", "mlflow", "calib", "faiss", "sklearn", "matplotlib", "datasets"}
+bad = sorted(m for m in sys.modules if m.split(".")[0] in stack)
 print(len(names), ",".join(bad))
 """
 

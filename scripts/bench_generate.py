@@ -73,7 +73,8 @@ class Row:
     copy_tbps: float | None = None
     kv_floor_ms: float | None = None  # dense K+V bytes of one step / the measured copy rate
     device: str = ""
-    notes: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # failures
+    notes_info: str = ""  # what the cell measured beside the times
 
 
 # -------------------------------------------------------------------------------------------- model
@@ -114,8 +115,11 @@ def smoke_model(device: str):
 
 # ------------------------------------------------------------------------------------------ methods
 def saap_runtime(model, cache, t: int, *, top_l: int, clusters: int, hidden: int, window: int, seed: int = 0):
-    """A SAAP runtime whose centroids are ``clusters`` of each KV head's own de-RoPE'd keys (layer 0
-    dense), with every layer's index built from ``cache`` (``t`` prompt keys)."""
+    """A SAAP runtime whose centroids are a 5-iteration k-means (calib's torch backend, on the GPU) of
+    each KV head's own de-RoPE'd prompt keys outside the window, as calibration would fit them (layer 0
+    dense), with every layer's index built from ``cache`` (``t`` prompt keys). Returns the runtime and
+    the mean share of the bucket keys that lie in the ℓ largest buckets (the worst case of a step)."""
+    from calib.saap.kmeans import fit_kmeans_heads
     from runtime_kernels.saap import SaapDecode, SaapLayerParams, derope
     from runtime_kernels.saap.api import AttentionPositions
 
@@ -125,11 +129,12 @@ def saap_runtime(model, cache, t: int, *, top_l: int, clusters: int, hidden: int
     wdt = cache.keys[0].dtype
     rotary = model.model.rotary_emb
     gen = torch.Generator(device=dev).manual_seed(seed)
-    pick = 1 + torch.randperm(max(1, t - window), generator=gen, device=dev)[:clusters]  # sink excluded
-    cos, sin = rotary(torch.empty(0, dtype=torch.float32, device=dev), pick[None])
+    pos = torch.arange(1, max(2, t - window + 1), device=dev)  # bucket candidates: sink and window excluded
+    cos, sin = rotary(torch.empty(0, dtype=torch.float32, device=dev), pos[None])
     layers = [SaapLayerParams(sink=1, recent=window - 1, dense=True)]
     for layer in range(1, cfg.num_hidden_layers):
-        cents = derope(cache.keys[layer][:1, :, pick], cos, sin)[0]  # [Hkv, C, D] float32
+        keys = derope(cache.keys[layer][:1, :, pos], cos, sin)[0]  # [Hkv, N, D] float32
+        cents = fit_kmeans_heads(keys, min(clusters, keys.shape[1]), 5, seed=seed + layer, backend="torch")
         r = lambda *s, sc=1.0: torch.randn(*s, generator=gen, device=dev) * sc  # noqa: E731
         layers.append(SaapLayerParams(
             sink=1, recent=window - 1, centroids=cents, w1=r(hq, d, hidden, sc=d ** -0.5).to(wdt),
@@ -139,9 +144,13 @@ def saap_runtime(model, cache, t: int, *, top_l: int, clusters: int, hidden: int
             b2=r(hq, cents.shape[1], sc=0.1)))
     rt = SaapDecode(layers, top_l=top_l, stats=False)
     ctx = AttentionPositions(rotary)
+    shares = []
     for layer in range(1, cfg.num_hidden_layers):
         rt.build_index(layer, cache.keys[layer][:, :, :t], ctx)
-    return rt
+        counts = rt.index[layer].bucket_count.double()  # [B, Hkv, C]
+        shares.append(float((counts.topk(min(top_l, counts.shape[-1]), -1).values.sum(-1)
+                             / counts.sum(-1).clamp(min=1)).mean()))
+    return rt, statistics.mean(shares)
 
 
 def prefill_runtime(name: str, layers: int, heads: int):
@@ -272,9 +281,10 @@ def run_cell(method: str, t: int, b: int, args: argparse.Namespace) -> Row:
     decode = None
     if method.endswith("saap"):
         win = 2048 if not args.smoke else 64
-        decode = saap_runtime(model, gen.cache, t, top_l=32 if not args.smoke else 4,
-                              clusters=1024 if not args.smoke else 16, hidden=1024 if not args.smoke else 32,
-                              window=win)
+        decode, share = saap_runtime(model, gen.cache, t, top_l=32 if not args.smoke else 4,
+                                     clusters=1024 if not args.smoke else 16, hidden=1024 if not args.smoke else 32,
+                                     window=win)
+        row.notes_info = f"top-l buckets hold <= {share:.1%} of the bucket keys"
     elif method == "dense-flash":
         decode = FlashDecode()
     elif method.startswith("santa"):
@@ -285,11 +295,25 @@ def run_cell(method: str, t: int, b: int, args: argparse.Namespace) -> Row:
         hf.attach(model, prefill=state.prefill if state else None, decode=decode)
     times = StepTimes()
     gen.decode(args.steps, times)
+    if args.profile and cuda:
+        print_profile(gen, method)
     if times.step_ms:
         row.ms_per_token = statistics.median(times.step_ms)
         row.host_ms = statistics.median(times.host_ms)
     row.steps, row.captures = len(times.step_ms), times.captures
     return row
+
+
+def print_profile(gen, method: str, steps: int = 2) -> None:
+    """GPU time per kernel over ``steps`` more replayed steps (torch.profiler), to stderr."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        gen.decode(steps)
+        torch.cuda.synchronize()
+    print(f"--- {method}: kernels over {steps} steps", file=sys.stderr)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60),
+          file=sys.stderr)
 
 
 def hf_generate_cell(model, prompt, args, row: Row) -> Row:
@@ -321,7 +345,10 @@ def run_child(method: str, t: int, b: int, args: argparse.Namespace) -> Row:
     cmd = [sys.executable, __file__, "--one", f"{method}@{t}x{b}", "--steps", str(args.steps),
            "--density", str(args.density)] + (["--layers", str(args.layers)] if args.layers else [])
     cmd += ["--smoke"] if args.smoke else []
+    cmd += ["--profile"] if args.profile else []
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if args.profile:
+        sys.stderr.write(proc.stderr)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         row = Row(method, t, b, notes=["failed: " + " | ".join(tail)])
@@ -355,7 +382,7 @@ def print_table(rows: list[Row]) -> None:
         d, s = dense.get((r.length, r.batch)), sdpa.get((r.length, r.batch))
         dec = d.ms_per_token / r.ms_per_token if d and r.ms_per_token else None
         ttft = s.ttft_ms / r.ttft_ms if s and s.ttft_ms and r.ttft_ms else None
-        note = f" ({'; '.join(r.notes)})" if r.notes else ""
+        note = f" ({'; '.join(r.notes + ([r.notes_info] if r.notes_info else []))})" if r.notes or r.notes_info else ""
         print(f"| {r.length} | {r.batch} | {r.method}{note} | {_f(r.ms_per_token)} | {_f(dec)} | {_f(r.host_ms, '.3f')} "
               f"| {_f(r.ttft_ms, '.0f')} | {_f(ttft)} | {_f(r.kv_floor_ms)} | {_f(r.density, '.3f')} |")
 
@@ -368,6 +395,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--density", type=float, default=0.10, help="planted prefill mask density (0: the selection's)")
     ap.add_argument("--layers", type=int, default=None, help="fewer layers than the model's (debugging)")
     ap.add_argument("--json", type=Path, default=None, help="write every row here")
+    ap.add_argument("--profile", action="store_true", help="print each cell's kernel times (stderr)")
     ap.add_argument("--smoke", action="store_true", help="CPU, a 2-layer model, short prompts: checks the script")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # method@TxB: run one cell in this process
     args = ap.parse_args(argv)

@@ -348,14 +348,29 @@ def cache_argument(model: Any) -> str:
     return "cache" if _takes(model.forward, "cache") else "past_key_values"
 
 
+def flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                 cache_len: torch.Tensor | None) -> torch.Tensor | None:
+    """Dense decode attention by split-K flash-decoding (the SAAP kernel's dense-layer path,
+    :func:`runtime_kernels.saap.triton.saap_sparse_attention_triton` with no buckets), reading the
+    valid length ``cache_len [B]`` on the device: ``q [B, Hq, 1, D]``, ``k, v [B, Hkv, T, D]`` ->
+    ``[B, Hq, 1, D]``; None on CPU or without Triton.
+
+    Why not SDPA: on a static cache SDPA needs a mask over the view, and transformers then expands
+    K/V to every query head (a copy of the whole cache per layer and step) before a masked kernel;
+    at 128k that costs 8x the attention itself. Static-cache steps of the dense layers of a method
+    (SAAP's layer 0) and the dense baseline of ``scripts/bench_generate.py`` run this instead."""
+    if not q.is_cuda:
+        return None
+    try:
+        from runtime_kernels.saap.triton import saap_sparse_attention_triton
+    except ImportError:
+        return None
+    return saap_sparse_attention_triton(q[:, :, 0], k, v, None, None, 0, 0, scale, cache_len)[:, :, None]
+
+
 class FlashDecode:
-    """Dense decode attention as a calib decode runtime: split-K flash-decoding (the SAAP kernel's
-    dense-layer path, :func:`runtime_kernels.saap.triton.saap_sparse_attention_triton` with no
-    buckets) that reads the valid length on the device, so a static-cache step attends exactly the
-    valid keys. SDPA on a static cache needs a mask over the view, and its masked decode kernels are
-    several times slower than its unmasked ones; this runtime is the dense baseline that a serving loop
-    with a preallocated cache would use instead (``scripts/bench_generate.py`` reports both).
-    ``decode`` returns None (the model's attention) on CPU or without Triton."""
+    """Dense decode attention as a decode runtime (:func:`flash_decode`): the dense baseline of a
+    static-cache serving loop. ``decode`` returns None (the model's attention) where it cannot run."""
 
     method = "dense"
     phase = "decode"
@@ -366,12 +381,4 @@ class FlashDecode:
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                ctx: Any) -> torch.Tensor | None:
         """``q [B, Hq, 1, D]``, ``k, v [B, Hkv, T, D]`` -> ``[B, Hq, 1, D]``."""
-        if not q.is_cuda:
-            return None
-        try:
-            from runtime_kernels.saap.triton import saap_sparse_attention_triton
-        except ImportError:
-            return None
-        out = saap_sparse_attention_triton(q[:, :, 0], k, v, None, None, 0, 0, scale,
-                                           getattr(ctx, "cache_len", None))
-        return out[:, :, None]
+        return flash_decode(q, k, v, scale, getattr(ctx, "cache_len", None))

@@ -236,6 +236,10 @@ def calib_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         if state.static_len is not None:  # the 4D mask only hides the view's tail: the length says it
             ctx = AttentionCall(module, kwargs.get("position_ids"), state.rotary_emb, None, state.static_len)
         out = state.decode.decode(layer, query, key, value, scale, ctx)
+    if out is None and q_len == 1 and state.static_len is not None:  # a dense layer of a static-cache step
+        from runtime_kernels.generate import flash_decode
+
+        out = flash_decode(query, key, value, scale, state.static_len)
     if out is None:
         return _dense(state)(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     return out.transpose(1, 2).contiguous(), None

@@ -397,6 +397,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--json", type=Path, default=None, help="write every row here")
     ap.add_argument("--profile", action="store_true", help="print each cell's kernel times (stderr)")
     ap.add_argument("--smoke", action="store_true", help="CPU, a 2-layer model, short prompts: checks the script")
+    ap.add_argument("--table", type=Path, nargs="+", default=None, help="print the table of saved --json files")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # method@TxB: run one cell in this process
     args = ap.parse_args(argv)
     if args.smoke and args.points == ",".join(POINTS):
@@ -406,6 +407,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.table:
+        rows = [Row(**r) for path in args.table for r in json.loads(path.read_text())]
+        print_table(rows)
+        return 0
     if args.one:
         method, point = args.one.split("@")
         t, b = (int(x) for x in point.split("x"))

@@ -36,7 +36,6 @@ practice); HBM floor ~ Q+K in bf16 once (1.3 GB, 0.3 ms) for quantization. The e
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -276,7 +275,6 @@ def _compact_kernel(keep_ptr, offsets_ptr, indices_ptr, NQ, NK, Tq, Tk, BQ, BK, 
 
 
 # ------------------------------------------------------------------------------------------ host side
-@functools.lru_cache(maxsize=64)
 def compact_keep_table(keep: torch.Tensor, counts: torch.Tensor, seq_q: int, seq_k: int, block_q: int,
                        block_k: int) -> BlockMask:
     """``keep: [B, H, NQ, NK]`` int8 (entries above the diagonal ignored), ``counts: [B*H*NQ]`` kept

@@ -123,7 +123,7 @@ def answer_correct(loaded: Any, prompts: Sequence[Any], max_new: Sequence[int], 
     """
     from tqdm.auto import tqdm
 
-    from calib.data import exact_match
+    from calib.data import is_correct
     from calib.evaluate import greedy_generate, stop_token_ids
     from runtime_kernels import hf
 
@@ -138,7 +138,7 @@ def answer_correct(loaded: Any, prompts: Sequence[Any], max_new: Sequence[int], 
                 runtime.reseed(int(seeds[i]))
             text = loaded.tokenizer.decode(greedy_generate(loaded.model, p.input_ids, n, stops),
                                            skip_special_tokens=True)
-            correct.append(exact_match(text, p.answer))
+            correct.append(is_correct(text, p))
     finally:
         if runtime is not None:
             hf.remove(loaded.model)

@@ -12,6 +12,7 @@ The subprocesses share one temporary CALIB_HOME (MLflow store) and HF_HOME, run 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -33,6 +34,10 @@ FAST_RUN = ["+method=sampleattention", "method.alphas_c=[0.95]", "method.alphas_
             "method.blk=32", "method.profiling.prompts_per_length=1"]
 PER_TASK = 2  # eval.num_prompts: held-out rows per task of a file/hub source
 PARALLEL = 3
+HAS_DATASETS = importlib.util.find_spec("datasets") is not None
+SOURCES = ("synthetic", "jsonl", "hf") if HAS_DATASETS else ("synthetic", "jsonl")
+needs_datasets = pytest.mark.skipif(not HAS_DATASETS, reason="needs `datasets` (pip install 'calib[hf]')")
+SOURCE_PARAMS = ["synthetic", "jsonl", pytest.param("hf", marks=needs_datasets)]
 
 
 @dataclass
@@ -74,7 +79,6 @@ def _hf_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def ws(tmp_path_factory: pytest.TempPathFactory) -> Workspace:
-    datasets = pytest.importorskip("datasets")
     root = tmp_path_factory.mktemp("cli_sources")
     (root / "home" / "artifacts").mkdir(parents=True)
     rows = _mixed_rows(synthetic_rows(["niah_single", "kv_retrieval"], 180, 4, seed=11))
@@ -86,8 +90,11 @@ def ws(tmp_path_factory: pytest.TempPathFactory) -> Workspace:
     write_jsonl(root / "rows.jsonl", rows)
     write_jsonl(root / "held.jsonl", held)
     write_jsonl(root / "hf.jsonl", ws.hf_json)
-    datasets.DatasetDict({"train": datasets.Dataset.from_list(ws.hf_train),
-                          "test": datasets.Dataset.from_list(ws.hf_test)}).save_to_disk(str(root / "saved"))
+    if HAS_DATASETS:
+        import datasets
+
+        datasets.DatasetDict({"train": datasets.Dataset.from_list(ws.hf_train),
+                              "test": datasets.Dataset.from_list(ws.hf_test)}).save_to_disk(str(root / "saved"))
     return ws
 
 
@@ -152,19 +159,18 @@ def run_chain(ws: Workspace, source: str) -> dict[str, subprocess.CompletedProce
 
 @pytest.fixture(scope="module")
 def matrix(ws: Workspace) -> dict[tuple[str, str], subprocess.CompletedProcess]:
-    """All nine cells, up to ``PARALLEL`` subprocesses at a time."""
-    sources = ("synthetic", "jsonl", "hf")
+    """Every (source, cell), up to ``PARALLEL`` subprocesses at a time."""
     with ThreadPoolExecutor(PARALLEL) as pool:
-        chains = {s: pool.submit(run_chain, ws, s) for s in sources}
+        chains = {s: pool.submit(run_chain, ws, s) for s in SOURCES}
         dense = {s: pool.submit(calib_cli, ws, f"dense-{s}", "eval", *COMMON, *source_args(ws, s, "dense"))
-                 for s in sources}
-        cells = {(s, "dense"): dense[s].result() for s in sources}
-        for s in sources:
+                 for s in SOURCES}
+        cells = {(s, "dense"): dense[s].result() for s in SOURCES}
+        for s in SOURCES:
             cells.update({(s, cell): proc for cell, proc in chains[s].result().items()})
     return cells
 
 
-@pytest.mark.parametrize("source", ["synthetic", "jsonl", "hf"])
+@pytest.mark.parametrize("source", SOURCE_PARAMS)
 def test_run_registers_an_artifact(matrix, ws, source):
     from runtime_kernels.artifact import load_artifact
 
@@ -179,7 +185,7 @@ def test_run_registers_an_artifact(matrix, ws, source):
     assert data.count == len(calibration_tasks[source])  # profiling.prompts_per_length=1 per task
 
 
-@pytest.mark.parametrize("source", ["synthetic", "jsonl", "hf"])
+@pytest.mark.parametrize("source", SOURCE_PARAMS)
 def test_dense_eval(matrix, ws, source):
     result = last_json(matrix[(source, "dense")])
     expected = expected_eval_cells(ws, source, "dense")
@@ -190,7 +196,7 @@ def test_dense_eval(matrix, ws, source):
         assert set(entry) == {"dense"} and 0.0 <= entry["dense"] <= 1.0
 
 
-@pytest.mark.parametrize("source", ["synthetic", "jsonl", "hf"])
+@pytest.mark.parametrize("source", SOURCE_PARAMS)
 def test_eval_with_artifact(matrix, ws, source):
     result = last_json(matrix[(source, "artifact")])
     expected = expected_eval_cells(ws, source, "artifact")
@@ -240,9 +246,10 @@ BAD_DATA = {
     "dataset not cached": (["eval", "data=hf", "data.name=calib-test/not-in-any-cache"],
                            ["could not load HF dataset 'calib-test/not-in-any-cache'", "HF_HUB_OFFLINE"]),
 }
+BAD_CASES = [pytest.param(c, marks=needs_datasets) if c == "dataset not cached" else c for c in BAD_DATA]
 
 
-@pytest.mark.parametrize("case", list(BAD_DATA))
+@pytest.mark.parametrize("case", BAD_CASES)
 def test_bad_data_is_one_line(ws, bad_files, case):
     args, fragments = BAD_DATA[case]
     proc = calib_cli(ws, case.replace(" ", "-"), *[a.format(**bad_files) for a in args], "device=cpu")

@@ -114,6 +114,7 @@ def check_command_data(cmd: str, cfg: Any) -> None:
             recipe = importlib.import_module(f"calib.{cfg.method.name}.recipe")
         except ModuleNotFoundError:
             return  # `run` names the missing recipe
+        recipe.validate(cfg)  # data_needs reads method keys: range errors first, in one line
         check_data(cfg.data, recipe.data_needs(cfg))
 
 

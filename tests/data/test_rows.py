@@ -176,3 +176,14 @@ def test_hf_rows_without_answer(saved):
     assert "(6 of 6 calibration rows lack one); set data.answer_field" in message
     one_line(source_rows, hf(saved / "saved", prompt_template="{context} {question}"), "calibration",
              match="may only use {question}")
+
+
+def test_santa_budget_follows_the_scoring_rule(tiny_tokenizer):
+    from calib.data import Prompt
+    from calib.santa.reward import RewardSettings, new_token_budgets
+
+    settings = RewardSettings("sys", "flash", 256, ("decode",), questions=2, max_new_tokens=None, cap_new_tokens=16)
+    exact = Prompt("a", "t", 10, "q", "1234567", [0])
+    wrapped = Prompt("b", "t", 10, "q", "1234567", [0], scoring="contains")
+    # 7 digit tokens (the tiny tokenizer splits numbers into digits) + 2; a contains answer may be wrapped
+    assert new_token_budgets([exact, wrapped], tiny_tokenizer, settings) == [9, 16]

@@ -86,6 +86,8 @@ def ws(tmp_path_factory: pytest.TempPathFactory) -> Workspace:
     hf_all = _hf_rows(synthetic_rows(["niah_single"], 180, 6, seed=13))
     ws = Workspace(root, rows, held, hf_all[:3], hf_all[3:5], hf_all[:6])
     assert any(held_out(r["prompt"]) for r in rows) and not all(held_out(r["prompt"]) for r in rows)
+    shapes = {("task" in r, "length" in r) for r in rows if held_out(r["prompt"])}
+    assert {(True, True), (False, True), (False, False)} <= shapes  # eval sees rows with and without both
     assert any(held_out(r["question"]) for r in ws.hf_json) and not all(held_out(r["question"]) for r in ws.hf_json)
     write_jsonl(root / "rows.jsonl", rows)
     write_jsonl(root / "held.jsonl", held)

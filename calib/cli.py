@@ -100,6 +100,24 @@ def _run_hydra(cmd: str, args: list[str], fn: Callable[[Any], dict[str, Any]]) -
     main()
 
 
+def check_command_data(cmd: str, cfg: Any) -> None:
+    """The data checks of ``run`` / ``eval`` (:mod:`calib.data.checks`) before Hydra starts and anything
+    heavy loads: a bad JSONL file or a dataset missing offline fails in one line within a second."""
+    from calib.data import EVAL_NEEDS, check_data
+
+    if cmd == "eval":
+        check_data(cfg.data, EVAL_NEEDS)
+    elif cmd == "run" and cfg.get("method") is not None and "name" in cfg.method:
+        import importlib
+
+        try:
+            recipe = importlib.import_module(f"calib.{cfg.method.name}.recipe")
+        except ModuleNotFoundError:
+            return  # `run` names the missing recipe
+        recipe.validate(cfg)  # data_needs reads method keys: range errors first, in one line
+        check_data(cfg.data, recipe.data_needs(cfg))
+
+
 def cmd_hydra(cmd: str, args: list[str]) -> None:
     from calib import config
 
@@ -112,7 +130,9 @@ def cmd_hydra(cmd: str, args: list[str]) -> None:
             overrides = [*overrides, "+method=santa"]
         config.check_method_choice(overrides)
     if not any(a in args for a in ("--help", "-h", "--hydra-help")):
-        config.validate_common(config.compose(overrides))
+        cfg = config.compose(overrides)
+        config.validate_common(cfg)
+        check_command_data(cmd, cfg)
     if cmd == "run":
         from calib.run import run as fn
     elif cmd == "eval":

@@ -1,11 +1,13 @@
 """``eval``: held-out task accuracy, dense and with an artifact applied (SPEC §8).
 
 The prompts come from the configured data source with ``eval.seed`` (never the calibration seed:
-checked against ``data.seed`` and the artifact's recorded seed). Each prompt is answered greedily,
-first densely, then — with ``artifact=...`` — with the artifact's method plugged in through
-``runtime_kernels.hf.apply``. Accuracy is exact match; the difference is reported with a paired
-bootstrap 95% CI overall and per task and length. Method statistics (sparsity, selectivity, ...)
-come from the runtime's ``pop_stats()`` after every prompt and are averaged per task and length.
+checked against ``data.seed`` and the artifact's recorded seed), or its held-out rows for a JSONL
+file or HF dataset (``calib.data.rows``). Each prompt is answered greedily, first densely, then —
+with ``artifact=...`` — with the artifact's method plugged in through ``runtime_kernels.hf.apply``.
+Accuracy follows each task's rule (``data.scoring``: exact match or contains); the difference is
+reported with a paired bootstrap 95% CI overall and per task and length. Method statistics (sparsity,
+selectivity, ...) come from the runtime's ``pop_stats()`` after every prompt and are averaged per
+task and length.
 """
 
 from __future__ import annotations
@@ -66,8 +68,9 @@ def greedy_generate(model: Any, input_ids: Sequence[int], max_new_tokens: int, s
 
 def answer_prompts(loaded: Any, prompts: Sequence[Any], max_new_tokens: int, runtime: Any = None,
                    desc: str = "dense") -> list[PromptResult]:
-    """Answer every prompt; ``runtime`` (a CalibAttention) supplies per-prompt method stats."""
-    from calib.data import exact_match
+    """Answer every prompt, scored by its task's rule; ``runtime`` (a CalibAttention) supplies per-prompt
+    method stats."""
+    from calib.data import is_correct
 
     stops = stop_token_ids(loaded.tokenizer)
     results = []
@@ -79,7 +82,7 @@ def answer_prompts(loaded: Any, prompts: Sequence[Any], max_new_tokens: int, run
             for rt in (runtime.prefill, runtime.decode):
                 if rt is not None and hasattr(rt, "pop_stats"):
                     stats.update(rt.pop_stats())
-        results.append(PromptResult(p.task, p.length, text, exact_match(text, p.answer), stats))
+        results.append(PromptResult(p.task, p.length, text, is_correct(text, p), stats))
     return results
 
 
@@ -169,11 +172,12 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     """Run the held-out evaluation; returns the result JSON of SPEC §1."""
     import mlflow
 
-    from calib.data import build_prompts
+    from calib.data import EVAL_NEEDS, check_data, evaluation_prompts
     from calib.models import load_model, resolve_device
     from runtime_kernels import hf
 
     validate_common(cfg)
+    check_data(cfg.data, EVAL_NEEDS)  # bad data fails before the model loads
     device = resolve_device(str(cfg.get("device", "auto")))
     target = tracking.resolve_target(cfg.get("tracking"))
     tracking.configure(target)  # before resolving models:/ URIs, so they resolve in the project's store
@@ -187,9 +191,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         if artifact.manifest.data.seed is not None and int(artifact.manifest.data.seed) == int(cfg.eval.seed):
             raise UserError(f"eval.seed={cfg.eval.seed} is the artifact's calibration seed: pick another eval.seed")
     runtime_options(cfg, artifact.method if artifact else "dense")  # a bad override fails before any work
-    prompts = build_prompts(cfg.data, loaded.tokenizer, seed=int(cfg.eval.seed), lengths=list(cfg.eval.lengths),
-                            tasks=list(cfg.eval.tasks), num_prompts=int(cfg.eval.num_prompts),
-                            purpose="evaluation")
+    prompts = evaluation_prompts(cfg, loaded.tokenizer)
     if not prompts:
         raise UserError("no evaluation prompts: check eval.tasks / eval.lengths / eval.num_prompts")
     method = artifact.method if artifact else "dense"

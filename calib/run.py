@@ -2,7 +2,9 @@
 
 Each method is a recipe module ``calib.<method>.recipe`` with
 
-* ``validate(cfg) -> None`` — range checks of the method's keys (raise ``UserError``), and
+* ``validate(cfg) -> None`` — range checks of the method's keys (raise ``UserError``),
+* ``data_needs(cfg) -> {purpose: reason | None}`` — the data it reads and why rows need answers
+  (:mod:`calib.data.checks`), checked before the model loads, and
 * ``calibrate(cfg, ctx: RunContext) -> MethodOutput`` — the work, logging plots/metrics as it goes.
 
 Everything shared (tracking, the manifest, the atomic write, the registry) happens here, so a recipe
@@ -114,6 +116,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     method = method_name(cfg)
     recipe = load_recipe(method)
     recipe.validate(cfg)
+    from calib.data import check_data
+
+    check_data(cfg.data, recipe.data_needs(cfg))  # bad data fails before the model loads
     device = resolve_device(str(cfg.get("device", "auto")))
     target = tracking.resolve_target(cfg.get("tracking"))
     run_name = f"{method}-{cfg.model.name}"

@@ -2,19 +2,22 @@
 
 Public API::
 
-    from calib.data import Prompt, build_prompts, exact_match, TASKS, dataset_hash
+    from calib.data import Prompt, build_prompts, check_data, is_correct, TASKS, dataset_hash
 
+    check_data(cfg.data, {"calibration": None, "evaluation": "eval scores answers"})  # before loading
     prompts = build_prompts(cfg.data, tokenizer)                # calibration set
     held_out = build_prompts(cfg.data, tokenizer, seed=cfg.eval.seed, purpose="evaluation")
-    exact_match(generated_text, prompts[0].answer)
+    is_correct(generated_text, held_out[0])                     # by the task's rule (data.scoring)
 
 Importing this package needs neither hydra nor omegaconf (the GPU training script uses it bare).
 """
 
+from calib.data.checks import EVAL_NEEDS, check_data
 from calib.data.prompt import Prompt, PromptFormatter
-from calib.data.scoring import dataset_hash, exact_match, normalize_answer
-from calib.data.sources import build_prompts
+from calib.data.scoring import SCORING_RULES, contains_answer, dataset_hash, exact_match, is_correct, normalize_answer
+from calib.data.sources import build_prompts, evaluation_prompts
 from calib.data.synthetic import TASKS
 
-__all__ = ["TASKS", "Prompt", "PromptFormatter", "build_prompts", "dataset_hash", "exact_match",
+__all__ = ["EVAL_NEEDS", "SCORING_RULES", "TASKS", "Prompt", "PromptFormatter", "build_prompts", "check_data",
+           "contains_answer", "dataset_hash", "evaluation_prompts", "exact_match", "is_correct",
            "normalize_answer"]

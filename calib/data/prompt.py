@@ -21,9 +21,10 @@ class Prompt:
     """One prompt: ``text`` is what the model reads, ``answer`` the expected completion.
 
     ``text`` is the final string (chat template applied if any); ``input_ids`` are the tokenizer's ids
-    of ``text`` with BOS exactly once; ``answer`` is whitespace-stripped (score with
-    :func:`calib.data.exact_match`); ``length`` is the target length in tokens (for synthetic prompts
-    ``len(input_ids) <= length``; for file/hub prompts it is the actual token count).
+    of ``text`` with BOS exactly once; ``answer`` is whitespace-stripped (``""``: the row has none);
+    ``length`` is the target length in tokens (for synthetic prompts ``len(input_ids) <= length``; for
+    file/hub prompts the row's ``length`` field, else the actual token count); ``scoring`` is the task's
+    rule, ``exact_match`` or ``contains`` (score with :func:`calib.data.is_correct`).
     """
 
     prompt_id: str
@@ -32,6 +33,7 @@ class Prompt:
     text: str
     answer: str
     input_ids: list[int]
+    scoring: str = "exact_match"
 
 
 class PromptFormatter:

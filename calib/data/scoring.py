@@ -1,4 +1,14 @@
-"""Exact-match scoring and the content hash of a prompt set.
+"""Answer scoring (exact match or contains) and the content hash of a prompt set.
+
+Each prompt carries its task's rule (``Prompt.scoring``, from ``data.scoring``); :func:`is_correct`
+applies it:
+
+* ``exact_match`` — the first line of the output equals the answer (canonical forms, below); the rule
+  of the synthetic tasks, whose answers the tiny model emits exactly;
+* ``contains`` — the answer occurs anywhere in the output (RULER's string match: a chat model may
+  wrap the answer in a sentence). Both sides lowercased, commas and semicolons as spaces, whitespace
+  runs as one space, the output cut at an end-of-sequence marker (not at a newline), the answer's
+  leading/trailing punctuation stripped. A plain substring test: "4" is contained in "42".
 
 ``exact_match(prediction, answer)`` compares canonical forms. Normalization, applied to both sides:
 
@@ -17,11 +27,14 @@ from __future__ import annotations
 
 import hashlib
 import re
-from typing import Iterable
+from typing import Any, Iterable, Mapping
+
+from calib.errors import UserError
 
 EOS_MARKERS = ("</s>", "<|eot_id|>", "<|end_of_text|>", "<|im_end|>", "<|endoftext|>", "<eos>",
                "<end_of_turn>")
 _EDGE = " .,;:!?\"'"
+SCORING_RULES = ("exact_match", "contains")
 
 
 def normalize_answer(text: str) -> str:
@@ -41,6 +54,42 @@ def normalize_answer(text: str) -> str:
 def exact_match(prediction: str, answer: str) -> bool:
     """True when the first line of ``prediction`` equals ``answer`` after :func:`normalize_answer`."""
     return normalize_answer(prediction) == normalize_answer(answer)
+
+
+def _canonical_words(text: str) -> str:
+    text = re.sub(r"[,;]", " ", text.lower())
+    return re.sub(r"\s+", " ", text).strip()
+
+
+def contains_answer(prediction: str, answer: str) -> bool:
+    """True when ``answer`` occurs anywhere in ``prediction`` (up to an end-of-sequence marker), both
+    lowercased with commas/semicolons as spaces and whitespace collapsed; an empty answer never matches."""
+    cut = len(prediction)
+    for marker in EOS_MARKERS:
+        i = prediction.find(marker)
+        if i != -1:
+            cut = min(cut, i)
+    gold = _canonical_words(answer).strip(_EDGE)
+    return bool(gold) and gold in _canonical_words(prediction[:cut])
+
+
+def is_correct(prediction: str, prompt: Any) -> bool:
+    """``prediction`` scored against ``prompt.answer`` by the prompt's rule (``prompt.scoring``)."""
+    rule = getattr(prompt, "scoring", "exact_match")
+    if rule == "contains":
+        return contains_answer(prediction, prompt.answer)
+    if rule == "exact_match":
+        return exact_match(prediction, prompt.answer)
+    raise ValueError(f"unknown scoring rule {rule!r}; one of {SCORING_RULES}")
+
+
+def scoring_rule(setting: Any, task: str) -> str:
+    """The rule of ``task`` from ``data.scoring``: one rule for every task, or ``{task: rule}`` (tasks not
+    named, and a null setting, use exact_match); an unknown rule is a one-line UserError."""
+    rule = setting.get(task, "exact_match") if isinstance(setting, Mapping) else (setting or "exact_match")
+    if rule not in SCORING_RULES:
+        raise UserError(f"data.scoring must be {' or '.join(SCORING_RULES)} (or a map task -> rule), got {rule!r}")
+    return str(rule)
 
 
 def dataset_hash(prompts: Iterable) -> str:

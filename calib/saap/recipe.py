@@ -243,6 +243,11 @@ def validate(cfg: DictConfig) -> None:
 
 
 # ------------------------------------------------------------------------------------------ prompts
+def data_needs(cfg: DictConfig) -> dict[str, str | None]:
+    """Calibration and held-out rows, no answers needed (a gold answer, when given, is teacher-forced)."""
+    return {"calibration": None, "evaluation": None}
+
+
 def prompt_lengths(cfg: DictConfig, s: Settings) -> tuple[list[int], int]:
     """``(calibration lengths, evaluation length)`` (see the module docstring for the defaults)."""
     lengths = sorted({int(x) for x in cfg.data.lengths})
@@ -269,12 +274,14 @@ def build_prompt_sets(cfg: DictConfig, s: Settings, tokenizer: Any) -> tuple[lis
     from calib.data import build_prompts
 
     calib_lengths, eval_length = prompt_lengths(cfg, s)
-    tasks = [str(t) for t in cfg.data.tasks]
-    per = math.ceil(s.prompts / (len(tasks) * len(calib_lengths)))
+    tasks = [str(t) for t in cfg.data.tasks or []]  # file/hub data: rows of any task, of any length
+    synthetic = str(cfg.data.get("source", "synthetic")) == "synthetic"
+    per = math.ceil(s.prompts / (max(1, len(tasks)) * len(calib_lengths))) if synthetic else s.prompts
+    held_per = math.ceil(s.eval_prompts / max(1, len(tasks))) if synthetic else s.eval_prompts
     calib = build_prompts(cfg.data, tokenizer, seed=int(cfg.data.seed), lengths=calib_lengths, tasks=tasks,
                           num_prompts=per, purpose="calibration")
     held = build_prompts(cfg.data, tokenizer, seed=int(cfg.eval.seed), lengths=[eval_length], tasks=tasks,
-                         num_prompts=math.ceil(s.eval_prompts / len(tasks)), purpose="evaluation")
+                         num_prompts=held_per, purpose="evaluation")
     return (_in_turn(calib, s.prompts, "calibration"), _in_turn(held, s.eval_prompts, "evaluation"),
             calib_lengths, eval_length)
 

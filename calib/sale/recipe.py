@@ -88,6 +88,15 @@ def validate(cfg: DictConfig) -> None:
             f"method.compare_shared_tau must be true or false (got {m.get('compare_shared_tau')!r})")
 
 
+def data_needs(cfg: DictConfig) -> dict[str, str | None]:
+    """Calibration and held-out rows; answers only for the accuracy ablation (the errors need none)."""
+    m = cfg.method
+    scored = bool(m.get("compare_shared_tau", True)) and int(m.get("ablation_prompts", 0)) > 0
+    return {"calibration": None,
+            "evaluation": "SALE's accuracy ablation scores held-out answers (method.ablation_prompts=0 skips it)"
+            if scored else None}
+
+
 def selection_config(m: Any) -> SaleSelectionConfig:
     """The Selection-Pass config of ``cfg.method``."""
     return SaleSelectionConfig(block_q=int(m.block_q), block_k=int(m.block_k), sink=int(m.sink),
@@ -105,8 +114,8 @@ def calibration_prompts(cfg: DictConfig, tokenizer: Any) -> list[Any]:
 
     m = cfg.method
     n = int(m.num_samples)
-    tasks = [str(t) for t in (m.get("calib_tasks") or cfg.data.tasks)]
-    per_task = -(-n // len(tasks))
+    tasks = [str(t) for t in (m.get("calib_tasks") or cfg.data.tasks or [])]  # file/hub data: [] = every task
+    per_task = -(-n // max(1, len(tasks)))
     prompts = build_prompts(cfg.data, tokenizer, seed=int(cfg.data.seed), lengths=[calibration_length(cfg)],
                             tasks=tasks, num_prompts=per_task, purpose="calibration")
     by_task: dict[str, list[Any]] = defaultdict(list)
@@ -247,7 +256,7 @@ def ablation_accuracy(cfg: DictConfig, loaded: Any, taus: dict[str, torch.Tensor
     from runtime_kernels import hf
 
     prompts = build_prompts(cfg.data, loaded.tokenizer, seed=int(cfg.eval.seed), lengths=[length],
-                            tasks=list(cfg.data.tasks), num_prompts=int(cfg.method.ablation_prompts),
+                            tasks=cfg.data.tasks, num_prompts=int(cfg.method.ablation_prompts),
                             purpose="evaluation")
     max_new = int(cfg.eval.max_new_tokens)
     correct = {"dense": np.array([r.correct for r in answer_prompts(loaded, prompts, max_new)], dtype=float)}
@@ -359,7 +368,7 @@ def calibrate(cfg: DictConfig, ctx: Any) -> Any:
     metrics["sparsity_vs_theta"] = {f"{th:g}": v for th, v in curve.items()}
     with ctx.timer.stage("sparsity_by_length"):
         held_out = build_prompts(cfg.data, loaded.tokenizer, seed=int(cfg.eval.seed),
-                                 lengths=[int(x) for x in cfg.data.lengths], tasks=list(cfg.data.tasks),
+                                 lengths=[int(x) for x in cfg.data.lengths], tasks=cfg.data.tasks,
                                  num_prompts=int(m.sparsity_prompts), purpose="evaluation")
         by_length = sparsity_by_length(loaded, held_out, cal.tau, sel)
     metrics.update({f"sparsity_at_{n}": float(np.mean(v)) for n, v in by_length.items()})
@@ -378,7 +387,8 @@ def calibrate(cfg: DictConfig, ctx: Any) -> Any:
     mlflow.log_dict({"theta": list(curve), "sparsity": list(curve.values())}, "sale/sparsity_vs_theta.json")
     log_plots(cal, by_length, curve, theta, str(cfg.model.name))
     data = DataRecord(source=str(cfg.data.get("source", "synthetic")), seed=int(cfg.data.seed), count=len(prompts),
-                      lengths=[length], content_hash=dataset_hash(prompts), tasks=sorted({p.task for p in prompts}),
+                      lengths=sorted({int(p.length) for p in prompts}), content_hash=dataset_hash(prompts),
+                      tasks=sorted({p.task for p in prompts}),
                       details={"prompt_ids": [p.prompt_id for p in prompts],
                                "tokens": [len(p.input_ids) for p in prompts], "heldout_seed": int(cfg.eval.seed)})
     hyper = {"theta": theta, "tau0": tau0, "tau_min": tau_min, "bits": sel.bits, "block_q": sel.block_q,

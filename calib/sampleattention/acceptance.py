@@ -66,7 +66,7 @@ def verdict(buckets: dict[str, dict[str, float]], *, min_prompts: int, max_drop:
 
 def check(cfg: Any, *, min_prompts: int = 100, max_drop: float = 0.02) -> dict[str, Any]:
     """Run the check for ``cfg.artifact`` (a composed calib config); returns the result dict."""
-    from calib.data import build_prompts
+    from calib.data import evaluation_prompts
     from calib.errors import UserError
     from calib.evaluate import answer_prompts
     from calib.models import load_model
@@ -84,8 +84,7 @@ def check(cfg: Any, *, min_prompts: int = 100, max_drop: float = 0.02) -> dict[s
     if artifact.manifest.data.seed is not None and int(artifact.manifest.data.seed) == int(cfg.eval.seed):
         raise UserError(f"eval.seed={cfg.eval.seed} is the artifact's calibration seed: pick another eval.seed")
     table = SampleAttentionPrefill.from_artifact(artifact, loaded.model).table
-    prompts = build_prompts(cfg.data, loaded.tokenizer, seed=int(cfg.eval.seed), lengths=list(cfg.eval.lengths),
-                            tasks=list(cfg.eval.tasks), num_prompts=int(cfg.eval.num_prompts), purpose="evaluation")
+    prompts = evaluation_prompts(cfg, loaded.tokenizer)
     max_new = int(cfg.eval.max_new_tokens)
     dense = answer_prompts(loaded, prompts, max_new)
     runtime = hf.apply(loaded.model, artifact)

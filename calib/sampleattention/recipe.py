@@ -77,6 +77,11 @@ def validate(cfg: DictConfig) -> None:
     require(int(p.max_new_tokens) >= 1, f"method.profiling.max_new_tokens={p.max_new_tokens} must be >= 1")
 
 
+def data_needs(cfg: DictConfig) -> dict[str, str | None]:
+    """Profiling rows only; every grid point is scored on their gold answers."""
+    return {"calibration": "SampleAttention scores every grid point on the profiling prompts' answers"}
+
+
 def _measure_time(cfg: DictConfig, device: Any) -> bool:
     flag = str(cfg.method.measure_time).lower()
     return device.type == "cuda" if flag == "auto" else flag == "true"

@@ -14,7 +14,8 @@ task scores (``method.score``), both in ``[0, 1]`` per prompt and averaged over 
   "all correct", a weak certificate on 5-20 prompts). It also gives ``tf_exact`` (every answer token
   and the stop are the argmax: what greedy decoding would produce), logged with every point.
 * ``exact_match``: greedy generation (``calib.evaluate.greedy_generate``) scored with
-  ``calib.data.exact_match``: the task score of ``calib eval`` and of the paper.
+  ``calib.data.is_correct`` (the task's rule, ``data.scoring``): the task score of ``calib eval`` and
+  of the paper.
 
 Early stop (``method.early_stop``): prompts are scored one at a time; once even perfect scores (1.0)
 on the remaining prompts could not lift the mean to the feasibility threshold, the point is failing
@@ -165,7 +166,7 @@ class BucketEvaluator:
         return PromptScore(value, exact, stats)
 
     def _generate(self, prompt: Any, rt: SampleAttentionPrefill | None) -> tuple[float, bool]:
-        from calib.data import exact_match
+        from calib.data import is_correct
         from calib.evaluate import greedy_generate
 
         model = self.loaded.model
@@ -176,7 +177,7 @@ class BucketEvaluator:
         finally:
             if rt is not None:
                 hf.remove(model)
-        ok = exact_match(self.loaded.tokenizer.decode(gen, skip_special_tokens=True), prompt.answer)
+        ok = is_correct(self.loaded.tokenizer.decode(gen, skip_special_tokens=True), prompt)
         return float(ok), ok
 
     def dense(self) -> float:

@@ -58,6 +58,12 @@ def validate(cfg: DictConfig) -> None:
     settings(cfg)
 
 
+def data_needs(cfg: DictConfig) -> dict[str, str | None]:
+    """Both parts need answers: the REINFORCE reward and the held-out reward are answer accuracies."""
+    return {"calibration": "SANTA's REINFORCE reward is the share of questions answered correctly",
+            "evaluation": "SANTA's held-out reward scores answers"}
+
+
 def default_rl_dir(run_id: str) -> Path:
     """``<hydra output dir>/rl-<run_id>`` under Hydra, else ``artifacts/rl/<run_id>``.
 

@@ -13,7 +13,8 @@ and decode as in the paper's GSM8K runs (``method.reward.phases``). Questions co
 Each question is answered greedily (``calib.evaluate.greedy_generate``); the number of new tokens is
 ``method.reward.max_new_tokens`` or, when null, the answer's token count + 2 (an exact-match answer
 cannot be longer; the +2 lets the model emit a closing quote and its stop token) capped by
-``eval.max_new_tokens``. ``python -m calib.santa.reward <overrides> [+sweep=[1,2,4,8]]`` prints the
+``eval.max_new_tokens`` — or ``eval.max_new_tokens`` itself for a task scored by ``contains``, whose
+answer may come inside a longer reply. ``python -m calib.santa.reward <overrides> [+sweep=[1,2,4,8]]`` prints the
 held-out reward of uniform schedules per ``budget_per_layer`` (and ``sweep_total=...``: per total N,
 with every placement of the extra samples when L does not divide N) — how to pick a starved N.
 """
@@ -94,6 +95,9 @@ def new_token_budgets(prompts: Sequence[Any], tokenizer: Any, settings: RewardSe
         return [settings.max_new_tokens] * len(prompts)
     out = []
     for p in prompts:
+        if getattr(p, "scoring", "exact_match") == "contains":
+            out.append(settings.cap_new_tokens)
+            continue
         n = len(tokenizer(" " + p.answer, add_special_tokens=False)["input_ids"]) + 2
         out.append(max(1, min(n, settings.cap_new_tokens)))
     return out
@@ -123,7 +127,7 @@ def answer_correct(loaded: Any, prompts: Sequence[Any], max_new: Sequence[int], 
     """
     from tqdm.auto import tqdm
 
-    from calib.data import exact_match
+    from calib.data import is_correct
     from calib.evaluate import greedy_generate, stop_token_ids
     from runtime_kernels import hf
 
@@ -138,7 +142,7 @@ def answer_correct(loaded: Any, prompts: Sequence[Any], max_new: Sequence[int], 
                 runtime.reseed(int(seeds[i]))
             text = loaded.tokenizer.decode(greedy_generate(loaded.model, p.input_ids, n, stops),
                                            skip_special_tokens=True)
-            correct.append(exact_match(text, p.answer))
+            correct.append(is_correct(text, p))
     finally:
         if runtime is not None:
             hf.remove(loaded.model)

@@ -1,10 +1,12 @@
-"""exact_match normalization and dataset_hash."""
+"""exact_match normalization, the contains rule, per-task rules and dataset_hash."""
 
 from __future__ import annotations
 
 import pytest
 
-from calib.data import Prompt, dataset_hash, exact_match, normalize_answer
+from calib.data import Prompt, contains_answer, dataset_hash, exact_match, is_correct, normalize_answer
+from calib.data.scoring import scoring_rule
+from calib.errors import UserError
 
 
 @pytest.mark.parametrize("prediction, answer", [
@@ -52,3 +54,34 @@ def test_dataset_hash_content_and_order():
     assert dataset_hash([a, b]) != dataset_hash([b, a])
     assert dataset_hash([_p("ab", "c")]) != dataset_hash([_p("a", "bc")])
     assert len(dataset_hash([])) == 64
+
+
+@pytest.mark.parametrize("prediction, answer, expected", [
+    ("The special magic number is 1234567.", "1234567", True),     # wrapped in a sentence
+    ("Sure!\nThe answer: KOBE RULO", "kobe rulo", True),            # any line, any case
+    ("kobe,  rulo", "kobe rulo", True),                             # commas and spaces canonical
+    ("the value is 42", "4", True),                                 # a plain substring test (RULER)
+    ("1234567</s>", "1234567.", True),                              # the answer's edge punctuation stripped
+    ("</s>1234567", "1234567", False),                              # nothing after end of sequence counts
+    ("rulo kobe", "kobe rulo", False),                              # order kept
+    ("anything", "", False),                                        # no answer never matches
+    ("123456", "1234567", False),
+])
+def test_contains(prediction, answer, expected):
+    assert contains_answer(prediction, answer) is expected
+
+
+def test_is_correct_follows_the_prompts_rule():
+    wrapped = "The number is 72."
+    assert not is_correct(wrapped, _p("q", "72"))  # exact_match by default: first line must be the answer
+    assert is_correct(wrapped, Prompt("id", "t", 10, "q", "72", [0], scoring="contains"))
+    assert is_correct("72", _p("q", "72"))
+
+
+def test_scoring_rule_setting():
+    assert scoring_rule(None, "qa") == "exact_match"
+    assert scoring_rule("contains", "qa") == "contains"
+    assert scoring_rule({"qa": "contains"}, "qa") == "contains"
+    assert scoring_rule({"qa": "contains"}, "kv") == "exact_match"
+    with pytest.raises(UserError, match="data.scoring must be exact_match or contains"):
+        scoring_rule({"qa": "regex"}, "qa")

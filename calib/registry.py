@@ -122,7 +122,11 @@ def promotion_warning(name: str, version: str, tags: Mapping[str, str], min_ci_l
     if ci_low is None:
         return (f"{name} v{version} has no held-out eval yet "
                 f"(python -m calib eval artifact=models:/{name}/{version})")
-    if float(ci_low) < min_ci_low:
+    try:
+        low = float(ci_low)
+    except ValueError:
+        return f"{name} v{version}: its eval.ci_low tag {ci_low!r} is not a number"
+    if low < min_ci_low:
         return (f"{name} v{version}: held-out accuracy change {tags.get(EVAL_TAG_PREFIX + 'acc_delta', '?')}, "
                 f"95% CI lower bound {ci_low} < {min_ci_low:g} (--min-ci-low)")
     return None

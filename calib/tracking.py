@@ -184,7 +184,7 @@ RUN_HEADLINES: dict[str, dict[str, Headline]] = {
     "sale": {  # the per-head tau on the calibration samples (calib.sale.recipe)
         "sparsity": Headline("sparsity"),
         "rel_error": Headline("err_worst"),  # the worst head: the bound theta applies to every head
-        "acc_dense": Headline("ablation.acc_dense"),  # held-out accuracy (method.ablation_prompts > 0)
+        "acc_dense": Headline("ablation.acc_dense"),  # held-out accuracy (compare_shared_tau, ablation_prompts > 0)
         "acc_sparse": Headline("ablation.acc_per_head"),
     },
     "sampleattention": {  # the tuned row of the longest length bucket (calib.sampleattention.recipe)

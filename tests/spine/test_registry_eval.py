@@ -64,6 +64,7 @@ def test_eval_tags_are_readable_strings():
      "sale-tiny v2: held-out accuracy change -0.0250, 95% CI lower bound -0.1000 < -0.05 (--min-ci-low)"),
     ({"eval.ci_low": "-0.1000", "eval.acc_delta": "-0.0250"}, -0.2, None),
     ({"eval.ci_low": "-0.0500"}, -0.05, None),  # at the threshold: no warning
+    ({"eval.ci_low": "n/a"}, -0.05, "sale-tiny v2: its eval.ci_low tag 'n/a' is not a number"),
 ])
 def test_promotion_warning(tags, threshold, expected):
     assert registry.promotion_warning("sale-tiny", "2", tags, threshold) == expected

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -26,11 +25,11 @@ commands:
                                    dense vs sparse accuracy on held-out prompts
   worker [overrides]               one SANTA REINFORCE worker on rl.dir
   aggregator [overrides]           the SANTA REINFORCE aggregator on rl.dir
-  ls [name-filter]                 registered artifacts: name, version, aliases, method, model, metrics
-  promote <name> <version> [alias=champion]
-                                   point an alias at a version
-  ui [--port 5000] [--host 127.0.0.1]
-                                   start the MLflow UI on the project's tracking store
+  ls [name-filter] [--json]        registered artifacts: version, aliases, headline and held-out eval figures
+  promote <name> <version> [alias=champion] [--min-ci-low -0.05]
+                                   point an alias at a version (warns without a good held-out eval)
+  ui [--port 5000] [--host 127.0.0.1] [--workers 1] [--jobs] [-- <mlflow server options>]
+                                   the MLflow UI on the project's tracking store (prints the runs table URL)
 """
 
 
@@ -144,10 +143,17 @@ def cmd_hydra(cmd: str, args: list[str]) -> None:
     _run_hydra(cmd, args, fn)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose mistakes end as one ``error:`` line (exit 2), like every other user error."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UserError(f"{message} (usage: {self.format_usage().strip().removeprefix('usage: ')})")
+
+
 def cmd_ls(args: list[str]) -> None:
     from calib import registry, tracking
 
-    parser = argparse.ArgumentParser(prog="python -m calib ls")
+    parser = _Parser(prog="python -m calib ls")
     parser.add_argument("name_filter", nargs="?", default=None)
     parser.add_argument("--json", action="store_true", help="one JSON object per version")
     ns = parser.parse_args(args)
@@ -165,34 +171,51 @@ def cmd_ls(args: list[str]) -> None:
 def cmd_promote(args: list[str]) -> None:
     from calib import registry, tracking
 
-    positional = [a for a in args if not a.startswith("alias=")]
-    alias = next((a.split("=", 1)[1] for a in args if a.startswith("alias=")), registry.CHAMPION)
+    usage = "usage: python -m calib promote <name> <version> [alias=champion] [--min-ci-low -0.05]"
+    parser = _Parser(prog="python -m calib promote", usage=usage.removeprefix("usage: "))
+    parser.add_argument("words", nargs="*")
+    parser.add_argument("--min-ci-low", type=float, default=registry.MIN_CI_LOW,
+                        help="warn when the version's held-out CI lower bound of (sparse - dense) accuracy is below")
+    ns = parser.parse_intermixed_args(args)
+    positional = [a for a in ns.words if not a.startswith("alias=")]
+    alias = next((a.split("=", 1)[1] for a in ns.words if a.startswith("alias=")), registry.CHAMPION)
     if len(positional) != 2 or not positional[1].isdigit() or not alias:
-        raise UserError("usage: python -m calib promote <name> <version> [alias=champion]")
+        raise UserError(usage)
+    name, version = positional
     tracking.configure(tracking.resolve_target())
-    uri = registry.promote(positional[0], positional[1], alias)
-    print(f"{uri} -> version {positional[1]}")
+    uri = registry.promote(name, version, alias)
+    print(f"{uri} -> version {version}")
+    warning = registry.promotion_warning(name, version, registry.version_tags(name, version), ns.min_ci_low)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
 
 
 def cmd_ui(args: list[str]) -> None:
-    from calib import tracking
+    from calib import tracking, ui
 
-    parser = argparse.ArgumentParser(prog="python -m calib ui")
+    parser = _Parser(prog="python -m calib ui")
     parser.add_argument("--port", type=int, default=5000)
     parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--workers", type=int, default=1, help="server worker processes (default 1)")
+    parser.add_argument("--jobs", action="store_true", help="also start MLflow's job runner (GenAI jobs)")
     parser.add_argument("--dry-run", action="store_true", help="print the command instead of starting it")
-    ns = parser.parse_args(args)
+    ours, server_args = (args[:args.index("--")], args[args.index("--") + 1:]) if "--" in args else (args, [])
+    ns = parser.parse_args(ours)
+    if ns.workers < 1:
+        raise UserError(f"--workers must be >= 1 (got {ns.workers})")
+    settings = ui.UiSettings(host=ns.host, port=ns.port, workers=ns.workers, jobs=ns.jobs)
     target = tracking.resolve_target()
-    tracking.configure(target)
-    command = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", target.tracking_uri,
-               "--host", ns.host, "--port", str(ns.port)]
-    if target.artifact_root:
-        command += ["--default-artifact-root", target.artifact_root]
-    print(f"MLflow UI for {target.tracking_uri} at http://{ns.host}:{ns.port}", flush=True)
+    experiment_id = tracking.configure(target)
+    command = ui.server_command(target.tracking_uri, target.registry_uri, target.artifact_root, settings) + server_args
+    ui.save_headline_view(experiment_id)
+    print(f"MLflow UI for {target.tracking_uri}: {ui.runs_table_url(ns.host, ns.port, experiment_id)}")
+    print(f"  headline columns: {ui.runs_table_url(ns.host, ns.port, experiment_id, ui.HEADLINE_VIEW)}", flush=True)
     if ns.dry_run:
-        print(" ".join(command))
+        print(f"{ui.JOB_EXECUTION_ENV}={str(ns.jobs).lower()} {' '.join(command)}")
         return
-    os.execv(sys.executable, command)
+    code = ui.serve(command, ui.server_env(settings))
+    if code != 0:
+        raise UserError(f"the MLflow server exited with status {code} (is port {ns.port} free? try --port)")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

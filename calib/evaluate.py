@@ -23,7 +23,7 @@ import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from calib import tracking
+from calib import registry, tracking
 from calib.config import to_container, validate_common
 from calib.errors import UserError
 from calib.stats import paired_bootstrap_diff
@@ -195,11 +195,13 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     if not prompts:
         raise UserError("no evaluation prompts: check eval.tasks / eval.lengths / eval.num_prompts")
     method = artifact.method if artifact else "dense"
-    with tracking.start_run(target, f"eval-{method}-{cfg.model.name}", tags={"kind": "eval", "method": method}) as run:
+    run_name = tracking.eval_run_name(cfg.get("artifact"), method, str(cfg.model.name))
+    with tracking.start_run(target, run_name, tags={"kind": "eval", "method": method}) as run:
         mlflow.log_params({"artifact": str(cfg.get("artifact")), "model": str(cfg.model.name),
                            "eval.seed": int(cfg.eval.seed), "eval.num_prompts": int(cfg.eval.num_prompts),
                            "eval.top_l": cfg.eval.get("top_l"), "eval.ranking": cfg.eval.get("ranking"),
                            "eval.top_l_layers": str(cfg.eval.get("top_l_layers"))})
+        tracking.log_eval_prompts(cfg.data, prompts, int(cfg.eval.seed))
         t0 = time.perf_counter()
         dense = answer_prompts(loaded, prompts, int(cfg.eval.max_new_tokens))
         timings = {"time_dense_s": time.perf_counter() - t0}
@@ -217,11 +219,15 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         tasks, metrics = summarize(dense, sparse, int(cfg.eval.bootstrap), int(cfg.seed))
         metrics.update(timings)
         mlflow.log_metrics({k.replace("@", "_at_"): v for k, v in metrics.items()})
+        summary = tracking.log_eval_summary(method, metrics, [r.stats for r in sparse or []])
+        if artifact is not None and not runtime_options(cfg, method):  # the artifact's own operating point
+            registry.record_eval(cfg.artifact, artifact.path, summary, seed=int(cfg.eval.seed),
+                                 num_prompts=len(prompts), run_id=run.info.run_id)
         mlflow.log_dict({"tasks": tasks, "metrics": metrics, "config": to_container(cfg), "runtime": settings,
                          "dense_predictions": [r.__dict__ for r in dense],
                          "sparse_predictions": [r.__dict__ for r in sparse] if sparse else None}, "eval.json")
     result: dict[str, Any] = {"artifact": str(cfg.artifact) if cfg.get("artifact") else None, "tasks": tasks,
-                              "metrics": metrics, "run_id": run.info.run_id}
+                              "metrics": metrics, "summary": summary, "run_id": run.info.run_id}
     for key, entry in tasks.items():
         print(f"{key:>28}: dense {entry['dense']:.3f}" + (f"  sparse {entry['sparse']:.3f}" if "sparse" in entry else ""),
               file=sys.stderr)

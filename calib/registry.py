@@ -3,15 +3,20 @@
 MLflow 3 registers only ``runs:/`` URIs of *logged models* through ``mlflow.register_model``; a plain
 artifact directory is registered with ``MlflowClient.create_model_version(name, source=<artifact
 uri>, run_id=...)``, which is what :func:`publish` does after logging the directory to the run.
+
+A version carries readable tags: what it is (schema, method, ABI, artifact and model hashes) and, once
+``calib eval`` has evaluated it through a ``models:/`` URI, its held-out figures (:data:`EVAL_TAGS`,
+written by :func:`record_eval`). ``calib ls`` shows both; ``calib promote`` warns when a version has no
+eval or its CI lower bound is below a threshold (:func:`promotion_warning`).
 """
 
 from __future__ import annotations
 
-import json
+import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from calib.errors import UserError
 from runtime_kernels.manifest import artifact_sha256, read_artifact
@@ -19,6 +24,7 @@ from runtime_kernels.manifest import artifact_sha256, read_artifact
 ARTIFACT_PATH = "artifact"  # where the directory is logged inside the run's artifacts
 CANDIDATE = "candidate"
 CHAMPION = "champion"
+MIN_CI_LOW = -0.05  # promote warns below this CI lower bound of (sparse - dense) held-out accuracy
 
 
 def model_name(method: str, model: str) -> str:
@@ -39,9 +45,9 @@ def publish(artifact_dir: str | Path, run_id: str, *, alias: str = CANDIDATE) ->
     """Log ``artifact_dir`` to run ``run_id``, register a new version, tag it and set ``alias``.
 
     The directory is verified first (every sha256), so a half-written or tampered artifact is never
-    registered. Tags: schema version, method, method ABI, artifact sha256, model name and hash.
+    registered. Tags: schema version, method, method ABI, artifact sha256, model name and hash. The run
+    is renamed ``<name>-v<version>`` (``saap-tiny-v3``), so the runs table says what each run produced.
     """
-    import mlflow
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
@@ -66,30 +72,14 @@ def publish(artifact_dir: str | Path, run_id: str, *, alias: str = CANDIDATE) ->
         "artifact_sha256": digest,
         "model": m.model.name,
         "model_hash": m.model.model_hash or "",
-        "metrics": metrics_tag(m.metrics),
     }
     mv = client.create_model_version(name, source=source, run_id=run_id, tags=tags)
     _wait_ready(client, name, mv.version)
     client.set_registered_model_alias(name, alias, mv.version)
-    mlflow.set_tags({"registered_model": name, "registered_version": mv.version})
+    client.set_tag(run_id, "registered_model", name)
+    client.set_tag(run_id, "registered_version", str(mv.version))
+    client.update_run(run_id, name=f"{name}-v{mv.version}")
     return Published(name, str(mv.version), f"models:/{name}/{mv.version}", source, digest)
-
-
-def metrics_tag(metrics: dict[str, Any], limit: int = 4000) -> str:
-    """The manifest's metrics as the version's ``metrics`` tag: valid JSON of at most ``limit`` characters
-    (MLflow caps tag values). When all of them do not fit, the shortest-named first (the headline
-    ``recall_at_sel*`` / ``at_top_l.*`` before the nested diagnostics), then by name, until the next one
-    would not fit — never a JSON string cut in the middle, which ``calib ls`` could not read."""
-    full = json.dumps(metrics, sort_keys=True)
-    if len(full) <= limit:
-        return full
-    kept: dict[str, Any] = {}
-    for key in sorted(metrics, key=lambda k: (k.count("."), len(k), k)):
-        trial = {**kept, key: metrics[key]}
-        if len(json.dumps(trial, sort_keys=True)) > limit:
-            break
-        kept = trial
-    return json.dumps(kept, sort_keys=True)
 
 
 def _is_logged_copy(artifact_dir: Path, source: str) -> bool:
@@ -125,19 +115,148 @@ def promote(name: str, version: str, alias: str = CHAMPION) -> str:
     return f"models:/{name}@{alias}"
 
 
+def promotion_warning(name: str, version: str, tags: Mapping[str, str], min_ci_low: float = MIN_CI_LOW) -> str | None:
+    """One line when version ``tags`` show no held-out eval, or a CI lower bound of (sparse - dense)
+    accuracy below ``min_ci_low``; ``None`` when the version passes."""
+    ci_low = tags.get(EVAL_TAG_PREFIX + "ci_low")
+    if ci_low is None:
+        return (f"{name} v{version} has no held-out eval yet "
+                f"(python -m calib eval artifact=models:/{name}/{version})")
+    try:
+        low = float(ci_low)
+    except ValueError:
+        return f"{name} v{version}: its eval.ci_low tag {ci_low!r} is not a number"
+    if low < min_ci_low:
+        return (f"{name} v{version}: held-out accuracy change {tags.get(EVAL_TAG_PREFIX + 'acc_delta', '?')}, "
+                f"95% CI lower bound {ci_low} < {min_ci_low:g} (--min-ci-low)")
+    return None
+
+
+def version_tags(name: str, version: str) -> dict[str, str]:
+    """The tags of one registered version (a one-line :class:`UserError` if it does not exist)."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    try:
+        return dict(MlflowClient().get_model_version(name, str(version)).tags or {})
+    except MlflowException as exc:
+        raise UserError(f"{name} v{version}: {exc.message.splitlines()[0]} (see `python -m calib ls`)") from None
+
+
+# -------------------------------------------------------------------------------- eval results
+EVAL_TAG_PREFIX = "eval."
+# summary metric (calib.tracking.EVAL_HEADLINES + sparsity) -> version tag (without the prefix)
+EVAL_TAGS = {"summary/acc_delta": "acc_delta", "summary/acc_delta_ci_low": "ci_low",
+             "summary/acc_delta_ci_high": "ci_high", "summary/acc_dense": "acc_dense",
+             "summary/acc_sparse": "acc_sparse", "summary/sparsity": "sparsity"}
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """A registry reference: ``models:/<name>/<version>`` or ``models:/<name>@<alias>``."""
+
+    name: str
+    version: str | None = None
+    alias: str | None = None
+
+    @property
+    def label(self) -> str:
+        """``saap-tiny@candidate`` or ``saap-tiny-v3`` (run names, messages)."""
+        return f"{self.name}@{self.alias}" if self.alias else f"{self.name}-v{self.version}"
+
+
+def parse_model_uri(uri: Any) -> ModelRef | None:
+    """The :class:`ModelRef` of a ``models:/`` URI; ``None`` for anything else (a directory)."""
+    text = str(uri or "")
+    if not text.startswith("models:/"):
+        return None
+    body = text[len("models:/"):]
+    name, at, alias = body.partition("@")
+    if at:
+        return ModelRef(name, alias=alias) if name and alias else None
+    name, _, version = body.rpartition("/")
+    return ModelRef(name, version=version) if name and version.isdigit() else None
+
+
+def eval_tags(summary: Mapping[str, float], *, seed: int, num_prompts: int, run_id: str) -> dict[str, str]:
+    """Readable version tags (``eval.acc_delta``, ``eval.ci_low``, ...) from ``calib eval``'s summary."""
+    tags = {EVAL_TAG_PREFIX + tag: f"{float(summary[metric]):.4f}" for metric, tag in EVAL_TAGS.items()
+            if metric in summary}
+    tags.update({EVAL_TAG_PREFIX + "seed": str(int(seed)), EVAL_TAG_PREFIX + "num_prompts": str(int(num_prompts)),
+                 EVAL_TAG_PREFIX + "run_id": run_id})
+    return tags
+
+
+def _evaluated_version(client: Any, ref: ModelRef, digest: str) -> Any | None:
+    """The version of ``ref.name`` whose artifact sha256 is ``digest``: the one ``ref`` names now when it
+    matches (an alias can move while an eval runs), else the newest version with that artifact."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        named = (client.get_model_version_by_alias(ref.name, ref.alias) if ref.alias
+                 else client.get_model_version(ref.name, ref.version))
+    except MlflowException:
+        named = None
+    if named is not None and (named.tags or {}).get("artifact_sha256") == digest:
+        return named
+    versions = client.search_model_versions(f"name='{ref.name}'", max_results=1000)
+    same = [mv for mv in versions if (mv.tags or {}).get("artifact_sha256") == digest]
+    return max(same, key=lambda mv: int(mv.version)) if same else None
+
+
+def record_eval(uri: Any, artifact_dir: str | Path, summary: Mapping[str, float], *, seed: int,
+                num_prompts: int, run_id: str) -> ModelRef | None:
+    """Write ``calib eval``'s figures onto the registered version it evaluated (``uri`` a ``models:/``
+    URI; ``artifact_dir`` the directory that was loaded) and tag the eval run with that version.
+    Returns the version, or ``None`` when ``uri`` is no registry URI or no version holds that artifact."""
+    from mlflow.tracking import MlflowClient
+
+    ref = parse_model_uri(uri)
+    if ref is None:
+        return None
+    client = MlflowClient()
+    mv = _evaluated_version(client, ref, artifact_sha256(artifact_dir))
+    if mv is None:
+        print(f"warning: no version of {ref.name} holds the evaluated artifact any more; no eval tags written",
+              file=sys.stderr)
+        return None
+    for key, value in eval_tags(summary, seed=seed, num_prompts=num_prompts, run_id=run_id).items():
+        client.set_model_version_tag(ref.name, str(mv.version), key, value)
+    client.set_tag(run_id, "evaluated_model", ref.name)
+    client.set_tag(run_id, "evaluated_version", str(mv.version))
+    return ModelRef(ref.name, version=str(mv.version))
+
+
+# ------------------------------------------------------------------------------------- listing
 @dataclass
 class VersionRow:
+    """One registered version as ``calib ls`` shows it."""
+
     name: str
     version: str
     aliases: list[str]
     method: str
     model: str
     created: str
-    metrics: dict[str, Any]
+    summary: dict[str, float] = field(default_factory=dict)  # the producing run's summary/* (no prefix)
+    eval: dict[str, str] = field(default_factory=dict)  # the eval.* tags (no prefix)
+
+
+def _run_summary(client: Any, run_id: str | None) -> dict[str, float]:
+    from mlflow.exceptions import MlflowException
+
+    if not run_id:
+        return {}
+    try:
+        metrics = client.get_run(run_id).data.metrics
+    except MlflowException:
+        return {}
+    return {k.split("/", 1)[1]: float(v) for k, v in sorted(metrics.items()) if k.startswith("summary/")}
 
 
 def list_versions(name_filter: str | None = None) -> list[VersionRow]:
-    """Every registered version (newest first per model), with aliases, tags and headline metrics."""
+    """Every registered version (newest first per model): aliases, tags, the producing run's summary
+    metrics and the held-out eval tags."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient()
@@ -150,28 +269,42 @@ def list_versions(name_filter: str | None = None) -> list[VersionRow]:
             aliases.setdefault(str(version), []).append(alias)
         for mv in client.search_model_versions(f"name='{rm.name}'", max_results=1000):
             tags = mv.tags or {}
-            try:
-                metrics = json.loads(tags.get("metrics", "{}"))
-            except json.JSONDecodeError:
-                metrics = {}
             created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(mv.creation_timestamp / 1000))
+            evals = {k[len(EVAL_TAG_PREFIX):]: v for k, v in sorted(tags.items()) if k.startswith(EVAL_TAG_PREFIX)}
             rows.append(VersionRow(rm.name, str(mv.version), sorted(aliases.get(str(mv.version), [])),
-                                   tags.get("method", ""), tags.get("model", ""), created, metrics))
+                                   tags.get("method", ""), tags.get("model", ""), created,
+                                   _run_summary(client, mv.run_id), evals))
     rows.sort(key=lambda r: (r.name, -int(r.version)))
     return rows
 
 
-def format_table(rows: list[VersionRow], max_metrics: int = 4) -> str:
+CALIBRATION_COLUMN = ("sparsity", "rel_error", "recall", "acc_sparse")  # summary/* shown by `calib ls`
+
+
+def calibration_cell(summary: Mapping[str, float]) -> str:
+    """``sparsity=0.61 rel_error=0.048``: the run's headline figures, or ``-``."""
+    shown = [f"{k}={summary[k]:.3g}" for k in CALIBRATION_COLUMN if k in summary]
+    return " ".join(shown) or "-"
+
+
+def eval_cell(evals: Mapping[str, str]) -> str:
+    """``acc_delta=-0.0250 ci=[-0.1000,0.0500] sparsity=0.6100 seed=424242``, or ``-`` (no eval yet)."""
+    if not evals:
+        return "-"
+    parts = []
+    if "acc_delta" in evals:
+        parts.append(f"acc_delta={evals['acc_delta']}")
+    if "ci_low" in evals and "ci_high" in evals:
+        parts.append(f"ci=[{evals['ci_low']},{evals['ci_high']}]")
+    parts += [f"{k}={evals[k]}" for k in ("sparsity", "seed") if k in evals]
+    return " ".join(parts)
+
+
+def format_table(rows: list[VersionRow]) -> str:
     """A plain-text table of :func:`list_versions` rows."""
-    header = ["name", "version", "aliases", "method", "model", "created", "metrics"]
-    body = []
-    for r in rows:
-        shown = ", ".join(f"{k}={_fmt(v)}" for k, v in list(r.metrics.items())[:max_metrics])
-        body.append([r.name, r.version, ",".join(r.aliases) or "-", r.method, r.model, r.created, shown])
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *body)] if body else [len(h) for h in header]
+    header = ["name", "version", "aliases", "method", "model", "created", "calibration", "held-out eval"]
+    body = [[r.name, r.version, ",".join(r.aliases) or "-", r.method, r.model, r.created,
+             calibration_cell(r.summary), eval_cell(r.eval)] for r in rows]
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *body)]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *body]]
     return "\n".join(lines)
-
-
-def _fmt(v: Any) -> str:
-    return f"{v:.4g}" if isinstance(v, float) else str(v)

@@ -127,11 +127,13 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         mlflow.log_params(_params(cfg))
         ctx = RunContext(run_id=run_id, timer=tracking.StageTimer(), device=device)
         out = recipe.calibrate(cfg, ctx)
+        tracking.log_prompt_set(out.data, cfg.data, tracking.CALIBRATION)
         with ctx.timer.stage("publish"):
             from calib.paths import artifacts_dir
 
             artifact_dir, pub = write_and_publish(method, cfg, out, run_id, artifacts_dir() / "scratch")
         mlflow.log_metrics(tracking.flat_metrics(out.metrics))
+        tracking.log_run_summary(method, tracking.flat_metrics(out.metrics))
     return {"model_uri": pub.model_uri, "run_id": run_id, "artifact_dir": str(artifact_dir),
             "metrics": tracking.flat_metrics(out.metrics)}
 

@@ -3,9 +3,11 @@
 The prompts come from the configured data source with ``eval.seed`` (never the calibration seed:
 checked against ``data.seed`` and the artifact's recorded seed). Each prompt is answered greedily,
 first densely, then — with ``artifact=...`` — with the artifact's method plugged in through
-``runtime_kernels.hf.apply``. Accuracy is exact match; the difference is reported with a paired
-bootstrap 95% CI overall and per task and length. Method statistics (sparsity, selectivity, ...)
-come from the runtime's ``pop_stats()`` after every prompt and are averaged per task and length.
+``runtime_kernels.hf.apply``. Accuracy uses ``eval.scoring`` (``exact``: the reply's first line is the
+answer; ``contains``: the answer anywhere in the reply, for models that answer in a sentence); the
+difference is reported with a paired bootstrap 95% CI overall and per task and length. Method
+statistics (sparsity, selectivity, ...) come from the runtime's ``pop_stats()`` after every prompt and
+are averaged per task and length.
 """
 
 from __future__ import annotations
@@ -17,13 +19,13 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
-import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from calib import tracking
 from calib.config import to_container, validate_common
 from calib.errors import UserError
+from calib.generation import greedy_generate, stop_token_ids  # noqa: F401 (recipes import them from here)
 from calib.stats import paired_bootstrap_diff
 
 
@@ -36,40 +38,13 @@ class PromptResult:
     stats: dict[str, float]
 
 
-def stop_token_ids(tokenizer: Any) -> set[int]:
-    """EOS plus any token that decodes to a newline (answers end at the first newline)."""
-    ids = {i for i in [tokenizer.eos_token_id] if i is not None}
-    for text in ("\n", "Ċ", "<|eot_id|>", "<|im_end|>"):
-        tid = tokenizer.convert_tokens_to_ids(text)
-        if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid is not None and tid >= 0:
-            ids.add(tid)
-    return ids
-
-
-@torch.inference_mode()
-def greedy_generate(model: Any, input_ids: Sequence[int], max_new_tokens: int, stop_ids: set[int]) -> list[int]:
-    """Greedy decoding with a KV cache: one prefill call, then one call per new token."""
-    device = next(model.parameters()).device
-    ids = torch.tensor([list(input_ids)], device=device)
-    out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-    past, generated = out.past_key_values, []
-    token = out.logits[0, -1].argmax()
-    for _ in range(max_new_tokens):
-        t = int(token)
-        if t in stop_ids:
-            break
-        generated.append(t)
-        out = model(input_ids=token.view(1, 1), past_key_values=past, use_cache=True)
-        past, token = out.past_key_values, out.logits[0, -1].argmax()
-    return generated
-
-
 def answer_prompts(loaded: Any, prompts: Sequence[Any], max_new_tokens: int, runtime: Any = None,
-                   desc: str = "dense") -> list[PromptResult]:
-    """Answer every prompt; ``runtime`` (a CalibAttention) supplies per-prompt method stats."""
-    from calib.data import exact_match
+                   desc: str = "dense", scoring: str = "exact") -> list[PromptResult]:
+    """Answer every prompt, scored by the rule ``scoring`` (``calib.data.SCORING_RULES``); ``runtime``
+    (a CalibAttention) supplies per-prompt method stats."""
+    from calib.data import score_answer
 
-    stops = stop_token_ids(loaded.tokenizer)
+    stops = stop_token_ids(loaded.tokenizer, newline=scoring == "exact")
     results = []
     for p in tqdm(prompts, desc=f"eval {desc}", unit="prompt", leave=False):
         gen = greedy_generate(loaded.model, p.input_ids, max_new_tokens, stops)
@@ -79,7 +54,7 @@ def answer_prompts(loaded: Any, prompts: Sequence[Any], max_new_tokens: int, run
             for rt in (runtime.prefill, runtime.decode):
                 if rt is not None and hasattr(rt, "pop_stats"):
                     stats.update(rt.pop_stats())
-        results.append(PromptResult(p.task, p.length, text, exact_match(text, p.answer), stats))
+        results.append(PromptResult(p.task, p.length, text, score_answer(text, p.answer, scoring), stats))
     return results
 
 
@@ -165,6 +140,26 @@ def runtime_options(cfg: Any, method: str) -> dict[str, dict[str, Any]]:
     return {"saap": opts}
 
 
+def real_text_metrics(cfg: Any, loaded: Any, artifact: Any, method: str) -> dict[str, float]:
+    """``eval.nll``: mean next-token NLL on the shipped real text, dense and with the artifact
+    (``calib.perplexity``); ``{}`` when ``eval.nll.chunks`` is 0."""
+    nll = cfg.eval.get("nll")
+    if nll is None or int(nll.chunks) < 1:
+        return {}
+    from calib.perplexity import real_text_nll
+
+    t0 = time.perf_counter()
+    out = real_text_nll(loaded, chunk_tokens=int(nll.chunk_tokens), chunks=int(nll.chunks),
+                        decode_tokens=int(nll.decode_tokens), artifact=artifact,
+                        options=runtime_options(cfg, method) if artifact is not None else None)
+    out["time_nll_s"] = time.perf_counter() - t0
+    line = f"real-text NLL: dense {out['nll_dense']:.4f}"
+    if "nll_sparse" in out:
+        line += f"  sparse {out['nll_sparse']:.4f}  ({100 * out['nll_increase']:+.2f} %)"
+    print(f"{line}  over {int(out['nll_tokens'])} tokens", file=sys.stderr)
+    return out
+
+
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
     """Run the held-out evaluation; returns the result JSON of SPEC §1."""
     import mlflow
@@ -196,10 +191,13 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     with tracking.start_run(target, f"eval-{method}-{cfg.model.name}", tags={"kind": "eval", "method": method}) as run:
         mlflow.log_params({"artifact": str(cfg.get("artifact")), "model": str(cfg.model.name),
                            "eval.seed": int(cfg.eval.seed), "eval.num_prompts": int(cfg.eval.num_prompts),
+                           "eval.scoring": str(cfg.eval.get("scoring", "exact")),
+                           "eval.max_new_tokens": int(cfg.eval.max_new_tokens),
                            "eval.top_l": cfg.eval.get("top_l"), "eval.ranking": cfg.eval.get("ranking"),
                            "eval.top_l_layers": str(cfg.eval.get("top_l_layers"))})
         t0 = time.perf_counter()
-        dense = answer_prompts(loaded, prompts, int(cfg.eval.max_new_tokens))
+        scoring = str(cfg.eval.get("scoring", "exact"))
+        dense = answer_prompts(loaded, prompts, int(cfg.eval.max_new_tokens), scoring=scoring)
         timings = {"time_dense_s": time.perf_counter() - t0}
         sparse, settings = None, {}
         if artifact is not None:
@@ -208,12 +206,14 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
             mlflow.log_params({f"runtime.{k}": str(v) for k, v in settings.items()})
             try:
                 t0 = time.perf_counter()
-                sparse = answer_prompts(loaded, prompts, int(cfg.eval.max_new_tokens), runtime, desc=method)
+                sparse = answer_prompts(loaded, prompts, int(cfg.eval.max_new_tokens), runtime, desc=method,
+                                        scoring=scoring)
                 timings["time_sparse_s"] = time.perf_counter() - t0
             finally:
                 hf.remove(loaded.model)
         tasks, metrics = summarize(dense, sparse, int(cfg.eval.bootstrap), int(cfg.seed))
         metrics.update(timings)
+        metrics.update(real_text_metrics(cfg, loaded, artifact, method))
         mlflow.log_metrics({k.replace("@", "_at_"): v for k, v in metrics.items()})
         mlflow.log_dict({"tasks": tasks, "metrics": metrics, "config": to_container(cfg), "runtime": settings,
                          "dense_predictions": [r.__dict__ for r in dense],

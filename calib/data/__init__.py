@@ -12,9 +12,10 @@ Importing this package needs neither hydra nor omegaconf (the GPU training scrip
 """
 
 from calib.data.prompt import Prompt, PromptFormatter
-from calib.data.scoring import dataset_hash, exact_match, normalize_answer
+from calib.data.scoring import (SCORING_RULES, contains_answer, dataset_hash, exact_match, normalize_answer,
+                                score_answer)
 from calib.data.sources import build_prompts
 from calib.data.synthetic import TASKS
 
-__all__ = ["TASKS", "Prompt", "PromptFormatter", "build_prompts", "dataset_hash", "exact_match",
-           "normalize_answer"]
+__all__ = ["SCORING_RULES", "TASKS", "Prompt", "PromptFormatter", "build_prompts", "contains_answer",
+           "dataset_hash", "exact_match", "normalize_answer", "score_answer"]

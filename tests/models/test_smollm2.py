@@ -71,7 +71,7 @@ def test_missing_converter_package_is_a_one_line_error(tmp_path, monkeypatch, pr
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "accelerate" else real(name, *a))
     gguf_file = tmp_path / "x.gguf"
     gguf_file.write_bytes(b"not converted")
-    with pytest.raises(UserError, match=r"needs accelerate: pip install 'calib\[models\]'"):
+    with pytest.raises(UserError, match=r"needs accelerate: pip install -e '\.\[models\]'$"):
         converted_checkpoint({"path": str(gguf_file)}, "x")
 
 

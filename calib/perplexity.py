@@ -78,11 +78,14 @@ def text_chunks(tokenizer: Any, text: str, chunk_tokens: int, max_chunks: int | 
     return [lead + ids[i * step:(i + 1) * step] for i in range(count)]
 
 
-def _nll_of_positions(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> float:
-    """Summed NLL of ``targets: [N]`` under ``head(hidden)``, ``hidden: [N, H]`` (in slices, float32)."""
+def _nll_of_positions(head: tuple[torch.Tensor, torch.Tensor | None], hidden: torch.Tensor,
+                      targets: torch.Tensor) -> float:
+    """Summed NLL of ``targets: [N]`` under the output layer ``head = (weight [V, H], bias)`` applied to
+    ``hidden: [N, H]``, in float32 whatever the model's dtype, ``LOGIT_SLICE`` positions at a time."""
+    weight, bias = head
     total = 0.0
     for start in range(0, hidden.shape[0], LOGIT_SLICE):
-        logits = head(hidden[start:start + LOGIT_SLICE]).float()  # [n, V]
+        logits = torch.nn.functional.linear(hidden[start:start + LOGIT_SLICE].float(), weight, bias)  # [n, V]
         total += float(torch.nn.functional.cross_entropy(logits, targets[start:start + LOGIT_SLICE], reduction="sum"))
     return total
 
@@ -95,7 +98,9 @@ def chunk_nll(model: Any, ids: Sequence[int], decode_tokens: int) -> NllResult:
     n_prefill = len(ids) - decode_tokens
     if n_prefill < 2:
         raise UserError(f"chunk of {len(ids)} tokens with decode_tokens={decode_tokens}: nothing left to prefill")
-    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    decoder, out_layer = model.get_decoder(), model.get_output_embeddings()
+    bias = getattr(out_layer, "bias", None)
+    head = (out_layer.weight.float(), None if bias is None else bias.float())
     out = decoder(input_ids=tokens[None, :n_prefill], use_cache=True)
     hidden = out.last_hidden_state[0]  # [n_prefill, H]
     result = NllResult(chunks=1, tokens_prefill=n_prefill - 1)

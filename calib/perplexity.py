@@ -65,7 +65,7 @@ def text_chunks(tokenizer: Any, text: str, chunk_tokens: int, max_chunks: int | 
     Each chunk starts with the tokenizer's BOS when the tokenizer adds one by default (it then holds
     ``chunk_tokens - 1`` text tokens), as the model saw documents in training.
     """
-    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    ids = list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])  # no "longer than max" warning
     bos = getattr(tokenizer, "bos_token_id", None)
     probe = list(tokenizer("a", add_special_tokens=True)["input_ids"])
     lead = [bos] if bos is not None and probe and probe[0] == bos else []

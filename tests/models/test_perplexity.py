@@ -47,7 +47,7 @@ class _WordTok:
     def __init__(self, bos: int | None) -> None:
         self.bos_token_id = bos
 
-    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
+    def __call__(self, text: str, add_special_tokens: bool = True, verbose: bool = True) -> dict:
         ids = [int(w[1:]) if w.startswith("w") else 99 for w in text.split()]
         return {"input_ids": ([self.bos_token_id] if add_special_tokens and self.bos_token_id is not None else []) + ids}
 

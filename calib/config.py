@@ -140,6 +140,11 @@ def validate_common(cfg: DictConfig) -> None:
     if ev is not None:
         require(int(ev.num_prompts) >= 1, f"eval.num_prompts must be >= 1 (got {ev.num_prompts})")
         require(int(ev.max_new_tokens) >= 1, f"eval.max_new_tokens must be >= 1 (got {ev.max_new_tokens})")
+        nll = ev.get("nll")
+        if nll is not None and int(nll.chunks) > 0:
+            require(int(nll.chunk_tokens) >= int(nll.decode_tokens) + 2 and int(nll.decode_tokens) >= 0,
+                    f"eval.nll needs chunk_tokens >= decode_tokens + 2 and decode_tokens >= 0 "
+                    f"(got {nll.chunk_tokens}, {nll.decode_tokens})")
         data = cfg.get("data")
         if data is not None and data.get("seed") is not None:
             require(int(ev.seed) != int(data.seed),

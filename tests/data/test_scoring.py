@@ -60,10 +60,11 @@ def test_dataset_hash_content_and_order():
     ("The special magic number is 1234567.", "1234567", True),     # wrapped in a sentence
     ("Sure!\nThe answer: KOBE RULO", "kobe rulo", True),            # any line, any case
     ("kobe,  rulo", "kobe rulo", True),                             # commas and spaces canonical
-    ("the value is 42", "4", True),                                 # a plain substring test (RULER)
+    ("the value is 42", "4", False),                                # whole items, not substrings
     ("1234567</s>", "1234567.", True),                              # the answer's edge punctuation stripped
     ("</s>1234567", "1234567", False),                              # nothing after end of sequence counts
-    ("rulo kobe", "kobe rulo", False),                              # order kept
+    ("rulo kobe", "kobe rulo", True),                               # items in any order (RULER)
+    ("rulo only", "kobe rulo", False),                              # every item needed
     ("anything", "", False),                                        # no answer never matches
     ("123456", "1234567", False),
 ])

@@ -1,0 +1,82 @@
+"""Greedy answer generation: one prompt at a time (``calib eval``) or a left-padded batch (task suites).
+
+Both stop a sequence at its first stop token (EOS, an end-of-turn marker, and newline unless the answer
+is scored by ``contains``), never emit it, and use the KV cache: one prefill call, then one call per new
+token. Nothing here imports Hydra, OmegaConf or MLflow, so scripts that run on a bare GPU box can use it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+
+def stop_token_ids(tokenizer: Any, newline: bool = True) -> set[int]:
+    """EOS and end-of-turn markers, plus (``newline``) the newline token: under exact match the answer is
+    the reply's first line, so generation can stop there; a ``contains`` score reads the whole reply."""
+    ids = {i for i in [tokenizer.eos_token_id] if i is not None}
+    for text in (("\n", "Ċ") if newline else ()) + ("<|eot_id|>", "<|im_end|>"):
+        tid = tokenizer.convert_tokens_to_ids(text)
+        if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid is not None and tid >= 0:
+            ids.add(tid)
+    return ids
+
+
+@torch.inference_mode()
+def greedy_generate(model: Any, input_ids: Sequence[int], max_new_tokens: int, stop_ids: set[int]) -> list[int]:
+    """Greedy decoding with a KV cache: one prefill call, then one call per new token."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(input_ids)], device=device)
+    out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+    past, generated = out.past_key_values, []
+    token = out.logits[0, -1].argmax()
+    for _ in range(max_new_tokens):
+        t = int(token)
+        if t in stop_ids:
+            break
+        generated.append(t)
+        out = model(input_ids=token.view(1, 1), past_key_values=past, use_cache=True)
+        past, token = out.past_key_values, out.logits[0, -1].argmax()
+    return generated
+
+
+def left_padded(batch: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)``, both ``[B, max_len]``: each prompt right-aligned, pads masked out."""
+    width = max(len(ids) for ids in batch)
+    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, ids in enumerate(batch):
+        input_ids[row, width - len(ids):] = torch.tensor(list(ids), dtype=torch.long)
+        mask[row, width - len(ids):] = 1
+    return input_ids.to(device), mask.to(device)
+
+
+@torch.inference_mode()
+def batched_greedy_generate(model: Any, batch: Sequence[Sequence[int]], max_new_tokens: int, stop_ids: set[int],
+                            pad_id: int) -> list[list[int]]:
+    """:func:`greedy_generate` for several prompts at once (left padding, positions counted from each
+    prompt's first real token), returning each prompt's new tokens. Equal to the one-prompt results up to
+    the floating-point effects of batching; prompts of equal length need no padding at all."""
+    device = next(model.parameters()).device
+    input_ids, mask = left_padded(batch, pad_id, device)  # [B, W]
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, W]
+    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+    past, token = out.past_key_values, out.logits[:, -1].argmax(-1)  # token: [B]
+    stops = torch.tensor(sorted(stop_ids), device=device)
+    done = torch.zeros(len(batch), dtype=torch.bool, device=device)
+    generated: list[torch.Tensor] = []
+    next_pos = positions[:, -1:] + 1  # [B, 1]
+    for _ in range(max_new_tokens):
+        done |= torch.isin(token, stops)
+        if bool(done.all()):
+            break
+        generated.append(torch.where(done, -1, token))
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        out = model(input_ids=token[:, None], attention_mask=mask, position_ids=next_pos, past_key_values=past,
+                    use_cache=True)
+        past, token, next_pos = out.past_key_values, out.logits[:, -1].argmax(-1), next_pos + 1
+    if not generated:
+        return [[] for _ in batch]
+    table = torch.stack(generated, dim=1).tolist()  # [B, steps], -1 after a sequence stopped
+    return [[t for t in row if t >= 0] for row in table]

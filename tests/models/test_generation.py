@@ -1,0 +1,51 @@
+"""Greedy generation: the left-padded batch gives each prompt's one-at-a-time answer; stop tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from calib.generation import batched_greedy_generate, greedy_generate, left_padded, stop_token_ids
+from calib.models import random_model
+from tests.models.helpers import QWEN2_ARCH
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    return random_model("qwen2", QWEN2_ARCH, seed=11)
+
+
+def test_left_padding_right_aligns_each_prompt():
+    ids, mask = left_padded([[5, 6, 7], [8]], pad_id=0, device=torch.device("cpu"))
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]]
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+
+
+def test_batch_equals_one_prompt_at_a_time(model):
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (37, 30, 37, 12)]
+    free = [greedy_generate(model, p, 12, set()) for p in prompts]
+    stops = {free[0][4]}  # ends the first answer after at most 4 tokens
+    single = [greedy_generate(model, p, 12, stops) for p in prompts]
+    batched = batched_greedy_generate(model, prompts, 12, stops, pad_id=0)
+    assert batched == single
+    assert len(single[0]) <= 4 and len({len(s) for s in single}) > 1  # the prompts stopped at different steps
+
+
+def test_a_batch_where_every_prompt_stops_at_once(model):
+    prompt = list(range(3, 20))
+    first = greedy_generate(model, prompt, 1, set())[0]
+    assert batched_greedy_generate(model, [prompt, prompt], 8, {first}, pad_id=0) == [[], []]
+
+
+class _Tok:
+    eos_token_id, unk_token_id = 2, 0
+    table = {"\n": 10, "Ċ": 11, "<|im_end|>": 2, "<|eot_id|>": 0}
+
+    def convert_tokens_to_ids(self, text: str) -> int:
+        return self.table.get(text, 0)
+
+
+def test_stop_tokens_keep_the_newline_only_for_exact_match():
+    assert stop_token_ids(_Tok()) == {2, 10, 11}
+    assert stop_token_ids(_Tok(), newline=False) == {2}

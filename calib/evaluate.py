@@ -110,6 +110,14 @@ def runtime_settings(runtime: Any) -> dict[str, Any]:
             "ranking": str(dec.ranking)}
 
 
+def with_statistics(options: dict[str, dict[str, Any]], method: str) -> dict[str, dict[str, Any]]:
+    """``options`` plus what eval needs that serving does not: SAAP's selectivity count (``hf.apply``
+    serves without it: it ranks the buckets a second time per step)."""
+    if method != "saap":
+        return options
+    return {**options, "saap": {**options.get("saap", {}), "stats": True}}
+
+
 def runtime_options(cfg: Any, method: str) -> dict[str, dict[str, Any]]:
     """Runtime overrides from the config: ``eval.top_l`` (SAAP: buckets visited instead of the
     artifact's ℓ, for an ℓ sweep without recalibrating), ``eval.top_l_layers`` (SAAP: ``{layer: ℓ}`` for
@@ -201,7 +209,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         timings = {"time_dense_s": time.perf_counter() - t0}
         sparse, settings = None, {}
         if artifact is not None:
-            runtime = hf.apply(loaded.model, artifact, options=runtime_options(cfg, method))
+            runtime = hf.apply(loaded.model, artifact, options=with_statistics(runtime_options(cfg, method), method))
             settings = runtime_settings(runtime)
             mlflow.log_params({f"runtime.{k}": str(v) for k, v in settings.items()})
             try:

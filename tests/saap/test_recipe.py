@@ -212,7 +212,7 @@ def test_density_ranking_runs_through_hf(result, loaded):
 
     model = loaded.model
     ids = torch.randint(20, 200, (1, 150), generator=torch.Generator().manual_seed(1))
-    state = hf.apply(model, result["artifact_dir"], options={"saap": {"ranking": "density", "top_l": 1}})
+    state = hf.apply(model, result["artifact_dir"], options={"saap": {"ranking": "density", "top_l": 1, "stats": True}})
     try:
         assert isinstance(state.decode, SaapDecode) and state.decode.ranking == "density"
         _decode_logits(model, ids, [5, 17])

@@ -132,3 +132,23 @@ def test_santa_offsets_follow_position_layer_and_seed():
     assert not torch.equal(rt.offsets(1, pos, 4, 300, 4, host_position=299), first)
     # a longer view only adds tiles: the shared ones draw the same offsets (static = eager)
     assert torch.equal(rt.offsets(0, pos, 4, 512, 4)[..., :5], first)
+
+
+def test_saap_serves_dense_where_its_classifier_outweighs_the_keys_it_skips():
+    """``pays_off``: K + V bytes of the view against the classifier's weight bytes (x serve_min_kv_ratio)."""
+    rt = _saap(top_l=1)
+    p = rt.layers[1]
+    cls_bytes = (p.w1.numel() + p.w2.numel()) * 4  # float32 weights and cache
+    k = torch.zeros(2, HKV, 64, D)
+    kv_bytes = 2 * k.numel() * 4
+    rt.serve_min_kv_ratio = kv_bytes / cls_bytes
+    assert rt.pays_off(1, k) and not rt.pays_off(0, k)  # layer 0 is dense
+    rt.serve_min_kv_ratio = kv_bytes / cls_bytes * 1.01
+    assert not rt.pays_off(1, k)
+    # never paying off: the static loop generates the dense model's tokens even with one bucket
+    model, ids = _model(), _prompt(1, 60)
+    dense = eager_generate(model, ids, 8)
+    rt.serve_min_kv_ratio = 1e9
+    hf.attach(model, decode=rt)
+    assert torch.equal(StaticGenerator(model, batch=1, max_len=80, graphs=False, bucket=8).generate(ids, 8), dense)
+    assert not torch.equal(eager_generate(model, ids, 8), dense)  # eager calls (calib eval) always run SAAP

@@ -65,6 +65,19 @@ def test_llama31_random_init_builds_the_8b_shapes_on_meta(monkeypatch):
     assert len(loaded.tokenizer) <= c.vocab_size
 
 
+def test_composed_llama31_with_a_layer_override_builds_that_model(monkeypatch):
+    """``model=llama31 model.init=random model.arch.num_layers=2`` through Hydra: the env-var path is never used."""
+    from calib.config import compose
+    from calib.models import load_model
+
+    _no_weight_reads(monkeypatch)
+    cfg = compose(["+method=sale", "model=llama31", "model.init=random", "model.arch.num_layers=2"])
+    loaded = load_model(cfg.model, device="meta")
+    assert loaded.facts.num_layers == 2 and len(loaded.model.model.layers) == 2
+    assert loaded.model.model.layers[1].self_attn.k_proj.weight.shape == (1024, 4096)
+    assert loaded.facts.name == "llama31" and loaded.facts.family == "llama"
+
+
 def test_random_init_is_seeded_and_never_reads_weights(monkeypatch):
     from calib.models import load_model
 

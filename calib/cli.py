@@ -185,7 +185,10 @@ def cmd_promote(args: list[str]) -> None:
     tracking.configure(tracking.resolve_target())
     uri = registry.promote(name, version, alias)
     print(f"{uri} -> version {version}")
-    warning = registry.promotion_warning(name, version, registry.version_tags(name, version), ns.min_ci_low)
+    tags = registry.version_tags(name, version)
+    if tags.get(registry.DRY_RUN_TAG) == "true":  # champion was refused above; other aliases pass with a warning
+        print(f"warning: {name} v{version} is a dry run (random weights): for measuring cost only", file=sys.stderr)
+    warning = registry.promotion_warning(name, version, tags, ns.min_ci_low)
     if warning:
         print(f"warning: {warning}", file=sys.stderr)
 

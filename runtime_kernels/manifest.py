@@ -69,6 +69,7 @@ class ModelRecord:
     family: str | None = None
     revision: str | None = None
     model_hash: str | None = None
+    dry_run: bool = False  # calibrated on random weights (model.init=random): for measuring cost only
 
 
 @dataclass

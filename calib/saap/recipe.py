@@ -462,6 +462,28 @@ def train_layer(rows: TrainingRows, s: Settings, layer: int, device: torch.devic
                                  device=device, desc=f"saap classifiers, layer {layer}")
 
 
+def kmeans_layer(collected: Any, layer: int, s: Settings, seed: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """One layer's k-means: ``centroids`` and ``rope_centroids [Hkv, C, D]``, ``imbalance []`` (float64)."""
+    derope_pts, rope_pts = candidate_keys(collected, layer, s.sink, s.recent)
+    centroids = fit_heads(derope_pts, s, seed, device)
+    balance = imbalance(derope_pts, centroids)
+    log.info("saap: layer %d k-means on %s keys per KV head, imbalance %.3f", layer,
+             [int(x.shape[0]) for x in derope_pts], balance)
+    return {"centroids": centroids, "rope_centroids": fit_heads(rope_pts, s, seed, device),
+            "imbalance": torch.tensor(balance, dtype=torch.float64)}
+
+
+def classifier_layer(rows: TrainingRows, centroids: torch.Tensor, s: Settings, layer: int,
+                     device: torch.device) -> dict[str, torch.Tensor]:
+    """One layer's classifiers as :func:`calib.saap.resume.classifier_to_tensors` (params + loss curve)."""
+    from calib.saap.resume import classifier_to_tensors
+
+    model, curve = train_layer(rows, s, layer, device)
+    log.info("saap: layer %d classifiers, KL %.4f -> %.4f (mean over heads)", layer,
+             float(curve[0].mean()), float(curve[-1].mean()))
+    return classifier_to_tensors(model.layer_params(centroids, sink=s.sink, recent=s.recent), curve)
+
+
 def evaluate(loaded: Any, prompts: Sequence[Any], params: dict[int, SaapLayerParams],
              rope_centroids: dict[int, torch.Tensor], s: Settings, seed: int) -> dict[int, LayerEvaluation]:
     """Per non-dense layer the evaluation of all held-out prompts (queries joined)."""
@@ -502,7 +524,7 @@ def evaluate(loaded: Any, prompts: Sequence[Any], params: dict[int, SaapLayerPar
 def calibrate(cfg: DictConfig, ctx: Any) -> Any:
     """The SAAP pipeline (see the module docstring); returns the :class:`calib.run.MethodOutput`."""
     from calib.models import load_model
-    from calib.saap import report
+    from calib.saap import report, resume
 
     s = Settings.from_cfg(cfg.method)
     seed = int(cfg.get("seed", 0))
@@ -516,23 +538,21 @@ def calibrate(cfg: DictConfig, ctx: Any) -> Any:
     with ctx.timer.stage("collect"):
         collected = collect_keys(cfg, loaded, calib_prompts, s, layers)
     centroids, rope_centroids, balance = {}, {}, {}
+    ckpt = resume.saap_checkpoints(cfg, loaded.facts.model_hash, calib_prompts)  # finished layers of a killed run
     with ctx.timer.stage("kmeans"):
         for layer in layers:
-            derope_pts, rope_pts = candidate_keys(collected, layer, s.sink, s.recent)
-            centroids[layer] = fit_heads(derope_pts, s, seed, ctx.device)
-            rope_centroids[layer] = fit_heads(rope_pts, s, seed, ctx.device)
-            balance[layer] = imbalance(derope_pts, centroids[layer])
-            log.info("saap: layer %d k-means on %s keys per KV head, imbalance %.3f", layer,
-                     [int(x.shape[0]) for x in derope_pts], balance[layer])
+            done = ckpt.layer("kmeans", layer, lambda: kmeans_layer(collected, layer, s, seed, ctx.device))
+            centroids[layer], rope_centroids[layer] = done["centroids"], done["rope_centroids"]
+            balance[layer] = float(done["imbalance"])
     with ctx.timer.stage("targets"):
-        rows = training_rows(loaded, calib_prompts, centroids, s, seed)
+        rows = resume.checkpointed_rows(ckpt, layers, lambda todo: training_rows(
+            loaded, calib_prompts, {l: centroids[l] for l in todo}, s, seed), TrainingRows)
     params, curves = {}, {}
     with ctx.timer.stage("classifier"):
         for layer in layers:
-            model, curves[layer] = train_layer(rows[layer], s, layer, ctx.device)
-            log.info("saap: layer %d classifiers, KL %.4f -> %.4f (mean over heads)", layer,
-                     float(curves[layer][0].mean()), float(curves[layer][-1].mean()))
-            params[layer] = model.layer_params(centroids[layer], sink=s.sink, recent=s.recent)
+            done = ckpt.layer("classifier", layer, lambda: classifier_layer(rows[layer], centroids[layer], s, layer,
+                                                                             ctx.device))
+            params[layer], curves[layer] = resume.classifier_from_tensors(done, sink=s.sink, recent=s.recent)
     with ctx.timer.stage("eval"):
         evals = evaluate(loaded, held_out, params, rope_centroids, s, seed)
         head = report.head_curves(evals)
@@ -563,6 +583,8 @@ def calibrate(cfg: DictConfig, ctx: Any) -> Any:
                "train_long_range_fraction": {str(l): v for l, v in lr_by_layer.items()},
                "train_answer_rows": {str(l): v for l, v in answer_rows.items()},
                "collected_set": collected.content_hash, "eval_length": eval_length, "eval_prompts": len(held_out)}
+    metrics["checkpoint_layers_loaded"] = ckpt.loaded
+    ckpt.clear()  # every stage finished: the artifact holds the results
     return _output(cfg, s, loaded, params, calib_prompts, held_out, calib_lengths, metrics, payload,
                    keys_per_prompt(s, len(calib_prompts)))
 

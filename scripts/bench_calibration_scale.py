@@ -1,0 +1,146 @@
+"""Cost of calibrating each method at a model's full size, on random weights (``model.init=random``).
+
+    python scripts/bench_calibration_scale.py                              # all four methods, llama31
+    python scripts/bench_calibration_scale.py --methods saap,sale -- data.lengths=[32768]
+    python scripts/bench_calibration_scale.py --methods saap --set saap:method.prompts=8 --json saap.json
+
+Each method runs as ``python -m calib run +method=<m> model=<model> model.init=random <overrides>`` in a
+fresh process with its own ``CALIB_HOME`` (a new MLflow store and an empty collection cache, unless
+``--home`` names a shared one), so one method's cache or memory never helps another's figures. Printed
+per method: wall time of the process, every ``time_<stage>_s`` of the result JSON (load, collect,
+kmeans, targets, classifier, eval, ... as the method names its stages), ``peak_gpu_mem_gb``
+(``torch.cuda.max_memory_allocated`` over the run, logged by ``calib.run``), the process's peak host RSS
+(``wait4``'s ``ru_maxrss``), and the artifact's size on disk. The figures measure cost only: the
+weights are random, and the run and its artifact are marked as a dry run.
+
+Overrides after ``--`` go to every method; ``--set <method>:<key>=<value>`` to one. A method that fails
+is reported with its exit code and the last line of its stderr (the full log is kept in the home).
+
+On a GPU box without network: the image has torch and transformers but not Hydra, OmegaConf or MLflow
+(nor Faiss: SAAP's k-means then runs the torch implementation on the GPU). Build their wheels here with
+``scripts/offline_wheels.sh``, carry them, install them with
+``pip install --no-index --no-deps --target /tmp/site .whl/*.whl`` and ``export PYTHONPATH=/tmp/site``:
+this script passes ``PYTHONPATH`` on to the runs. The script itself imports only the standard library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+METHODS = ("saap", "sale", "sampleattention", "santa")
+
+
+def parse_sets(items: list[str]) -> dict[str, list[str]]:
+    """``["saap:method.prompts=8", ...]`` -> ``{"saap": ["method.prompts=8"], ...}``."""
+    out: dict[str, list[str]] = {}
+    for item in items:
+        method, sep, override = item.partition(":")
+        if not sep or "=" not in override:
+            raise SystemExit(f"error: --set takes <method>:<key>=<value>, got {item!r}")
+        out.setdefault(method, []).append(override)
+    return out
+
+
+def directory_bytes(path: Path) -> int:
+    """Total size of the files under ``path`` (0 when it does not exist)."""
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
+
+
+def run_method(method: str, model: str, overrides: list[str], home: Path, timeout_s: float) -> dict:
+    """One ``calib run`` in a fresh process; its result JSON's figures plus wall time and peak RSS."""
+    home.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "CALIB_HOME": str(home),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    cmd = [sys.executable, "-m", "calib", "run", f"+method={method}", f"model={model}", "model.init=random",
+           *overrides]
+    log_path = home / f"{method}.log"
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log, tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=log, text=True)
+        deadline, timed_out = t0 + timeout_s, False
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.perf_counter() > deadline:
+                proc.kill()
+                timed_out = True
+                pid, status, usage = os.wait4(proc.pid, 0)
+                break
+            time.sleep(0.2)
+        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: tell Popen
+        out.seek(0)
+        lines = out.read().strip().splitlines()
+    row: dict = {"method": method, "cmd": " ".join(cmd), "exit_code": proc.returncode,
+                 "wall_s": time.perf_counter() - t0, "peak_host_rss_gb": usage.ru_maxrss * 1024 / 1e9,
+                 "log": str(log_path)}
+    if proc.returncode != 0 or not lines:
+        tail = log_path.read_text().strip().splitlines()
+        row["error"] = f"timed out after {timeout_s:.0f} s" if timed_out else (tail[-1] if tail else "no output")
+        return row
+    result = json.loads(lines[-1])
+    metrics = result.get("metrics", {})
+    row.update({k: v for k, v in metrics.items() if k.startswith("time_") or k == "peak_gpu_mem_gb"})
+    row["artifact_mb"] = directory_bytes(Path(result["artifact_dir"])) / 1e6
+    row["model_uri"] = result.get("model_uri")
+    return row
+
+
+def format_rows(rows: list[dict]) -> str:
+    """A Markdown table: method, wall, every stage time any method reported, memory, artifact size."""
+    stages = sorted({k for r in rows for k in r if k.startswith("time_")})
+    head = ["method", "exit", "wall_s", *stages, "peak_gpu_mem_gb", "peak_host_rss_gb", "artifact_mb"]
+
+    def cell(value: object) -> str:
+        return f"{value:.1f}" if isinstance(value, float) else ("-" if value is None else str(value))
+
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(cell(r.get(k, r.get("exit_code") if k == "exit" else None)) for k in head) + " |"
+              for r in rows]
+    errors = [f"{r['method']}: {r['error']} (log: {r['log']})" for r in rows if "error" in r]
+    return "\n".join(lines + errors)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    common = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated (default: all four)")
+    parser.add_argument("--model", default="llama31", help="a conf/model name (default llama31)")
+    parser.add_argument("--set", action="append", default=[], metavar="METHOD:KEY=VALUE",
+                        help="an override for one method (repeatable)")
+    parser.add_argument("--home", type=Path, default=None,
+                        help="one CALIB_HOME for all methods (default: a fresh directory per method)")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per method (default 3600)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
+    args = parser.parse_args(argv)
+    per_method = parse_sets(args.set)
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        raise SystemExit(f"error: unknown methods {unknown}: choose from {', '.join(METHODS)}")
+    base = Path(tempfile.mkdtemp(prefix="calib-scale-"))
+    rows = []
+    for method in methods:
+        home = args.home or base / method
+        print(f"[{method}] running in {home} ...", file=sys.stderr, flush=True)
+        rows.append(run_method(method, args.model, [*common, *per_method.get(method, [])], home, args.timeout))
+        print(f"[{method}] exit {rows[-1]['exit_code']} after {rows[-1]['wall_s']:.0f} s", file=sys.stderr, flush=True)
+    print(format_rows(rows))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0 if all(r["exit_code"] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

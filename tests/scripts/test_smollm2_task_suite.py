@@ -53,7 +53,7 @@ def test_suite_on_tiny_matches_answering_one_prompt_at_a_time(tmp_path, monkeypa
                 "kv_retrieval", "--device", "cpu", "--batch-tokens", "2048", "--out", str(out)])
     result = json.loads(out.read_text())
     assert set(result["cells"]) == {f"{t}@{n}" for t in ("niah_single", "kv_retrieval") for n in (512, 1024)}
-    assert result["scoring"] == "exact" and result["max_new_tokens"] == 16
+    assert result["scoring"] == "exact_match" and result["max_new_tokens"] == 16
 
     loaded = load_model(suite.model_config("tiny"), device="cpu")
     prompts = build_prompts({"source": "synthetic"}, loaded.tokenizer, seed=suite.EVAL_SEED, lengths=[512, 1024],

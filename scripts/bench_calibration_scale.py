@@ -59,7 +59,8 @@ def run_method(method: str, model: str, overrides: list[str], home: Path, timeou
     home.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "CALIB_HOME": str(home),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    env.pop("MLFLOW_TRACKING_URI", None)
+    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI"):  # a fresh store: nothing inherited
+        env.pop(var, None)
     cmd = [sys.executable, "-m", "calib", "run", f"+method={method}", f"model={model}", "model.init=random",
            *overrides]
     log_path = home / f"{method}.log"

@@ -82,7 +82,7 @@ def score_schedules(cfg: Any, loaded: Any, prompts: Sequence[Any], max_new: Sequ
 def _score_unique(cfg: Any, loaded: Any, prompts: Sequence[Any], max_new: Sequence[int], seeds: Sequence[int],
                   schedules: dict[str, list[int] | None], shards: int) -> dict[str, np.ndarray]:
     from calib.config import to_container
-    from calib.santa.local_worker import last_json, start_child
+    from calib.santa.children import last_json, start_child
     from calib.santa.reward import RewardSettings, score_schedule
 
     shards = max(1, min(shards, len(prompts) // MIN_PER_SHARD))

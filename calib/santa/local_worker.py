@@ -1,7 +1,7 @@
 """Local child processes of ``python -m calib run +method=santa`` (:mod:`calib.santa.recipe`).
 
 The parent starts ``python -m calib.santa.local_worker --index I --seed S --threads T [--score]`` with
-:func:`start_child` (a fresh interpreter: no dependence on the caller's ``__main__``, unlike
+:func:`calib.santa.children.start_child` (a fresh interpreter: no dependence on the caller's ``__main__``, unlike
 multiprocessing spawn) and writes the resolved config as ONE JSON line on the child's stdin.
 
 * REINFORCE worker (default): the child loads the model, builds the reward pool and runs
@@ -21,39 +21,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import threading
 import traceback
-from typing import Any, Sequence
-
-
-def start_child(index: int, seed: int, threads: int, lines: Sequence[str], *, score: bool = False) -> subprocess.Popen:
-    """Start one child with ``lines`` (JSON texts) written to its stdin, which stays open (text mode)."""
-    from calib.paths import project_root
-
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(project_root()), *filter(None, [env.get("PYTHONPATH")])])
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    cmd = [sys.executable, "-m", "calib.santa.local_worker", "--index", str(index), "--seed", str(seed),
-           "--threads", str(threads), *(["--score"] if score else [])]
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-    for line in lines:
-        proc.stdin.write(line.rstrip("\n") + "\n")
-    proc.stdin.flush()
-    return proc
-
-
-def last_json(text: str | None, code: int | None) -> dict[str, Any]:
-    """The child's report: the last JSON object line of its stdout."""
-    for line in reversed((text or "").splitlines()):
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(obj, dict):
-            return obj
-    return {"error": f"exited with code {code} without a report"} if code else {}
+from typing import Sequence
 
 
 def _stop_on_stdin_eof(stop: threading.Event) -> None:

@@ -101,7 +101,7 @@ class WorkerPool:
         self._watching = threading.Event()
 
     def start(self) -> None:
-        from calib.santa.local_worker import start_child
+        from calib.santa.children import start_child
 
         self.procs = [start_child(i, self.seed, self.threads, [self.config_line]) for i in range(self.count)]
         self._watching.set()
@@ -117,7 +117,7 @@ class WorkerPool:
 
     def shutdown(self) -> list[dict[str, Any]]:
         """Close every child's stdin (stop after the current episode), wait, kill stragglers; their reports."""
-        from calib.santa.local_worker import last_json
+        from calib.santa.children import last_json
 
         self._watching.clear()
         for p in self.procs:

@@ -4,7 +4,7 @@
 
 The acceptance criterion (docs/results/santa.md) needs a budget where the uniform schedule's held-out reward lies in [--lo, --hi]
 (0.3-0.7; the paper starved to 52%, not to zero). For each reward prompt length this runs
-``python -m calib.santa.reward sweep=<budgets> sweep_total=<totals> method.reward.length=<length>
+``python -m calib.santa.sweep sweep=<budgets> sweep_total=<totals> method.reward.length=<length>
 [overrides]`` and reads its uniform rewards (budgets per layer, and total budgets N, which may sit
 between L and 2L when one sample per layer starves the model and two do not); among the (length, N)
 points inside the band it picks the one whose reward is nearest the band's middle (ties: the larger N,
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     table = {}
     for length in args.lengths:
         totals = [f"sweep_total={','.join(str(n) for n in args.totals)}"] if args.totals else []
-        out = run(py + ["calib.santa.reward", f"sweep={','.join(str(b) for b in args.budgets)}", *totals,
+        out = run(py + ["calib.santa.sweep", f"sweep={','.join(str(b) for b in args.budgets)}", *totals,
                         f"method.reward.length={length}", *args.overrides])
         table[length] = out["uniform_reward"]
         print(f"length {length}: " + ", ".join(f"{b}: {p['reward']:.2f}" for b, p in table[length].items()),

@@ -249,7 +249,7 @@ def test_heldout_scores_do_not_depend_on_sharding(model_dir, monkeypatch):
 
 
 def test_uniform_sweep_command(model_dir, capsys):
-    from calib.santa.reward import main
+    from calib.santa.sweep import main
 
     args = overrides(model_dir, "rl.heldout_questions=4")[1:]
     assert main(["sweep=1,2", *args]) == 0
@@ -261,7 +261,7 @@ def test_uniform_sweep_command(model_dir, capsys):
 def test_uniform_sweep_totals_score_every_placement(model_dir, capsys, monkeypatch):
     """sweep_total=3 on 2 layers: N3 is theta=0's [2, 1]; both placements scored; N3:mean is their mean."""
     import calib.santa.heldout as heldout
-    from calib.santa.reward import main
+    from calib.santa.sweep import main
 
     scored: list[dict] = []
     real = heldout._score_unique

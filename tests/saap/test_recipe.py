@@ -234,7 +234,8 @@ def test_per_layer_default_l_is_written_and_applied(model_dir, loaded, tmp_path)
     manifest = load_artifact(res["artifact_dir"], method="saap").manifest
     # the default report (artifact): SAAP and the window only, no k-means baselines or oracles
     assert {r["method"] for r in manifest.payload["eval_table"]} == {"saap", "window"}
-    assert not [k for k in res["metrics"] if "kmeans" in k or "oracle" in k or "saap_per_head" in k]
+    assert not [k for k in res["metrics"] if any(b in k for b in ("kmeans_derope", "kmeans_rope", "oracle_",
+                                                                   "saap_per_head"))]
     assert "recall_at_sel0.05.saap" in res["metrics"] and manifest.hyperparameters["report"] == "artifact"
     hp = manifest.hyperparameters
     assert hp["top_l"] == 1 and hp["top_l_layers"] == {"1": C} and C in hp["top_ls"]

@@ -136,7 +136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix=f"bench_cli_{method}_") as home:
             rows.append(run_job(method, overrides, Path(home), ns.timeout))
         r = rows[-1]
-        print(f"{method}: {'ok' if r.ok else 'FAILED'} in {r.wall_s:.1f} s", file=sys.stderr, flush=True)
+        stages = ", ".join(f"{k} {v:.1f}" for k, v in r.stages.items())
+        print(f"{method}: {'ok' if r.ok else 'FAILED'} in {r.wall_s:.1f} s ({stages})", file=sys.stderr, flush=True)
         if not r.ok:
             print(r.error, file=sys.stderr)
     print(markdown_table(rows, os.cpu_count(), load))

@@ -11,7 +11,7 @@ the metrics logged to the run's MLflow store. ``wall`` is the whole process, imp
     python scripts/bench_cli.py --methods sale -- method.report=full   # extra Hydra overrides per job
 
 Prints a markdown table with the machine's core count and load average (a shared machine's timings are
-upper bounds); ``--json PATH`` also writes the rows. Exit code 1 if a job failed (its stderr tail printed).
+upper bounds); ``--json PATH`` also writes the rows with each run's result metrics. Exit code 1 if a job failed (its stderr tail printed).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ class JobTiming:
     ok: bool = True
     error: str = ""
     model_uri: str = ""
+    metrics: dict[str, Any] = field(default_factory=dict)  # the result JSON's metrics (for --json)
 
 
 def stage_times(metrics: dict[str, Any]) -> dict[str, float]:
@@ -99,7 +100,8 @@ def run_job(method: str, overrides: Sequence[str], home: Path, timeout_s: float)
         stages = {**mlflow_stage_times(home, result["run_id"]), **stages}
     except Exception as exc:  # noqa: BLE001 - the result JSON's stages still stand; say what is missing
         print(f"note: {method}: MLflow stage times unreadable ({exc}); result JSON stages only", file=sys.stderr)
-    return JobTiming(method, wall, stages, model_uri=str(result.get("model_uri", "")))
+    return JobTiming(method, wall, stages, model_uri=str(result.get("model_uri", "")),
+                     metrics=dict(result.get("metrics", {})))
 
 
 def markdown_table(rows: Sequence[JobTiming], cores: int | None, load: tuple[float, float, float] | None) -> str:

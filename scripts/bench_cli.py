@@ -11,7 +11,8 @@ the metrics logged to the run's MLflow store. ``wall`` is the whole process, imp
     python scripts/bench_cli.py --methods sale -- method.report=full   # extra Hydra overrides per job
 
 Prints a markdown table with the machine's core count and load average (a shared machine's timings are
-upper bounds); ``--json PATH`` also writes the rows with each run's result metrics. Exit code 1 if a job failed (its stderr tail printed).
+upper bounds); ``--json PATH`` also writes the rows with each run's result metrics. Exit code 1 if a
+job failed (its stderr tail printed).
 """
 
 from __future__ import annotations

@@ -497,7 +497,8 @@ def evaluate(loaded: Any, prompts: Sequence[Any], params: dict[int, SaapLayerPar
                                     sample_generator(seed, cap.prompt_index, cap.layer, "saap-eval"))
         ev = evaluate_layer(cap.q_post.float(), qd, cap.k_post.float(), kd, cap.v.float(), qidx,
                             params=dev_params[cap.layer], top_ls=s.evaluated_ls,
-                            rope_centroids=dev_rope.get(cap.layer), baseline_probe=probe, scale=scales[cap.layer], oracle=oracle)
+                            rope_centroids=dev_rope.get(cap.layer), baseline_probe=probe,
+                            scale=scales[cap.layer], oracle=oracle)
         dist = top1_key_distance(cap.q_post.float(), cap.k_post.float(), positions=qidx, sink=s.sink,
                                  causal=True, scale=scales[cap.layer])
         found[cap.layer].append(LayerEvaluation(ev.top_ls, {m: {k: v.cpu() for k, v in d.items()}

@@ -4,7 +4,8 @@ Every job runs in a fresh Python process (as a new user runs it) with a private 
 directory, so the user's MLflow store, registry and collector cache are never touched, and every job
 starts cold (no cached collection). Per stage the times are the run's own ``time_<stage>_s`` metrics:
 those of the result JSON (the last stdout line) and, for stages a recipe does not copy there (``publish``),
-the metrics logged to the run's MLflow store. ``wall`` is the whole process, imports included.
+the metrics logged to the run's MLflow store. ``wall`` is the whole process, imports included; ``CPU`` its
+user + system time (on a shared machine, CPU / cores is a closer guess of the idle wall time than wall).
 
     python scripts/bench_cli.py                       # saap, sale, sampleattention, santa on `tiny`
     python scripts/bench_cli.py --methods sale santa  # a subset
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -39,6 +41,7 @@ class JobTiming:
     method: str
     wall_s: float
     stages: dict[str, float] = field(default_factory=dict)
+    cpu_s: float = 0.0  # user + system CPU time of the job's process tree (busy cores x wall on a loaded box)
     ok: bool = True
     error: str = ""
     model_uri: str = ""
@@ -78,30 +81,37 @@ def mlflow_stage_times(home: Path, run_id: str) -> dict[str, float]:
             os.environ["CALIB_HOME"] = saved
 
 
+def _children_cpu_s() -> float:
+    """User + system CPU seconds of every finished child process so far."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_job(method: str, overrides: Sequence[str], home: Path, timeout_s: float) -> JobTiming:
     """``python -m calib run +method=<method> [overrides]`` in a fresh process under ``home``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
     env.update(CALIB_HOME=str(home), PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
     cmd = [sys.executable, "-m", "calib", "run", f"+method={method}", *overrides]
     print(f"+ {' '.join(cmd)}  (CALIB_HOME={home})", file=sys.stderr, flush=True)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), _children_cpu_s()
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return JobTiming(method, time.perf_counter() - t0, ok=False, error=f"timed out after {timeout_s:g} s")
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, _children_cpu_s() - cpu0
     if proc.returncode != 0:
-        return JobTiming(method, wall, ok=False, error=f"exit {proc.returncode}: {proc.stderr.strip()[-2000:]}")
+        return JobTiming(method, wall, cpu_s=cpu, ok=False,
+                         error=f"exit {proc.returncode}: {proc.stderr.strip()[-2000:]}")
     try:
         result = last_json_line(proc.stdout)
     except ValueError as exc:
-        return JobTiming(method, wall, ok=False, error=f"no result JSON: {exc}")
+        return JobTiming(method, wall, cpu_s=cpu, ok=False, error=f"no result JSON: {exc}")
     stages = stage_times(result.get("metrics", {}))
     try:
         stages = {**mlflow_stage_times(home, result["run_id"]), **stages}
     except Exception as exc:  # noqa: BLE001 - the result JSON's stages still stand; say what is missing
         print(f"note: {method}: MLflow stage times unreadable ({exc}); result JSON stages only", file=sys.stderr)
-    return JobTiming(method, wall, stages, model_uri=str(result.get("model_uri", "")),
+    return JobTiming(method, wall, stages, cpu_s=cpu, model_uri=str(result.get("model_uri", "")),
                      metrics=dict(result.get("metrics", {})))
 
 
@@ -110,13 +120,15 @@ def markdown_table(rows: Sequence[JobTiming], cores: int | None, load: tuple[flo
     head = f"CPU cores (os.cpu_count()): {cores}"
     if load is not None:
         head += f"; load average at start (1/5/15 min): {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}"
-    lines = [head, "", "| method | stages (s) | sum of stages (s) | wall (s) |", "| --- | --- | ---: | ---: |"]
+    lines = [head, "", "| method | stages (s) | sum of stages (s) | wall (s) | CPU (s) |",
+             "| --- | --- | ---: | ---: | ---: |"]
     for r in rows:
         if not r.ok:
-            lines.append(f"| {r.method} | FAILED: {r.error.splitlines()[-1] if r.error else ''} | | {r.wall_s:.1f} |")
+            reason = r.error.splitlines()[-1] if r.error else ""
+            lines.append(f"| {r.method} | FAILED: {reason} | | {r.wall_s:.1f} | {r.cpu_s:.1f} |")
             continue
         stages = ", ".join(f"{k} {v:.1f}" for k, v in r.stages.items()) or "(none logged)"
-        lines.append(f"| {r.method} | {stages} | {sum(r.stages.values()):.1f} | {r.wall_s:.1f} |")
+        lines.append(f"| {r.method} | {stages} | {sum(r.stages.values()):.1f} | {r.wall_s:.1f} | {r.cpu_s:.1f} |")
     return "\n".join(lines)
 
 

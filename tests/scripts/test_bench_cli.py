@@ -31,13 +31,13 @@ def test_last_json_line_is_the_result():
 
 
 def test_markdown_table_rows_sums_and_failures():
-    rows = [bench_cli.JobTiming("sale", 100.04, {"load": 5.0, "calibrate": 80.25}),
-            bench_cli.JobTiming("santa", 3.0, ok=False, error="exit 2: boom\nerror: no such model")]
+    rows = [bench_cli.JobTiming("sale", 100.04, {"load": 5.0, "calibrate": 80.25}, cpu_s=150.0),
+            bench_cli.JobTiming("santa", 3.0, cpu_s=2.5, ok=False, error="exit 2: boom\nerror: no such model")]
     out = bench_cli.markdown_table(rows, 2, (1.0, 0.5, 0.25))
     lines = out.splitlines()
     assert lines[0] == "CPU cores (os.cpu_count()): 2; load average at start (1/5/15 min): 1.00 / 0.50 / 0.25"
-    assert "| sale | load 5.0, calibrate 80.2 | 85.2 | 100.0 |" in lines  # 5.0 + 80.25 = 85.25 -> 85.2
-    assert "| santa | FAILED: error: no such model | | 3.0 |" in lines
+    assert "| sale | load 5.0, calibrate 80.2 | 85.2 | 100.0 | 150.0 |" in lines  # 5.0 + 80.25 = 85.25 -> 85.2
+    assert "| santa | FAILED: error: no such model | | 3.0 | 2.5 |" in lines
 
 
 def test_unknown_method_is_a_one_line_error():
@@ -59,5 +59,5 @@ def test_a_real_job_in_a_private_home(tmp_path):
     job = json.loads(out_json.read_text())["jobs"][0]
     assert job["ok"] and job["model_uri"] == "models:/sale-tiny/1"  # a fresh store: version 1
     assert {"load", "calibrate", "publish"} <= set(job["stages"])
-    assert 0 < sum(job["stages"].values()) <= job["wall_s"]
+    assert 0 < sum(job["stages"].values()) <= job["wall_s"] and job["cpu_s"] > 0
     assert "| sale | load " in proc.stdout and "CPU cores (os.cpu_count()):" in proc.stdout

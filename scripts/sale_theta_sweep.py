@@ -32,7 +32,8 @@ DEFAULT_THETAS = (0.025, 0.05, 0.1)  # around tiny's theta (conf/model/tiny.yaml
 def run_sweep(thetas: Sequence[float], sweep_dir: Path, overrides: Sequence[str]) -> None:
     """The Hydra multirun itself (one job per theta, sequential)."""
     cmd = [sys.executable, "-m", "calib", "run", "-m", "+method=sale",
-           "method.theta=" + ",".join(f"{t:g}" for t in thetas), f"hydra.sweep.dir={sweep_dir}", *overrides]
+           "method.theta=" + ",".join(f"{t:g}" for t in thetas), f"hydra.sweep.dir={sweep_dir}",
+           "method.report=full", *overrides]  # full: the sparsity-by-length rows this sweep plots
     print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
     subprocess.run(cmd, cwd=ROOT, check=True)
 

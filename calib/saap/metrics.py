@@ -19,7 +19,8 @@ inner products instead), and ``window`` (ℓ = 0, StreamingLLM). With per-head p
 the per-head baselines. The runtime's group sum visits one bucket set per KV head, so ``saap``'s
 like-for-like baselines are the group-probed ones; per-head selection visits up to g sets per KV head
 at the same per-head selectivity. ``baseline_probe="both"`` reports both pairs in one pass: the per-head
-baselines under their names and the group-probed ones as ``kmeans_derope_group`` / ``kmeans_rope_group``.
+baselines under their names and the group-probed ones as ``kmeans_derope_group`` / ``kmeans_rope_group``;
+``baseline_probe="none"`` evaluates ``saap`` and the window only (the recipe's default ``method.report``).
 """
 
 from __future__ import annotations
@@ -150,8 +151,8 @@ def evaluate_layer(q_rope: torch.Tensor, q_derope: torch.Tensor, k_rope: torch.T
     hkv, g = k_rope.shape[0], hq // k_rope.shape[0]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     sink, recent = params.sink, params.recent
-    if baseline_probe not in ("head", "group", "both"):
-        raise ValueError(f"baseline_probe must be head, group or both, got {baseline_probe!r}")
+    if baseline_probe not in ("head", "group", "both", "none"):
+        raise ValueError(f"baseline_probe must be head, group, both or none, got {baseline_probe!r}")
     if bool((query_idx < sink + recent).any()):
         raise ValueError(f"evaluation queries must sit at positions >= sink + recent = {sink + recent}")
     top_ls = [int(x) for x in top_ls]

@@ -45,6 +45,10 @@ Stages (each timed with ``ctx.timer``, logged as ``time_<stage>_s``):
    (head, query) pairs whose top-1 key lies more / not more than ``long_range`` back), which show where
    SAAP's recall stands against the baselines and why (docs/results/saap.md).
 
+``method.report`` (default ``artifact``) evaluates SAAP and the window alone; ``full`` adds the
+comparison against the k-means baselines: the ``kmeans_rope`` k-means of stage 3, the ``kmeans_*``
+probes and ``saap_per_head`` (``eval.baseline_probe``) and the oracles (``eval.oracle``) of stage 6.
+
 Answer-aware calibration (``method.classifier.teacher_forced_answer``, default true). The paper trains
 the classifiers only on long-range queries sampled across the prompt (papers/saap.txt §4 "Query
 assignment function", §5 and App. A: queries whose top-1 key is more than 1024 tokens back; App. E.1
@@ -157,6 +161,12 @@ class Settings:
     baseline_probe: str
     oracle: bool
     recall_targets: list[float]
+    report: str = "artifact"
+
+    @property
+    def full_report(self) -> bool:
+        """``method.report=full``: also the k-means baselines (RoPE'd k-means, IVF probes) and the oracles."""
+        return self.report == "full"
 
     @property
     def recent(self) -> int:
@@ -195,6 +205,7 @@ class Settings:
             eval_length=_get(m, "eval.length", int, optional=True),
             baseline_probe=str(ev.get("baseline_probe", "both")), oracle=bool(ev.get("oracle", True)),
             recall_targets=[float(x) for x in (ev.get("recall_at_selectivity") or [])],
+            report=str(m.get("report") or "artifact"),
         )
 
 
@@ -226,6 +237,7 @@ def validate(cfg: DictConfig) -> None:
             f"method.kmeans.use_gpu must be auto, true or false (got {s.kmeans_use_gpu!r})")
     require(s.baseline_probe in ("head", "group", "both"),
             f"method.eval.baseline_probe must be head, group or both (got {s.baseline_probe!r})")
+    require(s.report in ("artifact", "full"), f"method.report must be one of artifact, full (got {s.report!r})")
     require(bool(s.recall_targets) and all(0 < t < 1 for t in s.recall_targets),
             f"method.eval.recall_at_selectivity must be a non-empty list in (0, 1) (got {s.recall_targets})")
     require(s.calib_lengths is None or (bool(s.calib_lengths) and min(s.calib_lengths) >= 1),
@@ -463,14 +475,17 @@ def train_layer(rows: TrainingRows, s: Settings, layer: int, device: torch.devic
 
 
 def kmeans_layer(collected: Any, layer: int, s: Settings, seed: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """One layer's k-means: ``centroids`` and ``rope_centroids [Hkv, C, D]``, ``imbalance []`` (float64)."""
+    """One layer's k-means: ``centroids [Hkv, C, D]``, ``imbalance []`` (float64) and, for the full report
+    only, ``rope_centroids [Hkv, C, D]`` (the k-means-on-RoPE'd-keys baseline)."""
     derope_pts, rope_pts = candidate_keys(collected, layer, s.sink, s.recent)
     centroids = fit_heads(derope_pts, s, seed, device)
     balance = imbalance(derope_pts, centroids)
     log.info("saap: layer %d k-means on %s keys per KV head, imbalance %.3f", layer,
              [int(x.shape[0]) for x in derope_pts], balance)
-    return {"centroids": centroids, "rope_centroids": fit_heads(rope_pts, s, seed, device),
-            "imbalance": torch.tensor(balance, dtype=torch.float64)}
+    out = {"centroids": centroids, "imbalance": torch.tensor(balance, dtype=torch.float64)}
+    if s.full_report:
+        out["rope_centroids"] = fit_heads(rope_pts, s, seed, device)
+    return out
 
 
 def classifier_layer(rows: TrainingRows, centroids: torch.Tensor, s: Settings, layer: int,
@@ -495,6 +510,7 @@ def evaluate(loaded: Any, prompts: Sequence[Any], params: dict[int, SaapLayerPar
     scales = layer_scales(loaded.model)
     dev_params = {l: p.to(loaded.device) for l, p in params.items()}
     dev_rope = {l: c.to(loaded.device) for l, c in rope_centroids.items()}
+    probe, oracle = (s.baseline_probe, s.oracle) if s.full_report else ("none", False)
     found: dict[int, list[LayerEvaluation]] = defaultdict(list)
 
     def on_layer(cap: Any) -> None:
@@ -505,8 +521,9 @@ def evaluate(loaded: Any, prompts: Sequence[Any], params: dict[int, SaapLayerPar
         qidx = eval_query_positions(cap.num_tokens, s.sink, s.recent, n,
                                     sample_generator(seed, cap.prompt_index, cap.layer, "saap-eval"))
         ev = evaluate_layer(cap.q_post.float(), qd, cap.k_post.float(), kd, cap.v.float(), qidx,
-                            params=dev_params[cap.layer], top_ls=s.evaluated_ls, rope_centroids=dev_rope[cap.layer],
-                            baseline_probe=s.baseline_probe, scale=scales[cap.layer], oracle=s.oracle)
+                            params=dev_params[cap.layer], top_ls=s.evaluated_ls,
+                            rope_centroids=dev_rope.get(cap.layer), baseline_probe=probe,
+                            scale=scales[cap.layer], oracle=oracle)
         dist = top1_key_distance(cap.q_post.float(), cap.k_post.float(), positions=qidx, sink=s.sink,
                                  causal=True, scale=scales[cap.layer])
         found[cap.layer].append(LayerEvaluation(ev.top_ls, {m: {k: v.cpu() for k, v in d.items()}
@@ -542,8 +559,9 @@ def calibrate(cfg: DictConfig, ctx: Any) -> Any:
     with ctx.timer.stage("kmeans"):
         for layer in layers:
             done = ckpt.layer("kmeans", layer, lambda: kmeans_layer(collected, layer, s, seed, ctx.device))
-            centroids[layer], rope_centroids[layer] = done["centroids"], done["rope_centroids"]
-            balance[layer] = float(done["imbalance"])
+            centroids[layer], balance[layer] = done["centroids"], float(done["imbalance"])
+            if "rope_centroids" in done:  # the kmeans_rope baseline: a report extra (method.report=full)
+                rope_centroids[layer] = done["rope_centroids"]
     with ctx.timer.stage("targets"):
         rows = resume.checkpointed_rows(ckpt, layers, lambda todo: training_rows(
             loaded, calib_prompts, {l: centroids[l] for l in todo}, s, seed), TrainingRows)
@@ -609,7 +627,8 @@ def hyperparameters(s: Settings, keys: int, calib_lengths: list[int], eval_lengt
                            "teacher_forced_answer": s.teacher_forced_answer,
                            "optimizer": "adam", "batch_norm": True, "loss": "KL(A·H_k || softmax f_q(q))"},
             "prompts": s.prompts, "calib_lengths": calib_lengths, "eval_length": eval_length,
-            "eval_prompts": s.eval_prompts, "baseline_probe": s.baseline_probe, "oracle": s.oracle}
+            "eval_prompts": s.eval_prompts, "report": s.report,
+            "baseline_probe": s.baseline_probe if s.full_report else None, "oracle": s.oracle and s.full_report}
 
 
 def _output(cfg: DictConfig, s: Settings, loaded: Any, params: dict[int, SaapLayerParams], prompts: Sequence[Any],

@@ -3,7 +3,7 @@
 Each stage's per-layer result is a flat tensor dict, so a run killed in the middle of a stage and
 started again with the same config loads the finished layers and computes only the rest:
 
-* ``kmeans``: ``centroids [Hkv, C, D]``, ``rope_centroids [Hkv, C, D]``, ``imbalance []`` (float64);
+* ``kmeans``: ``centroids [Hkv, C, D]``, ``rope_centroids [Hkv, C, D]`` (method.report=full only), ``imbalance []`` (float64);
 * ``targets``: the layer's :class:`calib.saap.recipe.TrainingRows`, one tensor per prompt and field
   (``x.<i>``, ``targets.<i>``, ...) plus ``prompt [P]``; the second pass runs only over the layers
   without a file (every layer's rows depend on its own centroids and sampling seed alone);

@@ -11,6 +11,9 @@ Stages (each timed):
    (no error cascade), only one layer of one prompt is in memory at a time, and there is one forward
    per prompt. Halving then runs per layer on those tables, all heads at once per step: a head keeps
    the first tau whose error is ``<= theta`` on EVERY sample; ``tau <= tau_min`` becomes 0 (dense).
+Stages 2 and 3 and the theta curve are report extras: they run with ``method.report=full`` only (the
+default ``artifact`` computes what the artifact holds and its headline metrics, stage 1).
+
 2. ``sparsity_by_length`` — block sparsity of the calibrated tau on held-out prompts (``eval.seed``)
    of every data length: the Selection-Pass only, on the dense model's inputs (``sparsity_at_<len>``).
 3. ``ablation`` (``compare_shared_tau``) — one tau shared by all heads whose mean sparsity on the
@@ -45,6 +48,7 @@ from runtime_kernels.sale.api import SalePrefill, estimator_precision, sale_sele
 from runtime_kernels.sale.reference import SaleSelectionConfig
 
 BITS = {4: "int4", 8: "int8"}
+REPORT_MODES = ("artifact", "full")
 
 
 # ------------------------------------------------------------------------------------------- config
@@ -84,14 +88,26 @@ def validate(cfg: DictConfig) -> None:
     curve = m.get("theta_curve") or []
     require(not isinstance(curve, str) and all(float(x) > 0 for x in curve),
             f"method.theta_curve must be a list of positive multiples of theta (got {curve!r})")
+    require(report_mode(m) in REPORT_MODES,
+            f"method.report must be one of {', '.join(REPORT_MODES)} (got {m.get('report')!r})")
     require(isinstance(m.get("compare_shared_tau", True), bool),
             f"method.compare_shared_tau must be true or false (got {m.get('compare_shared_tau')!r})")
+
+
+def report_mode(m: Any) -> str:
+    """``method.report``: ``artifact`` (default) or ``full`` (also the report extras)."""
+    return str(m.get("report") or "artifact")
+
+
+def full_report(m: Any) -> bool:
+    """True when the report extras run: sparsity by length, the theta curve, the shared-tau ablation."""
+    return report_mode(m) == "full"
 
 
 def data_needs(cfg: DictConfig) -> dict[str, str | None]:
     """Calibration and held-out rows; answers only for the accuracy ablation (the errors need none)."""
     m = cfg.method
-    scored = bool(m.get("compare_shared_tau", True)) and int(m.get("ablation_prompts", 0)) > 0
+    scored = full_report(m) and bool(m.get("compare_shared_tau", True)) and int(m.get("ablation_prompts", 0)) > 0
     return {"calibration": None,
             "evaluation": "SALE's accuracy ablation scores held-out answers (method.ablation_prompts=0 skips it)"
             if scored else None}
@@ -347,7 +363,8 @@ def calibrate(cfg: DictConfig, ctx: Any) -> Any:
     m = cfg.method
     theta, tau0, tau_min = float(m.theta), float(m.tau0), float(m.tau_min)
     sel = selection_config(m)
-    compare = bool(m.get("compare_shared_tau", True))
+    full = full_report(m)
+    compare = full and bool(m.get("compare_shared_tau", True))
     with ctx.timer.stage("load"):
         loaded = load_model(cfg.model, device=str(ctx.device))
         prompts = calibration_prompts(cfg, loaded.tokenizer)
@@ -364,13 +381,16 @@ def calibrate(cfg: DictConfig, ctx: Any) -> Any:
         "tau_mean": float(cal.tau.mean()), "err_dense_floor": float(tables.err[:, -1].max()),
         "bound_met": float(bool(((cal.err <= theta) | (cal.tau == 0)[None]).all())),
     }
-    curve = theta_curve(tables, theta, list(m.get("theta_curve") or []), tau0, tau_min)
-    metrics["sparsity_vs_theta"] = {f"{th:g}": v for th, v in curve.items()}
-    with ctx.timer.stage("sparsity_by_length"):
-        held_out = build_prompts(cfg.data, loaded.tokenizer, seed=int(cfg.eval.seed),
-                                 lengths=[int(x) for x in cfg.data.lengths], tasks=cfg.data.tasks,
-                                 num_prompts=int(m.sparsity_prompts), purpose="evaluation")
-        by_length = sparsity_by_length(loaded, held_out, cal.tau, sel)
+    curve = theta_curve(tables, theta, list(m.get("theta_curve") or []) if full else [], tau0, tau_min)
+    if full:
+        metrics["sparsity_vs_theta"] = {f"{th:g}": v for th, v in curve.items()}
+    by_length: dict[int, list[float]] = {}
+    if full:
+        with ctx.timer.stage("sparsity_by_length"):
+            held_out = build_prompts(cfg.data, loaded.tokenizer, seed=int(cfg.eval.seed),
+                                     lengths=[int(x) for x in cfg.data.lengths], tasks=cfg.data.tasks,
+                                     num_prompts=int(m.sparsity_prompts), purpose="evaluation")
+            by_length = sparsity_by_length(loaded, held_out, cal.tau, sel)
     metrics.update({f"sparsity_at_{n}": float(np.mean(v)) for n, v in by_length.items()})
     # What ran during calibration here (the reference honours 4 bits; the CUDA kernels estimate in int8).
     ran = estimator_precision(sel, next(loaded.model.parameters()).device)
@@ -384,7 +404,8 @@ def calibrate(cfg: DictConfig, ctx: Any) -> Any:
         metrics["ablation"] = {k: v for k, v in ablation.items() if isinstance(v, float)}
         payload["shared_tau"] = ablation
     mlflow.log_dict(per_head_table(cal, theta), "sale/per_head.json")
-    mlflow.log_dict({"theta": list(curve), "sparsity": list(curve.values())}, "sale/sparsity_vs_theta.json")
+    if full:
+        mlflow.log_dict({"theta": list(curve), "sparsity": list(curve.values())}, "sale/sparsity_vs_theta.json")
     log_plots(cal, by_length, curve, theta, str(cfg.model.name))
     data = DataRecord(source=str(cfg.data.get("source", "synthetic")), seed=int(cfg.data.seed), count=len(prompts),
                       lengths=sorted({int(p.length) for p in prompts}), content_hash=dataset_hash(prompts),

@@ -111,18 +111,22 @@ def ladder_errors_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o_
     k_pad = torch.nn.functional.pad(k.to(cdt), (0, 0, 0, nk * bk - n))  # [Hkv, NK*bk, D]
     v_blk = torch.nn.functional.pad(v.to(cdt), (0, 0, 0, nk * bk - n)).view(k.shape[0], nk, bk, dv)
     for h in range(hq):
+        row_scores = scores[h].repeat_interleave(bq, 0)  # [NQ*bq, NK]: each query row's block scores
         for r0, r1 in _row_chunks(n, n + nk * (dv + 2 * len(ladder)), chunk_elems):
             nkc = -(-r1 // bk)  # key blocks visible to the chunk's last row
-            s = q[h, r0:r1].to(cdt) @ k_pad[h // g, : nkc * bk].T * scale  # [R, nkc*bk]
+            s = q[h, r0:r1].to(cdt) @ k_pad[h // g, : nkc * bk].T  # [R, nkc*bk]
+            s.mul_(scale)  # in place: the rounding of ``@ ... * scale``
             pos = torch.arange(r0, r1, device=q.device)
-            s = s.masked_fill(torch.arange(nkc * bk, device=q.device)[None, :] > pos[:, None], -torch.inf)
+            # causal mask: only keys after the chunk's first row can be future keys of some row
+            s[:, r0 + 1:].masked_fill_(torch.arange(r0 + 1, nkc * bk, device=q.device)[None, :] > pos[:, None],
+                                       -torch.inf)
             s = s.view(r1 - r0, nkc, bk)
             m = s.amax(-1)  # [R, nkc], -inf for blocks above the diagonal
             m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-            p = torch.exp(s - m_safe[..., None])  # [R, nkc, bk]
+            p = s.sub_(m_safe[..., None]).exp_()  # [R, nkc, bk], in place of the scores
             l = p.sum(-1)  # [R, nkc]
             u = torch.einsum("rjk,jkd->rjd", p, v_blk[h // g, :nkc])  # [R, nkc, Dv]
-            blk_scores = scores[h, pos // bq, :nkc]  # [R, nkc]
+            blk_scores = row_scores[r0:r1, :nkc]  # [R, nkc]
             keep = (blk_scores[None] >= log_taus[:, None, None]) & (l > 0)[None]  # [K, R, nkc]
             top = torch.where(keep, m_safe[None], -torch.inf).amax(-1, keepdim=True)  # [K, R, 1]
             w = torch.where(keep, torch.exp(m_safe[None] - top), 0.0)  # [K, R, nkc]

@@ -12,11 +12,12 @@ Steps (SPEC §5.3, paper §4.2.6; each a timed stage):
    ``alphas_c x alphas_s x chunk_ns``; each point is scored by attaching ``SampleAttentionPrefill`` with
    that fixed row. Maximize sparsity subject to the threshold; ties (``sparsity_tie_tol``) go to the
    smaller chunk_n, then (GPU, ``measure_time``) to the faster attention. Dominated points are skipped.
-4. ``table3``: at each bucket's chosen alphas, every chunk_n scored on all prompts (evaluating what
-   the search skipped or stopped early).
+4. ``table3`` (``method.report=full`` only; the default ``artifact`` skips it): at each bucket's chosen
+   alphas, every chunk_n scored on all prompts (evaluating what the search skipped or stopped early).
 5. ``report``: every evaluated point, skipped point and the choice per bucket
    (``sampleattention/tuning.json``), per-bucket heatmaps (``plots/sampleattention/bucket<i>.png``),
-   the Table-3 table (``sampleattention/table3.md`` + metrics ``table3.b<i>.n<c>.*``).
+   the Table-3 table with ``method.report=full`` (``sampleattention/table3.md`` + metrics
+   ``table3.b<i>.n<c>.*``).
 
 Artifact: payload ``{"buckets": BucketTable.to_dict(), "tuning": per-bucket summary}`` and the tensor
 ``table`` ``[n_buckets, 3]`` float32 = (alpha_c, alpha_s, chunk_n) per bucket (checked against the
@@ -65,6 +66,8 @@ def validate(cfg: DictConfig) -> None:
     require(float(m.sparsity_tie_tol) >= 0.0, f"method.sparsity_tie_tol={m.sparsity_tie_tol} must be >= 0")
     require(str(m.measure_time) in ("auto", "True", "False", "true", "false"),
             f"method.measure_time={m.measure_time!r} must be auto, true or false")
+    require(str(m.get("report") or "artifact") in ("artifact", "full"),
+            f"method.report={m.get('report')!r} must be one of artifact, full")
     require(str(m.score) in SCORES, f"method.score={m.score!r} must be one of {', '.join(SCORES)}")
     edges = list(m.bucket_edges or [])
     require(all(int(e) > 0 for e in edges) and all(int(a) < int(b) for a, b in zip(edges, edges[1:])),
@@ -125,7 +128,8 @@ def _tune_bucket(cfg: DictConfig, evaluator: BucketEvaluator, index: int, length
         result = tune_length_bucket(evaluator, alphas_c=alphas_c, alphas_s=alphas_s, chunk_ns=chunk_ns,
                                     dense_score=dense, min_relative_score=mrs, sparsity_tol=float(m.sparsity_tie_tol))
         point = result.chosen.point if result.chosen is not None else GridPoint(alphas_c[-1], alphas_s[-1], chunk_ns[0])
-        table3 = {n: evaluator.full(GridPoint(point.alpha_c, point.alpha_s, n)) for n in chunk_ns}
+        table3 = ({n: evaluator.full(GridPoint(point.alpha_c, point.alpha_s, n)) for n in chunk_ns}
+                  if str(m.get("report") or "artifact") == "full" else {})  # Table 3: a report extra
     finally:
         bar.close()
     lower, upper = _bucket_bounds(_ints(m.bucket_edges), index)
@@ -149,6 +153,8 @@ def _metrics(reports: list[BucketReport]) -> dict[str, Any]:
             "evaluated_points": len(r.result.evaluated_points), "grid_points": r.grid_points,
             "feasible_found": float(chosen is not None),
             **(_row_metrics(chosen.point) if chosen else {})}
+        if not r.table3:
+            continue
         out.setdefault("table3", {})[f"b{r.index}"] = {
             f"n{n}": {"score": e.score, "sparsity": e.sparsity, "time_s": e.result().time_s}
             for n, e in r.table3.items()}
@@ -165,11 +171,12 @@ def _log_reports(reports: list[BucketReport], cfg: DictConfig) -> None:
 
     alphas_c, alphas_s = sorted(set(_floats(cfg.method.alphas_c))), sorted(set(_floats(cfg.method.alphas_s)))
     mlflow.log_dict({"buckets": [r.to_dict() for r in reports]}, "sampleattention/tuning.json")
-    mlflow.log_text(table3_markdown(reports), "sampleattention/table3.md")
     for r in reports:
         log_figure(heatmap_figure(r, alphas_c, alphas_s), f"plots/sampleattention/bucket{r.index}.png")
-    log.info("SampleAttention Table 3 (score / sparsity per chunk_n at the chosen alphas):\n%s",
-             table3_markdown(reports))
+    if any(r.table3 for r in reports):
+        mlflow.log_text(table3_markdown(reports), "sampleattention/table3.md")
+        log.info("SampleAttention Table 3 (score / sparsity per chunk_n at the chosen alphas):\n%s",
+                 table3_markdown(reports))
 
 
 def calibrate(cfg: DictConfig, ctx: Any) -> Any:

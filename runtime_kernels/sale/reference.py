@@ -147,6 +147,33 @@ def _estimate_rows(est: _Estimate, r0: int, r1: int, c1: int) -> torch.Tensor:
     return s.view(b, hq, r, c1) * est.q_row[:, :, r0:r1, None] + est.shift[:, :, r0:r1, None]
 
 
+def _estimate_block_row_max(est: _Estimate, r0: int, r1: int, c1: int, block_k: int,
+                            first_key: int) -> torch.Tensor:
+    """Per query row of ``[r0, r1)`` and key block of ``[0, c1)`` the largest causal S~: ``[B, Hq, R, NKc]``.
+
+    Bitwise the key-block max of :func:`_estimate_rows` with keys after the row (position
+    ``first_key + row``) at ``-inf``: the per-row factor ``q_row >= 0`` and ``shift`` are applied after
+    the max, which commutes with them (rounded ``x * a + b`` is non-decreasing in ``x`` for ``a >= 0``).
+    Only the product with the per-key scale touches the ``[R, c1]`` scores, in place.
+    """
+    b, hq, _, d = est.q_val.shape
+    hkv = est.k_val.shape[1]
+    g, r, nkc = hq // hkv, r1 - r0, _ceil_div(c1, block_k)
+    qv = est.q_val[:, :, r0:r1].reshape(b, hkv, g * r, d)
+    s = qv @ est.k_val[:, :, :c1].transpose(-1, -2)  # [B, Hkv, G*r, c1]
+    s.view(b, hkv, g, r, c1).mul_(est.k_col[:, :, None, None, :c1])
+    s = s.view(b, hq, r, c1)
+    lo = max(0, first_key + r0 + 1)  # the first key some row of the chunk must not see
+    if lo < c1:
+        q_pos = first_key + torch.arange(r0, r1, device=s.device)
+        s[..., lo:].masked_fill_(torch.arange(lo, c1, device=s.device)[None, :] > q_pos[:, None], -math.inf)
+    if nkc * block_k != c1:
+        s = F.pad(s, (0, nkc * block_k - c1), value=-math.inf)
+    top = s.view(b, hq, r, nkc, block_k).amax(-1)  # [B, Hq, R, NKc]
+    out = top * est.q_row[:, :, r0:r1, None] + est.shift[:, :, r0:r1, None]
+    return out.masked_fill_(top == -math.inf, -math.inf)  # no visible key: -inf whatever q_row is
+
+
 def approximate_scores(
     q: torch.Tensor, k: torch.Tensor, *, bits: int | None = 4, block_q: int = 64, block_k: int = 32,
     smooth_k: bool = True, scale: float | None = None,
@@ -259,13 +286,13 @@ def _block_scores_chunk(est: _Estimate, q: torch.Tensor, k: torch.Tensor, cfg: S
     r0, r1 = qb0 * bq, min(qb1 * bq, tq)
     c1 = min(tk, tk - tq + r1)  # keys visible to the chunk's last row
     m, l = _sink_local_stats_blocks(q, k, cfg, scale, qb0, qb1)  # [B, Hq, R]
-    s = _estimate_rows(est, r0, r1, c1)  # [B, Hq, R, c1]
-    s -= (m + torch.log(l))[..., None]  # S~ - m~ - ln l~ = ln P~
-    q_pos = (tk - tq) + torch.arange(r0, r1, device=q.device)
-    s.masked_fill_(torch.arange(c1, device=q.device)[None, :] > q_pos[:, None], -math.inf)
-    nkc = _ceil_div(c1, bk)
-    s = F.pad(s, (0, nkc * bk - c1, 0, nqc * bq - (r1 - r0)), value=-math.inf)
-    blk = s.view(b, hq, nqc, bq, nkc, bk).amax(dim=(3, 5))  # [B, Hq, nqc, nkc]
+    # max over each block's keys first, then the row terms: ln max P~ = max_rows (max_keys S~ - m~ - ln l~)
+    s = _estimate_block_row_max(est, r0, r1, c1, bk, tk - tq)  # [B, Hq, R, nkc]
+    s -= (m + torch.log(l))[..., None]  # S~ - m~ - ln l~ = ln P~ (-inf stays -inf)
+    nkc = s.shape[-1]
+    if nqc * bq != r1 - r0:
+        s = F.pad(s, (0, 0, 0, nqc * bq - (r1 - r0)), value=-math.inf)
+    blk = s.view(b, hq, nqc, bq, nkc).amax(dim=3)  # [B, Hq, nqc, nkc]
     out = F.pad(blk, (0, nk - nkc), value=-math.inf)
     always = sink_local_block_mask(tq, tk, cfg, q.device)[qb0:qb1]  # [nqc, NK]
     return out.masked_fill_(always, math.inf)

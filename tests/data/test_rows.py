@@ -126,11 +126,13 @@ def test_sale_needs_answers_only_for_its_ablation():
     from calib.sale.recipe import data_needs
 
     def needs(**method):
-        return data_needs(OmegaConf.create({"method": {"compare_shared_tau": True, "ablation_prompts": 4, **method}}))
+        return data_needs(OmegaConf.create({"method": {"report": "full", "compare_shared_tau": True, "ablation_prompts": 4,
+                                                 **method}}))
 
     assert needs()["evaluation"] and needs()["calibration"] is None
     assert needs(ablation_prompts=0)["evaluation"] is None
     assert needs(compare_shared_tau=False)["evaluation"] is None
+    assert needs(report="artifact")["evaluation"] is None  # the default report runs no ablation
 
 
 # ------------------------------------------------------------------------------------------ HF sources

@@ -15,7 +15,7 @@ ARCH = {"num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "hid
         "max_position_embeddings": 2048, "rope_theta": 10000.0, "rope_scaling": None}
 C, WINDOW, TOP_L = 8, 32, 8  # top_l = C: every bucket visited, so decode must equal dense attention
 METHODS = ("saap", "saap_per_head", "kmeans_derope", "kmeans_rope", "kmeans_derope_group", "kmeans_rope_group",
-           "window")  # baseline_probe: both (the default)
+           "window")  # method.report=full, baseline_probe: both (the default)
 
 
 def overrides(model_dir: Path, *extra: str) -> list[str]:
@@ -47,8 +47,8 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def result(model_dir: Path, home: Path) -> dict[str, Any]:
-    """One ``calib.run.run`` for the module, its MLflow stores under ``home``."""
-    return run_recipe(home, overrides(model_dir))
+    """One ``calib.run.run`` for the module (the full report), its MLflow stores under ``home``."""
+    return run_recipe(home, overrides(model_dir, "method.report=full"))
 
 
 @pytest.fixture(scope="module")
@@ -232,6 +232,11 @@ def test_per_layer_default_l_is_written_and_applied(model_dir, loaded, tmp_path)
 
     res = run_recipe(tmp_path, overrides(model_dir, "method.top_l=1", f"method.top_l_layers={{1: {C}}}"))
     manifest = load_artifact(res["artifact_dir"], method="saap").manifest
+    # the default report (artifact): SAAP and the window only, no k-means baselines or oracles
+    assert {r["method"] for r in manifest.payload["eval_table"]} == {"saap", "window"}
+    assert not [k for k in res["metrics"] if any(b in k for b in ("kmeans_derope", "kmeans_rope", "oracle_",
+                                                                   "saap_per_head"))]
+    assert "recall_at_sel0.05.saap" in res["metrics"] and manifest.hyperparameters["report"] == "artifact"
     hp = manifest.hyperparameters
     assert hp["top_l"] == 1 and hp["top_l_layers"] == {"1": C} and C in hp["top_ls"]
     saap = {r["l"]: r for r in manifest.payload["eval_table"] if r["method"] == "saap"}
@@ -280,6 +285,7 @@ def test_foreign_model_is_refused(result):
     (["method.top_l_layers={2: 4}"], "method.top_l_layers names layers \\[2\\] out of range"),
     (["method.top_l_layers=[1,2]"], "method.top_l_layers must map layer numbers to ℓ"),
     (["method.eval.baseline_probe=all"], "baseline_probe must be head, group or both"),
+    (["method.report=some"], "method.report must be one of artifact, full"),
 ])
 def test_validate_errors(model_dir, extra, message):
     from calib.config import compose

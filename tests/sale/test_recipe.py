@@ -32,7 +32,7 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def low_run(sale_model_dir: Path, home: Path) -> dict[str, Any]:
-    return _calibrate(home, sale_model_dir, THETA_LOW, "method.theta_curve=[0.5,10]")
+    return _calibrate(home, sale_model_dir, THETA_LOW, "method.report=full", "method.theta_curve=[0.5,10]")
 
 
 @pytest.fixture(scope="module")
@@ -162,13 +162,15 @@ def test_apply_is_exactly_dense_at_tau_zero_and_close_otherwise(low_run, loaded,
 
 
 def test_larger_theta_gives_at_least_the_sparsity(low_run, sale_model_dir, home):
-    high = _calibrate(home, sale_model_dir, THETA_HIGH, "method.compare_shared_tau=false", "model.lengths=[512]")
+    high = _calibrate(home, sale_model_dir, THETA_HIGH, "model.lengths=[512]")
     assert high["model_uri"] == "models:/sale-rand-sale/2"  # a new version of the same registered model
     assert high["metrics"]["sparsity"] >= low_run["metrics"]["sparsity"]
     assert high["metrics"]["sparsity"] > low_run["metrics"]["sparsity"]  # this model: strictly
     lo, hi = load_artifact(low_run["artifact_dir"]), load_artifact(high["artifact_dir"])
     assert bool((hi.tensor("tau") >= lo.tensor("tau")).all())
-    assert "ablation.tau_shared" not in high["metrics"]
+    # the default report (artifact): no shared-tau ablation, sparsity by length or theta curve
+    assert not [k for k in high["metrics"] if k.startswith(("ablation.", "sparsity_at_", "sparsity_vs_theta."))]
+    assert "time_sparsity_by_length_s" not in high["metrics"]
     # the run's own what-if curve (theta x theta_curve on the same samples) is monotone and agrees with
     # the second run at THETA_HIGH = 10 x THETA_LOW
     curve = {float(k.split(".", 1)[1]): v for k, v in low_run["metrics"].items() if k.startswith("sparsity_vs_theta.")}
@@ -213,6 +215,7 @@ def test_eval_reports_dense_vs_sale_accuracy_and_sparsity_per_length(low_run, sa
     ("method.calib_tasks=[]", "method.calib_tasks must be null or a non-empty list"),
     ("method.calib_length=0", "method.calib_length must be >= 1"),
     ("method.theta=abc", "method.theta must be a number"),
+    ("method.report=some", "method.report must be one of artifact, full"),
 ], ids=lambda x: x if "=" in str(x) else "")
 def test_validate_rejects_bad_values_in_one_line(sale_model_dir, override, needle):
     from calib.config import compose

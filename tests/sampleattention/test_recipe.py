@@ -82,7 +82,7 @@ def run(model_dir: Path, home: Path) -> dict[str, Any]:
     from calib.config import compose
 
     def calibrate_and_read() -> dict[str, Any]:
-        result = calib.run.run(compose(overrides(model_dir)))
+        result = calib.run.run(compose(overrides(model_dir, "method.report=full")))
         run_id = result["run_id"]
         return {"result": result,
                 "tuning": mlflow.artifacts.load_dict(f"runs:/{run_id}/sampleattention/tuning.json"),
@@ -116,6 +116,26 @@ def test_result_json_metrics_and_logged_files(run) -> None:
             assert 0.0 <= m[f"table3.b{b}.n{n}.sparsity"] <= 1.0
     assert sorted(run["plots"]) == ["plots/sampleattention/bucket0.png", "plots/sampleattention/bucket1.png"]
     assert run["table3"].count("\n| 0 ") == 1 and "chunk_n=2" in run["table3"]
+
+
+def test_default_report_tunes_the_same_rows_without_table3(run, model_dir: Path, home: Path) -> None:
+    """``method.report=artifact`` (default): the same search and bucket table, no Table-3 rescoring."""
+    import mlflow
+
+    import calib.run
+    from calib.config import compose
+
+    def calibrate_and_list() -> tuple[dict[str, Any], list[str]]:
+        result = calib.run.run(compose(overrides(model_dir)))
+        return result, [f.path for f in mlflow.MlflowClient().list_artifacts(result["run_id"], "sampleattention")]
+
+    result, files = _in_home(home, calibrate_and_list)
+    assert "sampleattention/tuning.json" in files and "sampleattention/table3.md" not in files
+    assert not [k for k in result["metrics"] if k.startswith("table3.")]
+    full = load_artifact(run["result"]["artifact_dir"], method="sampleattention").manifest.payload["buckets"]
+    mine = load_artifact(result["artifact_dir"], method="sampleattention").manifest.payload["buckets"]
+    assert mine == full
+    assert result["metrics"]["evaluated_points"] == run["result"]["metrics"]["evaluated_points"]
 
 
 def test_chosen_point_is_feasible_and_the_sparsest_feasible(run) -> None:
@@ -211,7 +231,8 @@ def test_validate_rejects_bad_method_values(model_dir: Path) -> None:
     for bad, match in (("method.alphas_c=[0.5,1.2]", "alphas_c"), ("method.chunk_ns=[0,2]", "chunk_ns"),
                        ("method.score=bleu", "method.score"), ("method.bucket_edges=[512,384]", "bucket_edges"),
                        ("method.min_relative_score=1.5", "min_relative_score"),
-                       ("method.profiling.prompts_per_length=0", "prompts_per_length")):
+                       ("method.profiling.prompts_per_length=0", "prompts_per_length"),
+                       ("method.report=some", "method.report")):
         with pytest.raises(UserError, match=match):
             validate(compose(overrides(model_dir, bad)))
 

@@ -322,3 +322,25 @@ def test_cuda_selection_matches_cpu_and_stays_chunked():
     torch.cuda.synchronize()
     assert torch.cuda.max_memory_allocated() - base < 0.25 * h * t * t * 4
     assert mask.heads == h and mask.offsets.is_cuda
+
+
+@pytest.mark.parametrize("bits, tq, tk, zero_q_block", [(4, 200, 200, False), (8, 96, 160, True), (None, 130, 130, True)])
+def test_block_scores_equal_the_elementwise_definition_bitwise(bits, tq, tk, zero_q_block):
+    """``sale_block_scores`` takes each key block's max before the per-row terms; the same float32 scores
+    as ``ln P~ = S~ - m~ - ln l~`` per element, causally masked, then the block max (ragged edges, a query
+    block of zeros whose scale is 0, ``Tq < Tk``)."""
+    q, k = (x.float() for x in _random_qk(1, 4, 2, tq, tk, 16, seed=7))
+    if zero_q_block:
+        q[:, :, 32:64] = 0.0
+    cfg = SaleSelectionConfig(block_q=32, block_k=16, sink=16, local=48, bits=bits)
+    s = approximate_scores(q, k, bits=bits, block_q=32, block_k=16)  # [1, Hq, Tq, Tk] S~
+    m, l = sink_local_stats(q, k, block_q=32, block_k=16, sink=16, local=48)
+    s = s - (m + torch.log(l))[..., None]
+    causal = torch.arange(tk)[None, :] <= (tk - tq + torch.arange(tq))[:, None]
+    s = s.masked_fill(~causal, -math.inf)
+    nq, nk = -(-tq // 32), -(-tk // 16)
+    s = torch.nn.functional.pad(s, (0, nk * 16 - tk, 0, nq * 32 - tq), value=-math.inf)
+    want = s.view(1, 4, nq, 32, nk, 16).amax(dim=(3, 5))
+    want = want.masked_fill(sink_local_block_mask(tq, tk, cfg), math.inf)
+    got = sale_block_scores(q, k, config=cfg, chunk_elems=1 << 12)  # several chunks
+    assert torch.equal(got, want)

@@ -36,6 +36,7 @@ def test_table_has_every_stage_any_method_reported():
     assert lines[4] == "sale: error: boom (log: /x/sale.log)"
 
 
+@pytest.mark.slow  # a real calibration in a subprocess; tests/spine/test_dry_run.py covers the dry run itself
 def test_one_method_dry_run_on_the_tiny_shape(tmp_path):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     out = tmp_path / "rows.json"

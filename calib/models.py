@@ -474,6 +474,8 @@ def load_random_model(cfg: Mapping[str, Any], device: str | torch.device = "auto
                         f"{', '.join(missing)}: add them (from the checkpoint's config.json)")
     tok_dir = dry_run_tokenizer_dir()
     tokenizer = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
+    # the tiny tokenizer says 10240 (tiny's context); the dry run's prompts may be as long as the arch allows
+    tokenizer.model_max_length = int(arch["max_position_embeddings"])
     if len(tokenizer) > int(arch["vocab_size"]):
         raise UserError(f"model.init=random: the dry-run tokenizer ({tok_dir}) has {len(tokenizer)} ids, more than "
                         f"{name!r}'s vocab_size {arch['vocab_size']}")

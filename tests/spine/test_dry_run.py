@@ -63,6 +63,8 @@ def test_llama31_random_init_builds_the_8b_shapes_on_meta(monkeypatch):
     n = sum(p.numel() for p in loaded.model.parameters())
     assert n == 8_030_261_248
     assert len(loaded.tokenizer) <= c.vocab_size
+    # the tokenizer takes prompts as long as the architecture's context (the tiny one's own file says 10240)
+    assert loaded.tokenizer.model_max_length == 131072
 
 
 def test_composed_llama31_with_a_layer_override_builds_that_model(monkeypatch):

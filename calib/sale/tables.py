@@ -87,6 +87,13 @@ def _causal_counts(r0: int, rows: int, nkc: int, block_k: int, n: int, device: t
     return torch.where(pos < n, seen, torch.zeros_like(seen))
 
 
+def _nonempty(keep: torch.Tensor, r0: int, r1: int, n: int, bq: int, bk: int) -> torch.Tensor:
+    """Rows of the chunk with at least one kept causal key at each threshold: ``[Hq, nqc, K, bq]`` bool."""
+    nqc, nkc = keep.shape[1], keep.shape[3]
+    counts = _causal_counts(r0, nqc * bq, nkc, bk, n, keep.device).to(keep.dtype)  # [Rp, nkc]
+    return (keep @ counts.view(nqc, bq, nkc).transpose(1, 2)) > 0
+
+
 def _ladder_chunk(q: torch.Tensor, k_pad: torch.Tensor, v_blk: torch.Tensor, keep: torch.Tensor, r0: int, r1: int,
                   n: int, bq: int, bk: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Kept-block softmax outputs of query rows ``[r0, r1)`` (whole query blocks) at every threshold.
@@ -107,9 +114,12 @@ def _ladder_chunk(q: torch.Tensor, k_pad: torch.Tensor, v_blk: torch.Tensor, kee
     p = s.sub_(s.amax(-1, keepdim=True)).exp_()  # [Hkv, G, Rp, C]; every row sees key 0, so the max is finite
     p_blk = p.view(hkv, g, nqc, bq, nkc, bk)
     den_rows = p_blk.sum(-1).view(hkv * g, nqc, bq, nkc)  # [Hq, nqc, bq, nkc]
-    # per (head, query block, key block) the block's partial output, laid out for the threshold matmul
-    u = torch.einsum("ngqrjk,njkd->ngqjrd", p_blk, v_blk[:, :nkc]).reshape(hkv * g, nqc, nkc, bq * dv)
-    num = (keep @ u).view(hkv * g, nqc, kk, bq, dv)  # [Hq, nqc, K, bq, Dv]
+    # per KV head: each key block's partial outputs u_j = p_j @ v_j for all rows of its query heads (one
+    # bmm over key blocks reading p in place), then per (head, query block) the keep matmul over key blocks
+    keep_kv = keep.view(hkv, g * nqc, kk, nkc)
+    num = torch.stack([torch.bmm(keep_kv[i], torch.bmm(p[i].view(g * rp, nkc, bk).transpose(0, 1), v_blk[i, :nkc])
+                                 .view(nkc, g * nqc, bq * dv).transpose(0, 1)) for i in range(hkv)])
+    num = num.view(hkv * g, nqc, kk, bq, dv)  # [Hq, nqc, K, bq, Dv]
     den = (den_rows @ keep.transpose(-1, -2)).transpose(-1, -2)  # [Hq, nqc, K, bq]
     return num, den
 
@@ -171,10 +181,9 @@ def ladder_errors_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o_
         nkc = -(-r1 // bk)  # key blocks visible to the chunk's last row
         keep = (scores[None, :, qb0:qb1, :nkc] >= log_taus[:, None, None, None]).permute(1, 2, 0, 3).to(cdt)
         num, den = _ladder_chunk(qg, k_pad, v_blk, keep, r0, r1, n, bq, bk, scale)  # [Hq, nqc, K, bq(, Dv)]
-        counts = _causal_counts(r0, (qb1 - qb0) * bq, nkc, bk, n, q.device).to(cdt)  # [Rp, nkc]
-        nonempty = (keep @ counts.view(qb1 - qb0, bq, nkc).transpose(1, 2)) > 0  # [Hq, nqc, K, bq]
         o = num / torch.where(den > 0, den, 1.0)[..., None]
-        if bool((nonempty & (den < safe)).any()):
+        low = den < safe  # underflow, or no kept causal key (then 0, as the reference; never with sink/local)
+        if bool(low.any()) and bool((low & _nonempty(keep, r0, r1, n, bq, bk)).any()):
             exact = _ladder_chunk_exact(q.to(cdt), k.to(cdt), v.to(cdt), keep, r0, r1, n, bq, bk, scale)
             o = torch.where((den < safe)[..., None], exact, o)
         rows = (torch.arange(r0, r0 + (qb1 - qb0) * bq, device=q.device) < n).view(qb1 - qb0, 1, bq, 1)

@@ -87,7 +87,7 @@ def _causal_counts(r0: int, rows: int, nkc: int, block_k: int, n: int, device: t
     return torch.where(pos < n, seen, torch.zeros_like(seen))
 
 
-def _nonempty(keep: torch.Tensor, r0: int, r1: int, n: int, bq: int, bk: int) -> torch.Tensor:
+def _nonempty(keep: torch.Tensor, r0: int, n: int, bq: int, bk: int) -> torch.Tensor:
     """Rows of the chunk with at least one kept causal key at each threshold: ``[Hq, nqc, K, bq]`` bool."""
     nqc, nkc = keep.shape[1], keep.shape[3]
     counts = _causal_counts(r0, nqc * bq, nkc, bk, n, keep.device).to(keep.dtype)  # [Rp, nkc]
@@ -95,7 +95,7 @@ def _nonempty(keep: torch.Tensor, r0: int, r1: int, n: int, bq: int, bk: int) ->
 
 
 def _ladder_chunk(q: torch.Tensor, k_pad: torch.Tensor, v_blk: torch.Tensor, keep: torch.Tensor, r0: int, r1: int,
-                  n: int, bq: int, bk: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                  bq: int, bk: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Kept-block softmax outputs of query rows ``[r0, r1)`` (whole query blocks) at every threshold.
 
     ``q: [Hkv, G, N, D]`` (compute dtype), ``k_pad: [Hkv, NK*bk, D]``, ``v_blk: [Hkv, NK, bk, Dv]``,
@@ -180,10 +180,10 @@ def ladder_errors_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o_
         r0, r1 = qb0 * bq, min(n, qb1 * bq)
         nkc = -(-r1 // bk)  # key blocks visible to the chunk's last row
         keep = (scores[None, :, qb0:qb1, :nkc] >= log_taus[:, None, None, None]).permute(1, 2, 0, 3).to(cdt)
-        num, den = _ladder_chunk(qg, k_pad, v_blk, keep, r0, r1, n, bq, bk, scale)  # [Hq, nqc, K, bq(, Dv)]
+        num, den = _ladder_chunk(qg, k_pad, v_blk, keep, r0, r1, bq, bk, scale)  # [Hq, nqc, K, bq(, Dv)]
         o = num / torch.where(den > 0, den, 1.0)[..., None]
         low = den < safe  # underflow, or no kept causal key (then 0, as the reference; never with sink/local)
-        if bool(low.any()) and bool((low & _nonempty(keep, r0, r1, n, bq, bk)).any()):
+        if bool(low.any()) and bool((low & _nonempty(keep, r0, n, bq, bk)).any()):
             exact = _ladder_chunk_exact(q.to(cdt), k.to(cdt), v.to(cdt), keep, r0, r1, n, bq, bk, scale)
             o = torch.where((den < safe)[..., None], exact, o)
         rows = (torch.arange(r0, r0 + (qb1 - qb0) * bq, device=q.device) < n).view(qb1 - qb0, 1, bq, 1)

@@ -79,10 +79,68 @@ def _ladder_log_taus(ladder: list[float], dtype: torch.dtype, device: torch.devi
     return torch.log(torch.tensor(ladder, dtype=torch.float32).to(torch.float64)).to(dtype).to(device)
 
 
-def _row_chunks(n: int, width: int, budget: int) -> list[tuple[int, int]]:
-    """Consecutive query-row ranges with about ``budget`` elements of ``width`` each (>= 1 row)."""
-    step = max(1, budget // max(1, width))
-    return [(r, min(r + step, n)) for r in range(0, n, step)]
+def _causal_counts(r0: int, rows: int, nkc: int, block_k: int, n: int, device: torch.device) -> torch.Tensor:
+    """Causal keys of key block ``j`` that query row ``r0 + i`` sees: ``[rows, nkc]`` (0 for padded rows)."""
+    pos = torch.arange(r0, r0 + rows, device=device)[:, None]  # [R, 1]
+    start = torch.arange(nkc, device=device)[None, :] * block_k  # [1, nkc]
+    seen = (pos - start + 1).clamp(0, block_k).clamp_(max=(n - start).clamp(min=0))
+    return torch.where(pos < n, seen, torch.zeros_like(seen))
+
+
+def _nonempty(keep: torch.Tensor, r0: int, n: int, bq: int, bk: int) -> torch.Tensor:
+    """Rows of the chunk with at least one kept causal key at each threshold: ``[Hq, nqc, K, bq]`` bool."""
+    nqc, nkc = keep.shape[1], keep.shape[3]
+    counts = _causal_counts(r0, nqc * bq, nkc, bk, n, keep.device).to(keep.dtype)  # [Rp, nkc]
+    return (keep @ counts.view(nqc, bq, nkc).transpose(1, 2)) > 0
+
+
+def _ladder_chunk(q: torch.Tensor, k_pad: torch.Tensor, v_blk: torch.Tensor, keep: torch.Tensor, r0: int, r1: int,
+                  bq: int, bk: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kept-block softmax outputs of query rows ``[r0, r1)`` (whole query blocks) at every threshold.
+
+    ``q: [Hkv, G, N, D]`` (compute dtype), ``k_pad: [Hkv, NK*bk, D]``, ``v_blk: [Hkv, NK, bk, Dv]``,
+    ``keep: [Hq, nqc, K, nkc]`` (compute dtype 0/1) -> ``(num: [Hq, nqc, K, bq, Dv], den: [Hq, nqc, K, bq])``:
+    per threshold the sums over kept causal keys of ``exp(s - M) v`` and ``exp(s - M)``, ``M`` the row's
+    max over ALL its causal keys (one exponential for every threshold; the ratio is the kept softmax).
+    """
+    hkv, g, _, d = q.shape
+    nqc, nkc, kk = keep.shape[1], keep.shape[3], keep.shape[2]
+    rp, c, dv = nqc * bq, nkc * bk, v_blk.shape[-1]
+    qc = torch.nn.functional.pad(q[:, :, r0:r1], (0, 0, 0, rp - (r1 - r0)))  # [Hkv, G, Rp, D]
+    s = (qc.reshape(hkv, g * rp, d) @ k_pad[:, :c].transpose(1, 2)).view(hkv, g, rp, c)
+    s.mul_(scale)  # in place: the rounding of ``@ ... * scale``
+    pos = torch.arange(r0, r0 + rp, device=q.device)
+    s[..., r0 + 1:].masked_fill_(torch.arange(r0 + 1, c, device=q.device)[None, :] > pos[:, None], -torch.inf)
+    p = s.sub_(s.amax(-1, keepdim=True)).exp_()  # [Hkv, G, Rp, C]; every row sees key 0, so the max is finite
+    p_blk = p.view(hkv, g, nqc, bq, nkc, bk)
+    den_rows = p_blk.sum(-1).view(hkv * g, nqc, bq, nkc)  # [Hq, nqc, bq, nkc]
+    # per KV head: each key block's partial outputs u_j = p_j @ v_j for all rows of its query heads (one
+    # bmm over key blocks reading p in place), then per (head, query block) the keep matmul over key blocks
+    keep_kv = keep.view(hkv, g * nqc, kk, nkc)
+    num = torch.stack([torch.bmm(keep_kv[i], torch.bmm(p[i].view(g * rp, nkc, bk).transpose(0, 1), v_blk[i, :nkc])
+                                 .view(nkc, g * nqc, bq * dv).transpose(0, 1)) for i in range(hkv)])
+    num = num.view(hkv * g, nqc, kk, bq, dv)  # [Hq, nqc, K, bq, Dv]
+    den = (den_rows @ keep.transpose(-1, -2)).transpose(-1, -2)  # [Hq, nqc, K, bq]
+    return num, den
+
+
+def _ladder_chunk_exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, r0: int, r1: int,
+                        n: int, bq: int, bk: int, scale: float) -> torch.Tensor:
+    """:func:`_ladder_chunk`'s ratio by SDPA over each threshold's kept causal elements (its own softmax
+    max), for the rare rows whose kept mass underflows against the row max. ``q: [Hq, N, D]``,
+    ``k, v: [Hkv, N, D]``, ``keep: [Hq, nqc, K, nkc]`` -> ``[Hq, nqc, K, bq, Dv]`` (0 for empty rows)."""
+    hq, nqc, kk, nkc = keep.shape
+    rp, c = nqc * bq, min(n, nkc * bk)
+    qc = torch.nn.functional.pad(q[:, r0:r1], (0, 0, 0, rp - (r1 - r0)))  # [Hq, Rp, D]
+    pos = torch.arange(r0, r0 + rp, device=q.device)
+    causal = torch.arange(c, device=q.device)[None, :] <= pos[:, None]  # [Rp, C]
+    outs = []
+    for t in range(kk):
+        allowed = keep[:, :, t].bool().repeat_interleave(bq, 1).repeat_interleave(bk, 2)[:, :, :c] & causal
+        o = torch.nn.functional.scaled_dot_product_attention(qc, k[:, :c], v[:, :c], attn_mask=allowed,
+                                                              scale=scale, enable_gqa=True)  # [Hq, Rp, Dv]
+        outs.append(torch.where(allowed.any(-1, keepdim=True), o, 0.0).view(hq, nqc, bq, -1))
+    return torch.stack(outs, 2)
 
 
 def ladder_errors_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o_dense: torch.Tensor,
@@ -91,48 +149,47 @@ def ladder_errors_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o_
     """``Err`` of every head at every ladder tau from per-key-block softmax partials: ``[K, Hq]`` float32.
 
     Exactly the block-sparse attention of :func:`block_sparse_attention` (same kept blocks, exact softmax
-    over them), computed once for all thresholds: per query row and key block ``j`` the partial max
-    ``m_j``, sum ``l_j = sum exp(s - m_j)`` and output ``u_j = sum exp(s - m_j) v`` (causal elements only);
-    a threshold keeps a set ``J`` of blocks and ``O~ = sum_J e^(m_j - M) u_j / sum_J e^(m_j - M) l_j`` with
-    ``M = max_J m_j``. Cost: one dense attention plus ``K`` cheap ``[rows, NK, D]`` reductions, instead of
-    ``K`` block-sparse attentions. Rows are processed in chunks of about ``chunk_elems`` scores + partials,
-    each against only the keys its last row can see (default ``2**24``, ``2**28`` on CUDA).
-    ``q: [Hq, N, D]``, ``k, v: [Hkv, N, D]``, ``o_dense: [Hq, N, Dv]``,
-    ``scores: [Hq, NQ, NK]`` block scores.
+    over them), computed once for all thresholds and all heads: per query row the scores against its
+    causal keys, ``p = exp(s - M)`` with ``M`` the row's max over all of them, and per key block ``j`` the
+    partials ``l_j = sum p`` and ``u_j = sum p v``; a threshold keeps a set ``J`` of blocks (the same for
+    every row of a query block) and ``O~ = sum_J u_j / sum_J l_j``: one matmul of the 0/1 keep matrix
+    ``[K, NK]`` with the partials per (head, query block). Exact as long as the kept mass ``sum_J l_j`` does
+    not underflow; rows where it falls below ``sqrt(tiny)`` of the compute dtype (the kept blocks' max more
+    than ~40 (float32) below the row max, where float32 ``exp`` would lose them) are recomputed by SDPA over
+    the kept elements with their own max (:func:`_ladder_chunk_exact`). Cost: one dense attention plus
+    ``K / block_k`` of one, instead of ``K`` block-sparse attentions. Rows go in chunks of whole query
+    blocks with about ``chunk_elems`` scores for all heads (default ``2**24``, ``2**28`` on CUDA), each
+    against only the keys its last row can see.
+    ``q: [Hq, N, D]``, ``k, v: [Hkv, N, D]``, ``o_dense: [Hq, N, Dv]``, ``scores: [Hq, NQ, NK]`` block scores.
     """
     hq, n, d = q.shape
-    g, dv, bq, bk = hq // k.shape[0], v.shape[-1], config.block_q, config.block_k
+    hkv, dv, bq, bk = k.shape[0], v.shape[-1], config.block_q, config.block_k
     chunk_elems = chunk_elems or (1 << 28 if q.is_cuda else 1 << 24)
     scale = d ** -0.5 if scale is None else float(scale)
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    safe = torch.finfo(cdt).tiny ** 0.5
     log_taus = _ladder_log_taus(ladder, scores.dtype, q.device)  # [K]
-    nk = -(-n // bk)
+    nq, nk = -(-n // bq), -(-n // bk)
     err = torch.zeros(len(ladder), hq, dtype=torch.float64, device=q.device)
+    qg = q.to(cdt).view(hkv, hq // hkv, n, d)
     k_pad = torch.nn.functional.pad(k.to(cdt), (0, 0, 0, nk * bk - n))  # [Hkv, NK*bk, D]
-    v_blk = torch.nn.functional.pad(v.to(cdt), (0, 0, 0, nk * bk - n)).view(k.shape[0], nk, bk, dv)
-    for h in range(hq):
-        row_scores = scores[h].repeat_interleave(bq, 0)  # [NQ*bq, NK]: each query row's block scores
-        for r0, r1 in _row_chunks(n, n + nk * (dv + 2 * len(ladder)), chunk_elems):
-            nkc = -(-r1 // bk)  # key blocks visible to the chunk's last row
-            s = q[h, r0:r1].to(cdt) @ k_pad[h // g, : nkc * bk].T  # [R, nkc*bk]
-            s.mul_(scale)  # in place: the rounding of ``@ ... * scale``
-            pos = torch.arange(r0, r1, device=q.device)
-            # causal mask: only keys after the chunk's first row can be future keys of some row
-            s[:, r0 + 1:].masked_fill_(torch.arange(r0 + 1, nkc * bk, device=q.device)[None, :] > pos[:, None],
-                                       -torch.inf)
-            s = s.view(r1 - r0, nkc, bk)
-            m = s.amax(-1)  # [R, nkc], -inf for blocks above the diagonal
-            m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-            p = s.sub_(m_safe[..., None]).exp_()  # [R, nkc, bk], in place of the scores
-            l = p.sum(-1)  # [R, nkc]
-            u = torch.einsum("rjk,jkd->rjd", p, v_blk[h // g, :nkc])  # [R, nkc, Dv]
-            blk_scores = row_scores[r0:r1, :nkc]  # [R, nkc]
-            keep = (blk_scores[None] >= log_taus[:, None, None]) & (l > 0)[None]  # [K, R, nkc]
-            top = torch.where(keep, m_safe[None], -torch.inf).amax(-1, keepdim=True)  # [K, R, 1]
-            w = torch.where(keep, torch.exp(m_safe[None] - top), 0.0)  # [K, R, nkc]
-            den = (w * l[None]).sum(-1, keepdim=True)  # [K, R, 1], > 0: the diagonal block is always kept
-            o = torch.einsum("krj,rjd->krd", w, u) / torch.where(den > 0, den, 1.0)  # [K, R, Dv]
-            err[:, h] += (o - o_dense[h, r0:r1].to(cdt)[None]).abs().sum((1, 2), dtype=torch.float64)
+    v_blk = torch.nn.functional.pad(v.to(cdt), (0, 0, 0, nk * bk - n)).view(hkv, nk, bk, dv)
+    step = max(1, chunk_elems // max(1, hq * bq * nk * bk))  # query blocks per chunk
+    for qb0 in range(0, nq, step):
+        qb1 = min(nq, qb0 + step)
+        r0, r1 = qb0 * bq, min(n, qb1 * bq)
+        nkc = -(-r1 // bk)  # key blocks visible to the chunk's last row
+        keep = (scores[None, :, qb0:qb1, :nkc] >= log_taus[:, None, None, None]).permute(1, 2, 0, 3).to(cdt)
+        num, den = _ladder_chunk(qg, k_pad, v_blk, keep, r0, r1, bq, bk, scale)  # [Hq, nqc, K, bq(, Dv)]
+        o = num / torch.where(den > 0, den, 1.0)[..., None]
+        low = den < safe  # underflow, or no kept causal key (then 0, as the reference; never with sink/local)
+        if bool(low.any()) and bool((low & _nonempty(keep, r0, n, bq, bk)).any()):
+            exact = _ladder_chunk_exact(q.to(cdt), k.to(cdt), v.to(cdt), keep, r0, r1, n, bq, bk, scale)
+            o = torch.where((den < safe)[..., None], exact, o)
+        rows = (torch.arange(r0, r0 + (qb1 - qb0) * bq, device=q.device) < n).view(qb1 - qb0, 1, bq, 1)
+        ref = torch.nn.functional.pad(o_dense[:, r0:r1].to(cdt), (0, 0, 0, (qb1 - qb0) * bq - (r1 - r0)))
+        diff = (o - ref.view(hq, qb1 - qb0, 1, bq, dv)).abs() * rows  # [Hq, nqc, K, bq, Dv]
+        err += diff.sum((1, 3, 4), dtype=torch.float64).T
     return (err / n).to(torch.float32).cpu()
 
 

@@ -13,7 +13,8 @@ Steps (SPEC §5.3, paper §4.2.6; each a timed stage):
    that fixed row. Maximize sparsity subject to the threshold; ties (``sparsity_tie_tol``) go to the
    smaller chunk_n, then (GPU, ``measure_time``) to the faster attention. Dominated points are skipped.
 4. ``table3`` (``method.report=full`` only; the default ``artifact`` skips it): at each bucket's chosen
-   alphas, every chunk_n scored on all prompts (evaluating what the search skipped or stopped early).
+   alphas, every chunk_n of ``table3_chunk_ns`` (default: ``chunk_ns``) scored on all prompts
+   (evaluating what the search skipped or stopped early).
 5. ``report``: every evaluated point, skipped point and the choice per bucket
    (``sampleattention/tuning.json``), per-bucket heatmaps (``plots/sampleattention/bucket<i>.png``),
    the Table-3 table with ``method.report=full`` (``sampleattention/table3.md`` + metrics
@@ -61,6 +62,10 @@ def validate(cfg: DictConfig) -> None:
     chunk_ns = list(m.chunk_ns or [])
     require(bool(chunk_ns) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in chunk_ns),
             f"method.chunk_ns={chunk_ns} must be a non-empty list of integers >= 1, e.g. [1, 2, 4, 6]")
+    table3_ns = m.get("table3_chunk_ns")
+    require(table3_ns is None or (not isinstance(table3_ns, str) and bool(list(table3_ns)) and all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in table3_ns)),
+            f"method.table3_chunk_ns={table3_ns} must be null (= chunk_ns) or a non-empty list of integers >= 1")
     require(0.0 < float(m.min_relative_score) <= 1.0,
             f"method.min_relative_score={m.min_relative_score} must be in (0, 1]")
     require(float(m.sparsity_tie_tol) >= 0.0, f"method.sparsity_tie_tol={m.sparsity_tie_tol} must be >= 0")
@@ -119,17 +124,23 @@ def _tune_bucket(cfg: DictConfig, evaluator: BucketEvaluator, index: int, length
     alphas_c, alphas_s = sorted(set(_floats(m.alphas_c))), sorted(set(_floats(m.alphas_s)))
     chunk_ns = sorted(set(_ints(m.chunk_ns)))
     grid = len(alphas_c) * len(alphas_s) * len(chunk_ns)
-    dense = evaluator.dense()
-    mrs = float(m.min_relative_score)
-    evaluator.threshold = mrs * dense
-    bar = tqdm(total=grid, desc=f"sampleattention bucket {index}", unit="point", leave=False)
-    evaluator.on_point = lambda e: bar.update(1)
+    full = str(m.get("report") or "artifact") == "full"
+    table3_ns = sorted(set(_ints(m.get("table3_chunk_ns") or chunk_ns))) if full else []
+    bar = tqdm(total=1 + grid + len(table3_ns), desc=f"sampleattention bucket {index}", unit="point", leave=False)
     try:
+        dense = evaluator.dense()
+        bar.update(1)
+        mrs = float(m.min_relative_score)
+        evaluator.threshold = mrs * dense
         result = tune_length_bucket(evaluator, alphas_c=alphas_c, alphas_s=alphas_s, chunk_ns=chunk_ns,
-                                    dense_score=dense, min_relative_score=mrs, sparsity_tol=float(m.sparsity_tie_tol))
+                                    dense_score=dense, min_relative_score=mrs, sparsity_tol=float(m.sparsity_tie_tol),
+                                    probe_min_corner=bool(m.get("probe_min_corner", True)),
+                                    on_decided=lambda _: bar.update(1))
         point = result.chosen.point if result.chosen is not None else GridPoint(alphas_c[-1], alphas_s[-1], chunk_ns[0])
-        table3 = ({n: evaluator.full(GridPoint(point.alpha_c, point.alpha_s, n)) for n in chunk_ns}
-                  if str(m.get("report") or "artifact") == "full" else {})  # Table 3: a report extra
+        table3 = {}
+        for n in table3_ns:  # Table 3, a report extra: every chunk_n at the chosen alphas, on all prompts
+            table3[n] = evaluator.full(GridPoint(point.alpha_c, point.alpha_s, n))
+            bar.update(1)
     finally:
         bar.close()
     lower, upper = _bucket_bounds(_ints(m.bucket_edges), index)

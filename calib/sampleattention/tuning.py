@@ -21,11 +21,14 @@ Pruning rules, each sound under those assumptions (a skipped point could not cha
   3. ``dominates_feasible``: both alphas >= those of a feasible evaluated point ``q`` (same chunk_n)
      => feasible, but sparsity <= q's and time >= q's, so it never beats ``q``.
 
-Search. chunk_n ascending; within one chunk_n a staircase (saddleback) walk over the monotone
-feasibility frontier: start at (largest alpha_c, smallest alpha_s); feasible -> next smaller
-alpha_c, failing -> next larger alpha_s. It evaluates at most ``|alphas_c| + |alphas_s| - 1`` points
-per chunk_n and visits every minimal feasible point. A final sweep evaluates any grid point no rule
-covers, so the result equals the exhaustive-grid optimum whenever the assumptions hold.
+Search. chunk_n ascending; within one chunk_n, with ``probe_min_corner`` first the sparsest point
+(smallest alpha_c, smallest alpha_s): when it is feasible, rule 3 covers every other point of that
+chunk_n (one evaluation settles it); when it fails it cost one (early-stopped) evaluation. Then a
+staircase (saddleback) walk over the monotone feasibility frontier: start at (largest alpha_c,
+smallest alpha_s); feasible -> next smaller alpha_c, failing -> next larger alpha_s. It evaluates at
+most ``|alphas_c| + |alphas_s| - 1`` points per chunk_n (one more with the probe) and visits every
+minimal feasible point. A final sweep evaluates any grid point no rule covers, so the result equals
+the exhaustive-grid optimum whenever the assumptions hold.
 """
 
 from __future__ import annotations
@@ -109,6 +112,7 @@ class _Search:
     evaluate: Callable[[float, float, int], PointResult]
     threshold: float
     sparsity_tol: float
+    on_decided: Callable[[GridPoint], None] | None = None  # called once per grid point evaluated or skipped
     evaluated: dict[GridPoint, EvaluatedPoint] = field(default_factory=dict)
     skipped: dict[GridPoint, SkippedPoint] = field(default_factory=dict)
 
@@ -141,12 +145,16 @@ class _Search:
             return "feasible" if self.evaluated[p].feasible else "failing"
         skip = self.skipped.get(p) or self.skip_reason(p)
         if skip is not None:
+            if p not in self.skipped and self.on_decided is not None:
+                self.on_decided(p)
             self.skipped[p] = skip
             logger.debug("skip %s: %s (%s)", p, skip.rule, skip.because_of)
             return {"dominated_by_failure": "failing", "dominates_feasible": "feasible"}.get(skip.rule, "pruned")
         result = self.evaluate(p.alpha_c, p.alpha_s, p.chunk_n)
         entry = EvaluatedPoint(p, result, result.score >= self.threshold)
         self.evaluated[p] = entry
+        if self.on_decided is not None:
+            self.on_decided(p)
         logger.info("chunk_n=%d alpha_c=%.3f alpha_s=%.3f: score=%.4f (need %.4f, %s) sparsity=%.4f time=%s",
                     p.chunk_n, p.alpha_c, p.alpha_s, result.score, self.threshold,
                     "ok" if entry.feasible else "fails", result.sparsity,
@@ -173,12 +181,15 @@ def tune_length_bucket(
     dense_score: float,
     min_relative_score: float = 0.99,
     sparsity_tol: float = 0.0,
+    probe_min_corner: bool = False,
+    on_decided: Callable[[GridPoint], None] | None = None,
 ) -> TuningResult:
     """Search one length bucket's grid with the dominance pruning of the module docstring.
 
     ``evaluate(alpha_c, alpha_s, chunk_n) -> PointResult`` runs the profiling prompts of the bucket.
     Returns the chosen point (None if nothing is feasible), every evaluated point in evaluation
-    order and every skipped point with the rule and the point that justified it.
+    order and every skipped point with the rule and the point that justified it. ``on_decided(point)``
+    is called once per grid point as it is evaluated or skipped (a progress bar over the grid).
     """
     if not alphas_c or not alphas_s or not chunk_ns:
         raise ValueError("alphas_c, alphas_s and chunk_ns must each hold at least one value")
@@ -186,8 +197,10 @@ def tune_length_bucket(
         raise ValueError(f"need 0 < min_relative_score <= 1 and sparsity_tol >= 0; got "
                          f"{min_relative_score}, {sparsity_tol}")
     cs, ss, ns = sorted(set(alphas_c)), sorted(set(alphas_s)), sorted(set(chunk_ns))
-    search = _Search(evaluate, min_relative_score * dense_score, sparsity_tol)
+    search = _Search(evaluate, min_relative_score * dense_score, sparsity_tol, on_decided)
     for n in ns:
+        if probe_min_corner:
+            search.visit(GridPoint(cs[0], ss[0], n))
         search.staircase(cs, ss, n)
     for n in ns:  # safety net: anything no rule covers gets evaluated (nothing, for monotone tables)
         for c in cs:

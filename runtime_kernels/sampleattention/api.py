@@ -226,13 +226,22 @@ class SampleAttentionPrefill:
             ones = torch.ones(b, hq)
             self._stats.add(ones, ones if self.report_cra else None, bucket, elapsed)
             return out
-        mask = _select(q, k, row, self.table.blk, scale, self.backend)
+        row_mass = None
+        if self.report_cra and not self.timing and _selection_impl(q, self.backend) is reference:
+            # the reference's Stage 1 keeps each sampled row's per-block mass: the CRA needs no second softmax
+            column, slash, row_mass = reference.stage1_row_reductions(q, k, chunk_n=row.chunk_n, blk=self.table.blk,
+                                                                      scale=scale)
+            mask = reference.stage2_select(column, slash, row.alpha_c, row.alpha_s, k.shape[2], self.table.blk,
+                                           seq_q=q.shape[2])
+        else:
+            mask = _select(q, k, row, self.table.blk, scale, self.backend)
         out = self._attend(q, k, v, mask, scale)
         elapsed = self._clock(q) - start if self.timing else 0.0
         cra = None
         if self.report_cra:
             rows = sampled_query_rows(q.shape[2], row.chunk_n, self.table.blk, q.device)
-            cra = cumulative_residual_attention(q, k, mask, rows, scale=scale)
+            cra = (reference.sampled_cra(mask, rows, row_mass) if row_mass is not None
+                   else cumulative_residual_attention(q, k, mask, rows, scale=scale))
         self._stats.add(mask.density(), cra, bucket, elapsed)
         return out
 

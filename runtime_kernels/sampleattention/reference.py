@@ -147,25 +147,44 @@ def stage1_reductions(
         (mass per band ``(p - k) // blk``), ``NK = ceil(Sk / blk)``, each normalized to sum 1 per
         (batch, head) (divided by the total sampled mass). Float32 (float64 for float64 inputs).
     """
+    column, slash, _ = stage1_row_reductions(q, k, chunk_n=chunk_n, blk=blk, scale=scale)
+    return column, slash
+
+
+def stage1_row_reductions(
+    q: torch.Tensor, k: torch.Tensor, *, chunk_n: int, blk: int = 64, scale: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`stage1_reductions` plus each sampled row's mass per key block, ``row_mass: [B, Hq, R, NK]``
+    (rows of :func:`sampled_query_rows`, unnormalized: each row sums to 1), from which
+    :func:`sampled_cra` gives the CRA of any block mask on those rows without recomputing the softmax."""
     _check_qk(q, k)
     b, hq, sq, d = q.shape
     sk = k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     nk = _ceil_div(sk, blk)
     cdt = _compute_dtype(q.dtype)
-    column = torch.zeros(b, hq, nk, dtype=cdt, device=q.device)
     slash = torch.zeros(b, hq, nk, dtype=cdt, device=q.device)
     kpos = torch.arange(sk, device=q.device)
     rows = sampled_query_rows(sq, chunk_n, blk, q.device)
-    for heads, _, pos, probs in _row_probabilities(q, k, rows, scale):
-        pooled = probs.sum(2)  # [B, g, Sk]
-        column[:, heads] += torch.nn.functional.pad(pooled, (0, nk * blk - sk)).view(b, -1, nk, blk).sum(-1)
+    row_mass = torch.zeros(b, hq, rows.numel(), nk, dtype=cdt, device=q.device)
+    for heads, rs, pos, probs in _row_probabilities(q, k, rows, scale):
+        padded = torch.nn.functional.pad(probs, (0, nk * blk - sk))  # [B, g, r, NK*blk]
+        row_mass[:, heads, rs] = padded.view(*probs.shape[:3], nk, blk).sum(-1)
         band = ((pos[:, None] - kpos[None, :]).clamp(min=0) // blk).expand_as(probs)  # [B, g, r, Sk]
         per_row = torch.zeros(*probs.shape[:3], nk, dtype=cdt, device=q.device)  # [B, g, r, NK]
         slash[:, heads] += per_row.scatter_add_(-1, band, probs).sum(2)
+    column = row_mass.sum(2)
     column = column / column.sum(-1, keepdim=True)
     slash = slash / slash.sum(-1, keepdim=True)
-    return column, slash
+    return column, slash, row_mass
+
+
+def sampled_cra(mask: BlockMask, rows: torch.Tensor, row_mass: torch.Tensor) -> torch.Tensor:
+    """CRA of ``mask`` on the sampled ``rows: [R]`` from their per-key-block masses ``row_mass: [B, Hq, R, NK]``
+    (:func:`stage1_row_reductions`; key blocks of ``mask.block_k``): min over rows of the kept mass, ``[B, Hq]``.
+    Equal to :func:`cumulative_residual_attention` on those rows (the masses above the diagonal are 0)."""
+    keep = mask.to(row_mass.device).to_dense()[:, :, rows.to(row_mass.device) // mask.block_q]  # [B, Hq, R, NK]
+    return (row_mass * keep).sum(-1).amin(-1)
 
 
 def select_columns(column_mass: torch.Tensor, alpha_c: float) -> torch.Tensor:

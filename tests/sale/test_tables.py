@@ -55,6 +55,30 @@ def test_partials_equal_block_sparse_attention_on_arbitrary_masks(hq, hkv, n, ch
         assert got[0].min() > 1e-3  # tau0 drops blocks outside sink/local (at T64 all blocks are local)
 
 
+def test_partials_stay_exact_when_a_dropped_block_holds_a_far_larger_logit():
+    """Rows whose kept mass underflows in float32 against the row max (one dropped key ~150 logits above
+    everything kept) still get the exact kept-block softmax: the float64 block-sparse definition."""
+    n, d = 256, 16
+    g = torch.Generator().manual_seed(11)
+    u = torch.nn.functional.normalize(torch.randn(d, generator=g, dtype=torch.float64), dim=0)
+    q = torch.randn(2, n, d, generator=g, dtype=torch.float64) + 3.0 * u
+    k, v = (torch.randn(1, n, d, generator=g, dtype=torch.float64) for _ in range(2))
+    k[0, 100] = 200.0 * u  # key block 6: logit ~150 for every later row
+    q, k, v = q.float(), k.float(), v.float()
+    nq, nk = n // CFG.block_q, n // CFG.block_k
+    scores = torch.full((2, nq, nk), -20.0)  # ln P~ below ln(min ladder tau): dropped at every tau > 0
+    scores = scores.masked_fill(sink_local_block_mask(n, n, CFG), math.inf)
+    assert bool((scores[:, 4:, 6] == -20.0).all())  # query blocks 4.. can drop the block of key 100
+    o_dense = dense_causal_attention(q[None].double(), k[None].double(), v[None].double())[0]
+    got = ladder_errors_partials(q, k, v, o_dense.float(), scores, LADDER, CFG)
+    for i, t in enumerate(LADDER):
+        mask = select_blocks(scores[None], torch.full((2,), t), seq_q=n, seq_k=n, block_q=CFG.block_q,
+                             block_k=CFG.block_k)
+        sparse = block_sparse_attention(q[None].double(), k[None].double(), v[None].double(), mask)
+        torch.testing.assert_close(got[i], head_errors(o_dense[None], sparse)[0], rtol=1e-4, atol=1e-5)
+    assert float(got[0].min()) > 1.0  # dropping the dominant key changes those rows' outputs completely
+
+
 def test_evaluate_ladder_implementations_agree_and_density_matches_masks():
     q, k, v = _local_heads(4, 2, 320, 16, seed=1)
     o = dense_causal_attention(q[None], k[None], v[None])[0]

@@ -61,7 +61,8 @@ def overrides(model_dir: Path, *extra: str) -> list[str]:
             f"method.bucket_edges=[{EDGE}]",
             f"method.alphas_c=[{ALPHAS[0]},{ALPHAS[1]}]", f"method.alphas_s=[{ALPHAS[0]},{ALPHAS[1]}]",
             f"method.chunk_ns=[{CHUNK_NS[0]},{CHUNK_NS[1]}]", "method.profiling.prompts_per_length=1",
-            "data.tasks=[niah_single,kv_retrieval]", "method.min_relative_score=1.0", *extra]
+            "data.tasks=[niah_single,kv_retrieval]", "method.min_relative_score=1.0", "method.table3_chunk_ns=null",
+            *extra]
 
 
 @pytest.fixture(scope="module")
@@ -232,7 +233,7 @@ def test_validate_rejects_bad_method_values(model_dir: Path) -> None:
                        ("method.score=bleu", "method.score"), ("method.bucket_edges=[512,384]", "bucket_edges"),
                        ("method.min_relative_score=1.5", "min_relative_score"),
                        ("method.profiling.prompts_per_length=0", "prompts_per_length"),
-                       ("method.report=some", "method.report")):
+                       ("method.report=some", "method.report"), ("method.table3_chunk_ns=[0]", "table3_chunk_ns")):
         with pytest.raises(UserError, match=match):
             validate(compose(overrides(model_dir, bad)))
 
@@ -335,3 +336,25 @@ def test_heatmap_grid_labels_and_table3_markdown() -> None:
     assert len(fig.axes) == 4  # chunk_n 1 and 2, score and sparsity each
     md = table3_markdown([report])
     assert "| 1 [1536,inf) | (0.90, 0.80) | 1.0000 | 0.9900 / 0.400* | 0.9800 / 0.350 |" in md
+
+
+def test_report_full_scores_table3_chunk_ns_beyond_a_smaller_search(model_dir: Path, home: Path) -> None:
+    """A search over fewer chunk_n (as the tiny model's default) still gets Table 3 over every
+    ``table3_chunk_ns`` with ``method.report=full``; the bucket rows only use searched chunk_n."""
+    import mlflow
+
+    import calib.run
+    from calib.config import compose
+
+    def calibrate_and_read() -> tuple[dict[str, Any], dict[str, Any]]:
+        result = calib.run.run(compose(overrides(model_dir, "method.report=full", f"method.chunk_ns=[{CHUNK_NS[0]}]",
+                                                 f"method.table3_chunk_ns=[{CHUNK_NS[0]},{CHUNK_NS[1]}]")))
+        return result, mlflow.artifacts.load_dict(f"runs:/{result['run_id']}/sampleattention/tuning.json")
+
+    result, tuning = _in_home(home, calibrate_and_read)
+    assert result["metrics"]["grid_points"] == 2 * len(ALPHAS) ** 2
+    for bucket in tuning["buckets"]:
+        assert [r["chunk_n"] for r in bucket["table3"]["rows"]] == list(CHUNK_NS)
+        assert all(r["complete"] for r in bucket["table3"]["rows"])
+    rows = load_artifact(result["artifact_dir"], method="sampleattention").manifest.payload["buckets"]["rows"]
+    assert all(int(r["chunk_n"]) == CHUNK_NS[0] or float(r["alpha_c"]) == 1.0 for r in rows)

@@ -22,7 +22,9 @@ def test_method_config_resolves_per_model(model: str) -> None:
     edges = method["bucket_edges"]
     assert edges == list(cfg.model.method_defaults.sampleattention.bucket_edges)
     assert all(0 < a < 1 for a in method["alphas_c"] + method["alphas_s"])
-    assert method["chunk_ns"] == [1, 2, 4, 6] and method["min_relative_score"] == 0.99
+    assert method["min_relative_score"] == 0.99 and method["table3_chunk_ns"] == [1, 2, 4, 6]  # paper Table 3
+    # the tiny model searches chunk_n = 1 only (its CPU default); the rest the paper's grid
+    assert method["chunk_ns"] == ([1] if model == "tiny" else [1, 2, 4, 6])
     table = BucketTable(edges, [BucketRow(1.0, 1.0, 1)] * (len(edges) + 1), blk=method["blk"])
     groups = lengths_by_bucket(edges, method["profiling"]["lengths"])
     assert len(groups) == len(table.rows) and sum(map(len, groups)) == len(method["profiling"]["lengths"])

@@ -61,20 +61,23 @@ class CountingEvaluator:
         return self.table[(alpha_c, alpha_s, chunk_n)]
 
 
-def check_against_exhaustive(table: Table, alphas_c, alphas_s, chunk_ns, quantile: float, tol: float) -> None:
+def check_against_exhaustive(table: Table, alphas_c, alphas_s, chunk_ns, quantile: float, tol: float,
+                             probe: bool = False) -> None:
     threshold = float(np.quantile([r.score for r in table.values()], quantile))
     dense_score = threshold / 0.99
-    ev = CountingEvaluator(table)
+    ev, decided = CountingEvaluator(table), []
     result = tune_length_bucket(ev, alphas_c=alphas_c, alphas_s=alphas_s, chunk_ns=chunk_ns,
-                                dense_score=dense_score, min_relative_score=0.99, sparsity_tol=tol)
+                                dense_score=dense_score, min_relative_score=0.99, sparsity_tol=tol,
+                                probe_min_corner=probe, on_decided=decided.append)
     expected = exhaustive_choice(table, 0.99 * dense_score, tol)
     got = None if result.chosen is None else (result.chosen.point.alpha_c, result.chosen.point.alpha_s,
                                               result.chosen.point.chunk_n)
     assert got == expected
     grid = len(alphas_c) * len(alphas_s) * len(chunk_ns)
     assert len(ev.calls) == len(set(ev.calls)) == len(result.evaluated_points)  # no point evaluated twice
-    assert len(ev.calls) < grid
-    assert len(ev.calls) <= len(chunk_ns) * (len(alphas_c) + len(alphas_s) - 1)  # staircase bound
+    assert len(ev.calls) <= grid
+    assert len(ev.calls) <= len(chunk_ns) * (len(alphas_c) + len(alphas_s) - 1 + probe)  # staircase (+ probe) bound
+    assert len(decided) == len(set(decided)) == grid  # the progress callback sees every grid point once
     evaluated = {(e.point.alpha_c, e.point.alpha_s, e.point.chunk_n) for e in result.evaluated_points}
     skipped = {(s.point.alpha_c, s.point.alpha_s, s.point.chunk_n) for s in result.skipped_points}
     assert evaluated | skipped == set(table) and not evaluated & skipped  # every point accounted for once
@@ -92,13 +95,31 @@ ALPHAS = [0.80, 0.85, 0.90, 0.92, 0.95, 0.98]
 @settings(max_examples=150, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), m=st.integers(2, 6), n=st.integers(2, 6),
        n_chunks=st.integers(1, 4), timed=st.booleans(), decimals=st.sampled_from([1, 2, 6]),
-       quantile=st.floats(0.0, 1.0), tol=st.sampled_from([0.0, 0.005, 0.05]))
-def test_pruned_search_equals_exhaustive_on_monotone_tables(seed, m, n, n_chunks, timed, decimals, quantile, tol):
+       quantile=st.floats(0.0, 1.0), tol=st.sampled_from([0.0, 0.005, 0.05]), probe=st.booleans())
+def test_pruned_search_equals_exhaustive_on_monotone_tables(seed, m, n, n_chunks, timed, decimals, quantile, tol,
+                                                            probe):
     rng = np.random.default_rng(seed)
     alphas_c, alphas_s = ALPHAS[:m], ALPHAS[-n:]
     chunk_ns = [1, 2, 4, 6][:n_chunks]
     table = monotone_table(rng, alphas_c, alphas_s, chunk_ns, timed, decimals)
-    check_against_exhaustive(table, alphas_c, alphas_s, chunk_ns, quantile, tol)
+    check_against_exhaustive(table, alphas_c, alphas_s, chunk_ns, quantile, tol, probe)
+
+
+def test_feasible_min_corner_settles_each_chunk_n_in_one_evaluation() -> None:
+    rng = np.random.default_rng(5)
+    table = monotone_table(rng, ALPHAS[:4], ALPHAS[:4], [1, 2, 4], timed=False, decimals=6)
+    threshold = min(r.score for r in table.values())  # every point feasible
+    ev = CountingEvaluator(table)
+    result = tune_length_bucket(ev, alphas_c=ALPHAS[:4], alphas_s=ALPHAS[:4], chunk_ns=[1, 2, 4],
+                                dense_score=threshold / 0.99, probe_min_corner=True)
+    assert ev.calls == [(ALPHAS[0], ALPHAS[0], n) for n in (1, 2, 4)]
+    assert result.chosen is not None and result.chosen.point == exhaustive_choice_point(table, threshold)
+
+
+def exhaustive_choice_point(table: Table, threshold: float):
+    from calib.sampleattention.tuning import GridPoint
+
+    return GridPoint(*exhaustive_choice(table, threshold, 0.0))
 
 
 def flat_table(sparsity_by_chunk: dict[int, float], time_by_chunk: dict[int, float | None] | None = None) -> Table:

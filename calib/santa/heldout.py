@@ -3,7 +3,7 @@
 Both schedules (and, optionally, dense attention) answer the SAME held-out questions
 (:func:`calib.santa.reward.reward_prompts` with ``heldout=True``), question ``i`` sampled with the same
 seed under every schedule (:func:`calib.santa.reward.question_seeds`), so the comparison is paired.
-With more than a few dozen questions the work is sharded over up to ``rl.workers`` local processes
+With more than a few dozen answers to give the work is sharded over up to ``rl.workers`` local processes
 (:mod:`calib.santa.local_worker` ``--score``; shard ``j`` takes questions ``j::shards``): each loads
 the model once and scores its questions under every schedule. Seeds per question make the scores
 independent of the sharding.
@@ -36,7 +36,7 @@ from calib.errors import UserError
 
 log = logging.getLogger("calib.santa")
 
-MIN_PER_SHARD = 32  # fewer questions than this per process are scored in this process
+MIN_PER_SHARD = 64  # fewer answers (questions x schedules) than this per process are scored in this process
 
 
 def _prompt_dict(p: Any) -> dict[str, Any]:
@@ -91,11 +91,11 @@ def run_score_job(cfg_dict: dict[str, Any], job: dict[str, Any], threads: int,
 
 
 def score_schedules(cfg: Any, loaded: Any, prompts: Sequence[Any], max_new: Sequence[int], seeds: Sequence[int],
-                    schedules: dict[str, list[int] | None], shards: int) -> dict[str, np.ndarray]:
+                    schedules: dict[str, list[int] | None], shards: int, desc: str = "score") -> dict[str, np.ndarray]:
     """Correctness ``[len(prompts)]`` per named schedule (None = dense), over ``shards`` processes.
 
     Names that share a schedule are scored once (e.g. ``uniform`` and its own placement)."""
-    return score_groups(cfg, loaded, [ScoreGroup(prompts, max_new, seeds, schedules)], shards)[0]
+    return score_groups(cfg, loaded, [ScoreGroup(prompts, max_new, seeds, schedules)], shards, desc)[0]
 
 
 def score_groups(cfg: Any, loaded: Any, groups: Sequence[ScoreGroup], shards: int,
@@ -115,7 +115,8 @@ def _score_unique(cfg: Any, loaded: Any, work: list[tuple[ScoreGroup, dict[str, 
                   shards: int, progress: Callable[[int], None]) -> list[dict[str, np.ndarray]]:
     from calib.santa.reward import RewardSettings, score_schedule
 
-    shards = max(1, min(shards, min(len(g.prompts) for g, _ in work) // MIN_PER_SHARD))
+    answers = sum(len(g.prompts) * len(unique) for g, unique in work)
+    shards = max(1, min(shards, answers // MIN_PER_SHARD, min(len(g.prompts) for g, _ in work)))
     if shards == 1:
         rs = RewardSettings.from_cfg(cfg)
         return [{name: score_schedule(loaded, g.prompts, sched, rs, g.seeds, g.max_new, progress=progress)
@@ -201,7 +202,8 @@ def heldout_comparison(cfg: Any, loaded: Any, learned: np.ndarray, uniform: np.n
         schedules.update(placements)
     if cfg.method.reward.get("heldout_dense", True):
         schedules["dense"] = None
-    got = score_schedules(cfg, loaded, prompts, max_new, question_seeds(seed, len(prompts)), schedules, shards)
+    got = score_schedules(cfg, loaded, prompts, max_new, question_seeds(seed, len(prompts)), schedules, shards,
+                          desc="heldout")
     got_uniform = got["learned"].copy() if same else got["uniform"]
     ci_l = bootstrap_mean_ci(got["learned"], resamples=resamples, seed=seed)
     ci_u = bootstrap_mean_ci(got_uniform, resamples=resamples, seed=seed)

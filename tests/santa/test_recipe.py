@@ -242,6 +242,19 @@ def test_evaluator_draws_distinct_questions_and_runs_the_schedule(model_dir, mon
         evaluate([1, 2, 3], np.random.default_rng(0))
 
 
+def test_deploy_questions_are_calibration_side_and_outside_the_reward_pool(model_dir):
+    """skip=pool: the next prompts of each task from the calibration seed, none of the pool's, not eval.seed's."""
+    from calib.models import load_model
+    from calib.santa.reward import reward_prompts
+
+    cfg = _compose(model_dir)
+    tok = load_model(cfg.model, device="cpu").tokenizer
+    pool = reward_prompts(cfg, tok, heldout=False, count=4)
+    extra = reward_prompts(cfg, tok, heldout=False, count=4, skip=4, setting="method.deploy.questions")
+    assert [p.prompt_id for p in pool] == [f"{t}-192-s1234-{i}" for i in (0, 1) for t in ("kv_retrieval", "niah_single")]
+    assert [p.prompt_id for p in extra] == [f"{t}-192-s1234-{i}" for i in (2, 3) for t in ("kv_retrieval", "niah_single")]
+
+
 def test_heldout_scores_do_not_depend_on_sharding(model_dir, monkeypatch):
     """Sharded over 2 child processes == in process: per-question seeds, questions j::shards merged back."""
     import dataclasses
@@ -350,7 +363,7 @@ def test_heldout_comparison_scores_every_uniform_placement(model_dir, monkeypatc
     correct = {(2, 1): [1, 0, 0, 0, 1, 0], (1, 2): [1, 1, 1, 0, 1, 0], (1, 1): [0] * 6}
     seen: list[dict] = []
 
-    def fake(cfg, loaded, prompts, max_new, seeds, schedules, shards):
+    def fake(cfg, loaded, prompts, max_new, seeds, schedules, shards, desc="score"):
         seen.append(dict(schedules))
         learned = [1, 1, 1, 1, 1, 1]
         return {name: np.array(learned if name == "learned" else correct[tuple(s)], dtype=bool)

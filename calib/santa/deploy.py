@@ -7,7 +7,7 @@ over layers); a user wants an artifact that answers like dense. The ``deploy`` s
 per layer), and scores every rung, the uniform schedule at the same ``N`` and dense attention on the
 same ``method.deploy.questions`` questions of the calibration side that the reward pool does not hold
 (``data.seed``, after the pool's; ``eval.seed`` stays unseen), question ``i`` sampled with the same
-seed under every schedule.
+seed under every schedule (a file with fewer rows: the rows there are, with a warning).
 
 The artifact's default budget is the smallest rung from which the learned schedule is within
 ``method.deploy.tolerance`` of dense at that rung and at every larger one (one lucky rung below a
@@ -109,8 +109,11 @@ def run_ladder(cfg: Any, loaded: Any, probs: np.ndarray, training_budget: int, s
     ds = DeploySettings.from_cfg(cfg)
     layers = len(probs)
     budgets = [n for n in ladder(layers, ds.budgets_per_layer, training_budget) if n >= layers]
-    prompts = reward_prompts(cfg, loaded.tokenizer, heldout=False, count=ds.questions,
-                             skip=int(cfg.method.reward.pool), setting="method.deploy.questions")
+    prompts = reward_prompts(cfg, loaded.tokenizer, heldout=False, count=ds.questions, skip=int(cfg.method.reward.pool),
+                             setting="method.deploy.questions", allow_fewer=True)
+    if len(prompts) < ds.questions:
+        log.warning("the data holds %d calibration questions beyond the reward pool; the budget ladder uses them "
+                    "instead of method.deploy.questions=%d", len(prompts), ds.questions)
     max_new = new_token_budgets(prompts, loaded.tokenizer, RewardSettings.from_cfg(cfg))
     learned = {n: apportion(probs.tolist(), n) for n in budgets}
     schedules: dict[str, list[int] | None] = {"dense": None}

@@ -59,14 +59,15 @@ def reward_length(cfg: Any) -> int:
 
 
 def reward_prompts(cfg: Any, tokenizer: Any, *, heldout: bool, count: int, skip: int = 0,
-                   setting: str | None = None) -> list[Any]:
+                   setting: str | None = None, allow_fewer: bool = False) -> list[Any]:
     """The reward pool (``heldout=False``: calibration seed/split) or the held-out questions.
 
     Synthetic data: ``ceil(count / tasks)`` prompts per task, taken round-robin over tasks, ``count``
     in all. File/hub data: the first ``count`` rows of the split. ``skip``: leave out the first
     ``skip`` questions of that order (synthetic: the first ``ceil(skip / tasks)`` of every task), so
     ``skip=method.reward.pool`` gives calibration-side questions the reward pool does not hold.
-    Raises UserError (naming ``setting``, the config key of ``count``) if fewer exist.
+    Raises UserError (naming ``setting``, the config key of ``count``) if fewer exist, or, with
+    ``allow_fewer`` (a file with few rows), only if none does.
     """
     from calib.data import build_prompts
 
@@ -83,7 +84,7 @@ def reward_prompts(cfg: Any, tokenizer: Any, *, heldout: bool, count: int, skip:
         prompts = [q[i] for i in range(per_task) for q in by_task if i < len(q)]
     else:
         prompts = build_prompts(data, tokenizer, num_prompts=skip + count, purpose=purpose)[skip:]
-    if len(prompts) < count:
+    if len(prompts) < count and not (allow_fewer and prompts):
         raise UserError(f"only {len(prompts)} {purpose} questions available but {which}={count}"
                         f"{f' after the {skip} of the reward pool' if skip else ''}; lower {which} or provide more data")
     return prompts[:count]

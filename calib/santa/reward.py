@@ -86,7 +86,8 @@ def reward_prompts(cfg: Any, tokenizer: Any, *, heldout: bool, count: int, skip:
         prompts = build_prompts(data, tokenizer, num_prompts=skip + count, purpose=purpose)[skip:]
     if len(prompts) < count and not (allow_fewer and prompts):
         raise UserError(f"only {len(prompts)} {purpose} questions available but {which}={count}"
-                        f"{f' after the {skip} of the reward pool' if skip else ''}; lower {which} or provide more data")
+                        f"{f' after the {skip} of the reward pool' if skip else ''}; "
+                        f"lower {which} or provide more data")
     return prompts[:count]
 
 

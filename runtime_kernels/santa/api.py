@@ -444,7 +444,8 @@ class SantaDecode:
         self._stats = [0.0, 0.0, 0]  # sum of S, sum of sample fractions, calls
 
     @classmethod
-    def from_artifact(cls, artifact: Any, model: Any, *, seed: int | None = 0, budget: int | None = None) -> "SantaDecode":
+    def from_artifact(cls, artifact: Any, model: Any, *, seed: int | None = 0,
+                      budget: int | None = None) -> "SantaDecode":
         """Build from a verified SANTA artifact: tensor ``schedule: [L]`` int64 (the schedule at the
         artifact's default budget), and ``estimator``, ``tiling``, ``tile``, ``phases`` from the payload
         (else the hyper-parameters).

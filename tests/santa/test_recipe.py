@@ -251,8 +251,9 @@ def test_deploy_questions_are_calibration_side_and_outside_the_reward_pool(model
     tok = load_model(cfg.model, device="cpu").tokenizer
     pool = reward_prompts(cfg, tok, heldout=False, count=4)
     extra = reward_prompts(cfg, tok, heldout=False, count=4, skip=4, setting="method.deploy.questions")
-    assert [p.prompt_id for p in pool] == [f"{t}-192-s1234-{i}" for i in (0, 1) for t in ("kv_retrieval", "niah_single")]
-    assert [p.prompt_id for p in extra] == [f"{t}-192-s1234-{i}" for i in (2, 3) for t in ("kv_retrieval", "niah_single")]
+    tasks = ("kv_retrieval", "niah_single")
+    assert [p.prompt_id for p in pool] == [f"{t}-192-s1234-{i}" for i in (0, 1) for t in tasks]
+    assert [p.prompt_id for p in extra] == [f"{t}-192-s1234-{i}" for i in (2, 3) for t in tasks]
 
 
 def test_heldout_scores_do_not_depend_on_sharding(model_dir, monkeypatch):

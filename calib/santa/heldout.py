@@ -3,7 +3,7 @@
 Both schedules (and, optionally, dense attention) answer the SAME held-out questions
 (:func:`calib.santa.reward.reward_prompts` with ``heldout=True``), question ``i`` sampled with the same
 seed under every schedule (:func:`calib.santa.reward.question_seeds`), so the comparison is paired.
-With more than a few dozen questions the work is sharded over up to ``rl.workers`` local processes
+With more than a few dozen answers to give the work is sharded over up to ``rl.workers`` local processes
 (:mod:`calib.santa.local_worker` ``--score``; shard ``j`` takes questions ``j::shards``): each loads
 the model once and scores its questions under every schedule. Seeds per question make the scores
 independent of the sharding.
@@ -27,8 +27,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import asdict
-from typing import Any, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -36,7 +36,7 @@ from calib.errors import UserError
 
 log = logging.getLogger("calib.santa")
 
-MIN_PER_SHARD = 32  # fewer questions than this per process are scored in this process
+MIN_PER_SHARD = 64  # fewer answers (questions x schedules) than this per process are scored in this process
 
 
 def _prompt_dict(p: Any) -> dict[str, Any]:
@@ -45,8 +45,31 @@ def _prompt_dict(p: Any) -> dict[str, Any]:
     return d
 
 
-def run_score_job(cfg_dict: dict[str, Any], job: dict[str, Any], threads: int) -> dict[str, list[bool]]:
-    """Child side (``local_worker --score``): load the model, score ``job`` under each schedule."""
+@dataclass(frozen=True)
+class ScoreGroup:
+    """Questions and the schedules to score each of them under (name -> per-layer S, None = dense)."""
+
+    prompts: Sequence[Any]
+    max_new: Sequence[int]  # greedy budget per question
+    seeds: Sequence[int]  # sampling seed per question
+    schedules: dict[str, list[int] | None]
+
+    def unique(self) -> tuple[dict[str, list[int] | None], dict[str, str]]:
+        """``(schedules to run, name -> the name it is scored under)``: equal schedules run once."""
+        unique: dict[str, list[int] | None] = {}
+        alias: dict[str, str] = {}
+        for name, sched in self.schedules.items():
+            key = None if sched is None else [int(x) for x in sched]
+            alias[name] = next((n for n, s in unique.items() if s == key), name)
+            if alias[name] == name:
+                unique[name] = key
+        return unique, alias
+
+
+def run_score_job(cfg_dict: dict[str, Any], job: dict[str, Any], threads: int,
+                  progress: Callable[[int], None] | None = None) -> list[dict[str, list[bool]]]:
+    """Child side (``local_worker --score``): load the model, score every group of ``job`` under each
+    of its schedules; ``progress(1)`` after each question scored."""
     import torch
     from omegaconf import OmegaConf
 
@@ -57,59 +80,100 @@ def run_score_job(cfg_dict: dict[str, Any], job: dict[str, Any], threads: int) -
     torch.set_num_threads(max(1, threads))
     cfg = OmegaConf.create(cfg_dict)
     loaded = load_model(cfg.model, device=str(resolve_device(str(cfg.get("device", "auto")))))
-    prompts = [Prompt(**p) for p in job["prompts"]]
     rs = RewardSettings.from_cfg(cfg)
-    return {name: score_schedule(loaded, prompts, sched, rs, job["seeds"], job["max_new"]).tolist()
-            for name, sched in job["schedules"].items()}
+    out = []
+    for group in job["groups"]:
+        prompts = [Prompt(**p) for p in group["prompts"]]
+        out.append({name: score_schedule(loaded, prompts, sched, rs, group["seeds"], group["max_new"],
+                                         progress=progress).tolist()
+                    for name, sched in group["schedules"].items()})
+    return out
 
 
 def score_schedules(cfg: Any, loaded: Any, prompts: Sequence[Any], max_new: Sequence[int], seeds: Sequence[int],
-                    schedules: dict[str, list[int] | None], shards: int) -> dict[str, np.ndarray]:
+                    schedules: dict[str, list[int] | None], shards: int, desc: str = "score") -> dict[str, np.ndarray]:
     """Correctness ``[len(prompts)]`` per named schedule (None = dense), over ``shards`` processes.
 
     Names that share a schedule are scored once (e.g. ``uniform`` and its own placement)."""
-    unique: dict[str, list[int] | None] = {}
-    alias: dict[str, str] = {}
-    for name, sched in schedules.items():
-        key = None if sched is None else [int(x) for x in sched]
-        alias[name] = next((n for n, s in unique.items() if s == key), name)
-        if alias[name] == name:
-            unique[name] = key
-    got = _score_unique(cfg, loaded, prompts, max_new, seeds, unique, shards)
-    return {name: got[alias[name]] for name in schedules}
+    return score_groups(cfg, loaded, [ScoreGroup(prompts, max_new, seeds, schedules)], shards, desc)[0]
 
 
-def _score_unique(cfg: Any, loaded: Any, prompts: Sequence[Any], max_new: Sequence[int], seeds: Sequence[int],
-                  schedules: dict[str, list[int] | None], shards: int) -> dict[str, np.ndarray]:
-    from calib.config import to_container
-    from calib.santa.children import last_json, start_child
+def score_groups(cfg: Any, loaded: Any, groups: Sequence[ScoreGroup], shards: int,
+                 desc: str = "score") -> list[dict[str, np.ndarray]]:
+    """:func:`score_schedules` for several groups at once (one set of processes, one progress bar with
+    an ETA over every question x schedule)."""
+    from tqdm.auto import tqdm
+
+    plans = [g.unique() for g in groups]
+    total = sum(len(g.prompts) * len(u) for g, (u, _) in zip(groups, plans))
+    with tqdm(total=total, desc=desc, unit="answer", mininterval=2.0) as bar:
+        got = _score_unique(cfg, loaded, [(g, u) for g, (u, _) in zip(groups, plans)], shards, bar.update)
+    return [{name: scores[alias[name]] for name in g.schedules} for g, (_, alias), scores in zip(groups, plans, got)]
+
+
+def _score_unique(cfg: Any, loaded: Any, work: list[tuple[ScoreGroup, dict[str, list[int] | None]]],
+                  shards: int, progress: Callable[[int], None]) -> list[dict[str, np.ndarray]]:
     from calib.santa.reward import RewardSettings, score_schedule
 
-    shards = max(1, min(shards, len(prompts) // MIN_PER_SHARD))
+    answers = sum(len(g.prompts) * len(unique) for g, unique in work)
+    shards = max(1, min(shards, answers // MIN_PER_SHARD, min(len(g.prompts) for g, _ in work)))
     if shards == 1:
         rs = RewardSettings.from_cfg(cfg)
-        return {name: score_schedule(loaded, prompts, sched, rs, seeds, max_new) for name, sched in schedules.items()}
+        return [{name: score_schedule(loaded, g.prompts, sched, rs, g.seeds, g.max_new, progress=progress)
+                 for name, sched in unique.items()} for g, unique in work]
+    return _score_in_children(cfg, work, shards, progress)
+
+
+def _score_in_children(cfg: Any, work: list[tuple[ScoreGroup, dict[str, list[int] | None]]], shards: int,
+                       progress: Callable[[int], None]) -> list[dict[str, np.ndarray]]:
+    """Shard ``j`` of every group (questions ``j::shards``) in child process ``j``; progress lines
+    (``{"progress": n}``) are read as they come, the report is the last line."""
+    import threading
+
+    from calib.config import to_container
+    from calib.santa.children import last_json, start_child
+
     config_line = json.dumps(to_container(cfg))
     threads = max(1, (os.cpu_count() or 1) // shards)
     procs = []
     for j in range(shards):
-        idx = range(j, len(prompts), shards)
-        job = {"schedules": schedules, "prompts": [_prompt_dict(prompts[i]) for i in idx],
-               "max_new": [int(max_new[i]) for i in idx], "seeds": [int(seeds[i]) for i in idx]}
-        procs.append(start_child(j, 0, threads, [config_line, json.dumps(job)], score=True))
-    log.info("scoring %d held-out questions x %d schedules in %d processes", len(prompts), len(schedules), shards)
-    out = {name: np.zeros(len(prompts), dtype=bool) for name in schedules}
-    errors = []
+        groups = []
+        for g, unique in work:
+            idx = range(j, len(g.prompts), shards)
+            groups.append({"schedules": unique, "prompts": [_prompt_dict(g.prompts[i]) for i in idx],
+                           "max_new": [int(g.max_new[i]) for i in idx], "seeds": [int(g.seeds[i]) for i in idx]})
+        procs.append(start_child(j, 0, threads, [config_line, json.dumps({"groups": groups})], score=True))
+    log.info("scoring %d question sets in %d processes", len(work), shards)
+    lock, outputs = threading.Lock(), [""] * shards
+
+    def read(j: int) -> None:
+        lines = []
+        for line in procs[j].stdout:
+            if line.startswith('{"progress"'):
+                with lock:
+                    progress(int(json.loads(line)["progress"]))
+            else:
+                lines.append(line)
+        outputs[j] = "".join(lines)
+
+    readers = [threading.Thread(target=read, args=(j,), daemon=True) for j in range(shards)]
     for j, proc in enumerate(procs):
         proc.stdin.close()
+        readers[j].start()
+    for j, proc in enumerate(procs):
+        readers[j].join()
         proc.wait()
-        report = last_json(proc.stdout.read(), proc.returncode)
         proc.stdout.close()
+    out = [{name: np.zeros(len(g.prompts), dtype=bool) for name in unique} for g, unique in work]
+    errors = []
+    for j, proc in enumerate(procs):
+        report = last_json(outputs[j], proc.returncode)
         if "scores" not in report:
             errors.append(f"shard {j}: {report.get('error', 'no report')}")
             continue
-        for name, got in report["scores"].items():
-            out[name][j::shards] = np.asarray(got, dtype=bool)
+        for k, group_scores in enumerate(report["scores"]):
+            for name, got in group_scores.items():
+                out[k][name][j::shards] = np.asarray(got, dtype=bool)
     if errors:
         raise UserError(f"held-out scoring failed ({'; '.join(errors)})")
     return out
@@ -138,7 +202,8 @@ def heldout_comparison(cfg: Any, loaded: Any, learned: np.ndarray, uniform: np.n
         schedules.update(placements)
     if cfg.method.reward.get("heldout_dense", True):
         schedules["dense"] = None
-    got = score_schedules(cfg, loaded, prompts, max_new, question_seeds(seed, len(prompts)), schedules, shards)
+    got = score_schedules(cfg, loaded, prompts, max_new, question_seeds(seed, len(prompts)), schedules, shards,
+                          desc="heldout")
     got_uniform = got["learned"].copy() if same else got["uniform"]
     ci_l = bootstrap_mean_ci(got["learned"], resamples=resamples, seed=seed)
     ci_u = bootstrap_mean_ci(got_uniform, resamples=resamples, seed=seed)

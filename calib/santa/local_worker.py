@@ -10,10 +10,12 @@ multiprocessing spawn) and writes the resolved config as ONE JSON line on the ch
   local worker never outlives its ``run``). A stop is honoured after the current episode; an
   incomplete batch is never published.
 * ``--score``: a second stdin line holds a held-out scoring job (:mod:`calib.santa.heldout`); the child
-  scores its questions under every schedule of the job.
+  scores every group of questions of the job under each of its schedules, printing ``{"progress": 1}``
+  after each question (the parent's progress bar).
 
-The child's stdout carries exactly one JSON line at exit: ``{"summary": {...}}``, ``{"scores": {...}}``
-or ``{"error": "<one line>"}``; logs and tracebacks go to stderr (shared with the parent).
+The child's stdout ends with exactly one report line at exit: ``{"summary": {...}}``, ``{"scores":
+[{...}, ...]}`` (one dict per group) or ``{"error": "<one line>"}``; logs and tracebacks go to stderr
+(shared with the parent).
 """
 
 from __future__ import annotations
@@ -71,7 +73,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if ns.score:
             from calib.santa.heldout import run_score_job
 
-            scores = run_score_job(json.loads(line), json.loads(sys.stdin.readline()), ns.threads)
+            def progress(n: int) -> None:
+                print(json.dumps({"progress": n}), flush=True)
+
+            scores = run_score_job(json.loads(line), json.loads(sys.stdin.readline()), ns.threads, progress)
             print(json.dumps({"scores": scores}), flush=True)
             return 0
         stop = threading.Event()

@@ -48,7 +48,8 @@ def read_history(rl_dir: Path, num_layers: int) -> RunHistory:
     )
 
 
-def _plt() -> Any:
+def pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend (figures go to files, never to a screen)."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -59,7 +60,7 @@ def _plt() -> Any:
 
 def reward_curve(history: RunHistory, window: int = 10) -> Any:
     """Mean reward per iteration and its trailing moving average."""
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.5))
     x, y = history.iterations, history.reward_mean
     ax.plot(x, y, ".", alpha=0.5, label="mean reward of the iteration's episodes")
@@ -76,7 +77,7 @@ def reward_curve(history: RunHistory, window: int = 10) -> Any:
 
 def policy_heatmap(history: RunHistory) -> Any:
     """Layers x iterations heatmap of the policy's per-layer probability p."""
-    plt = _plt()
+    plt = pyplot()
     probs = history.probs.T  # [L, K + 1]
     fig, ax = plt.subplots(figsize=(7, 1.2 + 0.3 * probs.shape[0]))
     im = ax.imshow(probs, aspect="auto", origin="lower", cmap="viridis", interpolation="nearest",
@@ -89,7 +90,7 @@ def policy_heatmap(history: RunHistory) -> Any:
 
 def schedule_bars(learned: Sequence[int], uniform: Sequence[int]) -> Any:
     """Learned vs uniform per-layer sample budgets (same total N)."""
-    plt = _plt()
+    plt = pyplot()
     layers = np.arange(len(learned))
     fig, ax = plt.subplots(figsize=(max(5, 0.35 * len(learned) + 2), 3.5))
     ax.bar(layers - 0.2, uniform, width=0.4, label=f"uniform (N={int(np.sum(uniform))})", color="0.7")

@@ -99,27 +99,27 @@ def reinforce_update(
 
 
 def schedule_from_policy(theta: np.ndarray, budget: int) -> np.ndarray:
-    """The artifact schedule: ``round(N * softmax(theta))`` by largest remainder, >= 1 per layer, sum N.
+    """The schedule of a policy: ``N * softmax(theta)`` by largest remainder, >= 1 per layer, sum N.
 
-    Hamilton apportionment with a floor of one sample per layer. Start from
-    ``s_i = max(floor(q_i), 1)`` with quotas ``q = N p``; then, while ``sum(s) < N`` give one sample to
-    the layer with the largest remainder ``q_i - s_i``, and while ``sum(s) > N`` (only possible when
-    layers were lifted to 1) take one from the layer with ``s_i > 1`` and the smallest ``q_i - s_i``.
-    Ties go to the lower layer index. Without lifted layers this is plain largest remainder.
-    theta: [L]; requires ``budget >= L``. Returns ``[L]`` int64.
+    :func:`runtime_kernels.santa.schedule.apportion` with ``minimum = 1`` (Hamilton apportionment:
+    floors, the remaining samples to the largest fractional parts, ties to the lower layer index; a
+    layer lifted to one sample is paid for by the most over-served layer). theta: [L]; requires
+    ``budget >= L``. Returns ``[L]`` int64.
     """
+    from runtime_kernels.santa.schedule import apportion
+
     p = softmax(theta)
-    n_layers = p.shape[0]
-    if budget < n_layers:
-        raise ValueError(f"budget {budget} < {n_layers} layers: cannot give every layer at least one sample")
-    quota = budget * p
-    s = np.maximum(np.floor(quota), 1.0).astype(np.int64)
-    while s.sum() < budget:
-        s[int(np.argmax(quota - s))] += 1  # argmax returns the first (lowest) index on ties
-    while s.sum() > budget:
-        slack = np.where(s > 1, quota - s, np.inf)
-        s[int(np.argmin(slack))] -= 1
-    return s
+    if budget < p.shape[0]:
+        raise ValueError(f"budget {budget} < {p.shape[0]} layers: cannot give every layer at least one sample")
+    return np.asarray(apportion(p.tolist(), int(budget), minimum=1), dtype=np.int64)
+
+
+def deployment_probs(theta: np.ndarray) -> np.ndarray:
+    """``softmax(theta)`` rounded to float32 and back: the ``probs`` an artifact stores ([L] float64).
+
+    Schedules for deployment budgets are apportioned from these, in calibration and in the runtime
+    alike, so a schedule stored in an artifact is exactly what the runtime makes of ``probs``."""
+    return softmax(theta).astype(np.float32).astype(np.float64)
 
 
 def uniform_placements(num_layers: int, budget: int) -> list[np.ndarray]:

@@ -19,12 +19,17 @@ Stages (each timed):
    ``reward_uniform`` (bootstrap 95% CIs), ``reward_learned_minus_uniform`` (paired bootstrap CI),
    ``heldout_ci_separated`` (1 when the learned CI lies wholly above the uniform one) and, with
    ``method.reward.heldout_dense``, ``reward_dense``.
-3. ``plots`` — reward curve, per-layer p heatmap over iterations, schedule bar chart
-   (:mod:`calib.santa.plots`).
+3. ``deploy`` — the learned share p scaled to a ladder of total budgets and scored against uniform and
+   dense on calibration-side questions the reward pool does not hold; the artifact's default budget is
+   the smallest rung within ``method.deploy.tolerance`` of dense (:mod:`calib.santa.deploy`).
+4. ``plots`` — reward curve, per-layer p heatmap over iterations, schedule bar chart
+   (:mod:`calib.santa.plots`) and accuracy vs total budget (``plots/santa_accuracy_vs_budget.png``).
 
-The artifact: ``schedule.safetensors`` with ``schedule`` int64 [L], ``theta`` float32 [L], ``probs``
-float32 [L]; estimator / tiling / tile / phases in the hyper-parameters and the payload, read by
-``runtime_kernels.santa.api.SantaDecode.from_artifact``.
+The artifact (ABI v1, layout unchanged): ``schedule.safetensors`` with ``schedule`` int64 [L] (the
+schedule at the default budget), ``theta`` float32 [L] and ``probs`` float32 [L] (the learned share);
+estimator / tiling / tile / phases, ``default_budget``, the training budget and schedule and the ladder
+in the payload, read by ``runtime_kernels.santa.api.SantaDecode.from_artifact`` (whose ``budget`` option
+apportions ``probs`` to another total).
 """
 
 from __future__ import annotations
@@ -55,7 +60,10 @@ JOIN_TIMEOUT_S = 120.0  # a stopped worker finishes its current episode first
 
 def validate(cfg: DictConfig) -> None:
     """Range checks of ``cfg.method`` and ``cfg.rl`` (one-line :class:`UserError`)."""
+    from calib.santa.deploy import DeploySettings
+
     settings(cfg)
+    DeploySettings.from_cfg(cfg)
 
 
 def data_needs(cfg: DictConfig) -> dict[str, str | None]:
@@ -139,6 +147,8 @@ class WorkerPool:
 
 def train(cfg: DictConfig, s: RLSettings, rl_dir: Path) -> Any:
     """Run the aggregator here and the workers in processes until ``rl.iterations``; the summary."""
+    from tqdm.auto import tqdm
+
     from calib.santa.inbox import Layout, policy_iterations
 
     rl_dir.mkdir(parents=True, exist_ok=True)
@@ -147,9 +157,18 @@ def train(cfg: DictConfig, s: RLSettings, rl_dir: Path) -> Any:
     reports: list[dict[str, Any]] = []
     if pool is not None:
         pool.start()
+    bar = tqdm(total=s.iterations, initial=min(done[-1] if done else 0, s.iterations), desc="reinforce",
+               unit="iteration")
+    log_iteration = IterationLogger()
+
+    def on_iteration(record: Any) -> None:  # the MLflow log plus a progress bar with an ETA
+        log_iteration(record)
+        bar.update(max(0, min(int(record.iteration), s.iterations) - bar.n))
+
     try:
-        summary = run_aggregator_checked(s, rl_dir, IterationLogger(), stop_event=pool.failed if pool else None)
+        summary = run_aggregator_checked(s, rl_dir, on_iteration, stop_event=pool.failed if pool else None)
     finally:
+        bar.close()
         if pool is not None:
             reports = pool.shutdown()
     if summary.iteration < s.iterations:
@@ -186,15 +205,18 @@ def _hyperparameters(cfg: DictConfig, s: RLSettings) -> dict[str, Any]:
 
 
 def calibrate(cfg: DictConfig, ctx: Any) -> Any:
-    """Train the schedule, score it against uniform on held-out questions, return the artifact."""
+    """Train the schedule, score it against uniform on held-out questions, find the deployment budget,
+    return the artifact."""
     from calib.models import load_model
     from calib.run import MethodOutput
+    from calib.santa.deploy import DeploySettings, log_ladder, run_ladder
     from calib.santa.heldout import heldout_comparison
     from calib.santa.plots import log_run_figures
-    from calib.santa.policy import schedule_from_policy, softmax
+    from calib.santa.policy import deployment_probs, schedule_from_policy, softmax
     from calib.santa.reward import reward_prompts
 
     s = settings(cfg)
+    DeploySettings.from_cfg(cfg)  # fail before training, not after
     rl_dir = s.dir or default_rl_dir(ctx.run_id)
     log.info("SANTA REINFORCE in %s: L=%d, N=%d, %d workers, %d iterations", rl_dir, s.num_layers, s.budget,
              s.workers, s.iterations)
@@ -207,20 +229,44 @@ def calibrate(cfg: DictConfig, ctx: Any) -> Any:
         pool = reward_prompts(cfg, loaded.tokenizer, heldout=False, count=int(cfg.method.reward.pool))
     with ctx.timer.stage("heldout"):
         metrics = heldout_comparison(cfg, loaded, learned, uniform, s.heldout_questions, shards=s.workers)
+    probs = deployment_probs(theta)
+    with ctx.timer.stage("deploy"):
+        ladder = run_ladder(cfg, loaded, probs, s.budget, shards=s.workers)
     with ctx.timer.stage("plots"):
         history = log_run_figures(rl_dir, s.num_layers, learned.tolist(), uniform.tolist())
-    probs = softmax(theta)
+        log_ladder(ladder)
+    deployed = ladder.schedules[ladder.default_budget]
+    metrics.update(ladder.metrics(int(cfg.eval.bootstrap), int(cfg.get("seed", 0))))
+    p64 = softmax(theta)
     metrics.update({"iterations": float(iteration), "num_results": float(history.num_results.sum()),
-                    "budget": float(s.budget), "policy_entropy": float(-(probs * np.log(np.maximum(probs, 1e-300))).sum()),
-                    "schedule": {f"layer_{i}": float(x) for i, x in enumerate(learned)},
-                    "p": {f"layer_{i}": float(x) for i, x in enumerate(probs)}})
+                    "budget": float(s.budget), "policy_entropy": float(-(p64 * np.log(np.maximum(p64, 1e-300))).sum()),
+                    "schedule": {f"layer_{i}": float(x) for i, x in enumerate(deployed)},
+                    "training_schedule": {f"layer_{i}": float(x) for i, x in enumerate(learned)},
+                    "p": {f"layer_{i}": float(x) for i, x in enumerate(p64)}})
+    return MethodOutput(tensors=_artifact_tensors(deployed, theta, probs),
+                        hyperparameters={**_hyperparameters(cfg, s), "default_budget": ladder.default_budget},
+                        model=loaded.facts.to_dict(), data=_data_record(cfg, pool), metrics=metrics,
+                        payload=_payload(cfg, rl_dir, iteration, summary, learned, uniform, ladder))
+
+
+def _artifact_tensors(deployed: list[int], theta: np.ndarray, probs: np.ndarray) -> dict[str, dict[str, torch.Tensor]]:
+    """``schedule.safetensors``: ``schedule`` [L] int64 at the default budget, ``theta`` [L] and the
+    learned share ``probs`` [L] float32 the runtime rescales for another budget."""
+    return {"schedule": {"schedule": torch.as_tensor(deployed, dtype=torch.int64),
+                         "theta": torch.as_tensor(theta, dtype=torch.float32),
+                         "probs": torch.as_tensor(probs, dtype=torch.float32)}}
+
+
+def _payload(cfg: DictConfig, rl_dir: Path, iteration: int, summary: Any, learned: np.ndarray, uniform: np.ndarray,
+             ladder: Any) -> dict[str, Any]:
     m = cfg.method
-    payload = {"estimator": str(m.estimator), "tiling": str(m.tiling), "tile": int(m.tile),
-               "phases": [str(p) for p in m.reward.phases], "schedule": learned.tolist(),
-               "uniform_schedule": uniform.tolist(), "rl_dir": str(rl_dir), "iterations": int(iteration),
-               "aggregator_committed": list(summary.committed)}
-    tensors = {"schedule": {"schedule": torch.as_tensor(learned, dtype=torch.int64),
-                            "theta": torch.as_tensor(theta, dtype=torch.float32),
-                            "probs": torch.as_tensor(probs, dtype=torch.float32)}}
-    return MethodOutput(tensors=tensors, hyperparameters=_hyperparameters(cfg, s), model=loaded.facts.to_dict(),
-                        data=_data_record(cfg, pool), metrics=metrics, payload=payload)
+    return {"estimator": str(m.estimator), "tiling": str(m.tiling), "tile": int(m.tile),
+            "phases": [str(p) for p in m.reward.phases], "schedule": ladder.schedules[ladder.default_budget],
+            "default_budget": ladder.default_budget, "default_budget_within_tolerance": ladder.within_tolerance,
+            "training_budget": int(np.sum(learned)), "training_schedule": learned.tolist(),
+            "uniform_schedule": uniform.tolist(), "rl_dir": str(rl_dir), "iterations": int(iteration),
+            "aggregator_committed": list(summary.committed),
+            "budget_ladder": {"budgets": ladder.budgets, "tolerance": ladder.tolerance,
+                              "questions": len(ladder.dense), "dense": float(ladder.dense.mean()),
+                              "learned": [float(ladder.learned[n].mean()) for n in ladder.budgets],
+                              "uniform": [float(ladder.uniform[n].mean()) for n in ladder.budgets]}}

@@ -58,29 +58,35 @@ def reward_length(cfg: Any) -> int:
     return int(length) if length is not None else min(int(x) for x in cfg.data.lengths)
 
 
-def reward_prompts(cfg: Any, tokenizer: Any, *, heldout: bool, count: int) -> list[Any]:
+def reward_prompts(cfg: Any, tokenizer: Any, *, heldout: bool, count: int, skip: int = 0,
+                   setting: str | None = None, allow_fewer: bool = False) -> list[Any]:
     """The reward pool (``heldout=False``: calibration seed/split) or the held-out questions.
 
     Synthetic data: ``ceil(count / tasks)`` prompts per task, taken round-robin over tasks, ``count``
-    in all. File/hub data: the first ``count`` rows of the split. Raises UserError if fewer exist.
+    in all. File/hub data: the first ``count`` rows of the split. ``skip``: leave out the first
+    ``skip`` questions of that order (synthetic: the first ``ceil(skip / tasks)`` of every task), so
+    ``skip=method.reward.pool`` gives calibration-side questions the reward pool does not hold.
+    Raises UserError (naming ``setting``, the config key of ``count``) if fewer exist, or, with
+    ``allow_fewer`` (a file with few rows), only if none does.
     """
     from calib.data import build_prompts
 
     data = cfg.data
     purpose = "evaluation" if heldout else "calibration"
+    which = setting or ("rl.heldout_questions" if heldout else "method.reward.pool")
     if str(data.get("source", "synthetic")) == "synthetic":
         tasks = [str(t) for t in (cfg.method.reward.get("tasks") or data.tasks)]
-        per_task = -(-count // len(tasks))
+        per_task, skip_per_task = -(-count // len(tasks)), -(-skip // len(tasks))
         seed = int(cfg.eval.seed if heldout else data.seed)
         prompts = build_prompts(data, tokenizer, seed=seed, lengths=[reward_length(cfg)], tasks=tasks,
-                                num_prompts=per_task, purpose=purpose)
-        by_task = [[p for p in prompts if p.task == t] for t in tasks]
+                                num_prompts=skip_per_task + per_task, purpose=purpose)
+        by_task = [[p for p in prompts if p.task == t][skip_per_task:] for t in tasks]
         prompts = [q[i] for i in range(per_task) for q in by_task if i < len(q)]
     else:
-        prompts = build_prompts(data, tokenizer, num_prompts=count, purpose=purpose)
-    if len(prompts) < count:
-        which = "rl.heldout_questions" if heldout else "method.reward.pool"
-        raise UserError(f"only {len(prompts)} {purpose} questions available but {which}={count}; "
+        prompts = build_prompts(data, tokenizer, num_prompts=skip + count, purpose=purpose)[skip:]
+    if len(prompts) < count and not (allow_fewer and prompts):
+        raise UserError(f"only {len(prompts)} {purpose} questions available but {which}={count}"
+                        f"{f' after the {skip} of the reward pool' if skip else ''}; "
                         f"lower {which} or provide more data")
     return prompts[:count]
 
@@ -115,7 +121,8 @@ def question_seeds(seed: int, count: int) -> list[int]:
 
 @torch.inference_mode()
 def answer_correct(loaded: Any, prompts: Sequence[Any], max_new: Sequence[int], runtime: Any | None,
-                   seeds: Sequence[int] | None = None, desc: str = "santa") -> np.ndarray:
+                   seeds: Sequence[int] | None = None, desc: str = "santa",
+                   progress: Callable[[int], None] | None = None) -> np.ndarray:
     """Greedy answers with ``runtime`` attached (None: dense); ``[len(prompts)]`` bool, each scored by its
     task's rule (``data.scoring``: exact match, or the answer contained in the reply).
 
@@ -135,13 +142,15 @@ def answer_correct(loaded: Any, prompts: Sequence[Any], max_new: Sequence[int], 
     try:
         correct = []
         for i, (p, n) in enumerate(tqdm(list(zip(prompts, max_new)), desc=f"score {desc}", unit="question",
-                                        leave=False, disable=len(prompts) < 64 or None)):
+                                        leave=False, disable=progress is not None or len(prompts) < 64 or None)):
             if runtime is not None and seeds is not None:
                 runtime.reseed(int(seeds[i]))
             stop = stops[getattr(p, "scoring", "exact_match")]
             text = loaded.tokenizer.decode(greedy_generate(loaded.model, p.input_ids, n, stop),
                                            skip_special_tokens=True)
             correct.append(is_correct(text, p))
+            if progress is not None:
+                progress(1)
     finally:
         if runtime is not None:
             hf.remove(loaded.model)
@@ -149,13 +158,15 @@ def answer_correct(loaded: Any, prompts: Sequence[Any], max_new: Sequence[int], 
 
 
 def score_schedule(loaded: Any, prompts: Sequence[Any], budgets: Sequence[int] | None, settings: RewardSettings,
-                   seeds: Sequence[int], max_new: Sequence[int] | None = None) -> np.ndarray:
+                   seeds: Sequence[int], max_new: Sequence[int] | None = None,
+                   progress: Callable[[int], None] | None = None) -> np.ndarray:
     """Per-question correctness of ``prompts`` at schedule ``budgets`` (None: dense attention), question
-    ``i`` sampled with ``seeds[i]``."""
+    ``i`` sampled with ``seeds[i]``; ``progress(1)`` after each question."""
     max_new = list(max_new) if max_new is not None else new_token_budgets(prompts, loaded.tokenizer, settings)
     runtime = None if budgets is None else make_runtime(budgets, settings)
     desc = "dense" if budgets is None else "S=" + ",".join(str(int(b)) for b in budgets)
-    return answer_correct(loaded, prompts, max_new, runtime, seeds=seeds, desc=desc)
+    extra = {"progress": progress} if progress is not None else {}
+    return answer_correct(loaded, prompts, max_new, runtime, seeds=seeds, desc=desc, **extra)
 
 
 def make_evaluator(cfg: Any, loaded: Any, prompts: Sequence[Any]) -> Evaluate:

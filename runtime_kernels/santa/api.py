@@ -386,6 +386,26 @@ def _phases(value: Any) -> tuple[str, ...]:
     return tuple(p for p in PHASES if p in phases)
 
 
+def _schedule_at_budget(artifact: Any, budget: Any, layers: int) -> list[int]:
+    """The artifact's learned share ``probs [L]`` apportioned to ``budget`` samples (>= 1 per layer)."""
+    from runtime_kernels.errors import ArtifactError
+    from runtime_kernels.santa.schedule import apportion
+
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < layers:
+        raise ArtifactError(f"the santa option budget must be an integer >= {layers} (one sample per layer), "
+                            f"got {budget!r}")
+    if "probs" not in artifact.tensors:
+        raise ArtifactError(f"{artifact.path} holds no learned share 'probs' to rescale: recalibrate it to use the "
+                            "santa budget option")
+    probs = artifact.tensor("probs").detach().to("cpu", torch.float64)
+    if probs.shape != (layers,):
+        raise ArtifactError(f"{artifact.path}: probs has shape {tuple(probs.shape)}, the model has {layers} layers")
+    try:
+        return apportion(probs.tolist(), budget, minimum=1)
+    except ValueError as exc:
+        raise ArtifactError(f"{artifact.path}: cannot apportion budget {budget} ({exc})") from None
+
+
 class SantaDecode:
     """S²ANTA with a per-layer sample budget, the runtime of ``hf.apply(model, santa_artifact)``.
 
@@ -424,9 +444,16 @@ class SantaDecode:
         self._stats = [0.0, 0.0, 0]  # sum of S, sum of sample fractions, calls
 
     @classmethod
-    def from_artifact(cls, artifact: Any, model: Any, *, seed: int | None = 0) -> "SantaDecode":
-        """Build from a verified SANTA artifact: tensor ``schedule: [L]`` int64, and ``estimator``,
-        ``tiling``, ``tile``, ``phases`` from the payload (else the hyper-parameters)."""
+    def from_artifact(cls, artifact: Any, model: Any, *, seed: int | None = 0,
+                      budget: int | None = None) -> "SantaDecode":
+        """Build from a verified SANTA artifact: tensor ``schedule: [L]`` int64 (the schedule at the
+        artifact's default budget), and ``estimator``, ``tiling``, ``tile``, ``phases`` from the payload
+        (else the hyper-parameters).
+
+        ``budget`` (``hf.apply(..., options={"santa": {"budget": N}})``): run at total budget ``N``
+        instead, the schedule apportioned from the artifact's learned share ``probs: [L]`` by largest
+        remainder with at least one sample per layer (:func:`runtime_kernels.santa.schedule.apportion`);
+        needs ``N >= L``. At the artifact's own default budget this is the stored schedule."""
         from runtime_kernels.errors import ArtifactError
 
         schedule = artifact.tensor("schedule")
@@ -434,6 +461,8 @@ class SantaDecode:
         if schedule.dim() != 1 or schedule.shape[0] != layers:
             raise ArtifactError(f"{artifact.path}: schedule has shape {tuple(schedule.shape)} but the model has "
                                 f"{layers} layers; use an artifact calibrated for this model")
+        if budget is not None:
+            schedule = _schedule_at_budget(artifact, budget, layers)
         settings = {**(artifact.manifest.hyperparameters or {}), **(artifact.manifest.payload or {})}
         try:
             return cls(schedule, estimator=str(settings.get("estimator", "sys")),

@@ -60,6 +60,8 @@ from runtime_kernels.santa.tiling import (
 ESTIMATORS = ("iid", "strat", "sys")
 TILINGS = ("prop", "flash", "none")
 _CHUNK_ELEMENTS = 1 << 22  # float64 elements per prefill query chunk (bounds reference memory)
+_GATHER_RATIO = 64  # prefill: gather sampled V rows while S * this < keys, else counts @ V
+_CAUSAL_ROWS = 64  # query rows per causal prefill chunk (each row's draws do not depend on the chunking)
 
 
 def _scores64(q: torch.Tensor, k: torch.Tensor, scale: float, exact: bool = False) -> torch.Tensor:
@@ -176,6 +178,8 @@ def _prefill_indices(
     tk = k.shape[2]
     s_max = int(num_samples.max())
     step = max(1, _CHUNK_ELEMENTS // max(1, b * hq * max(tk, s_max)))
+    if causal:  # a chunk reads keys up to its last row: short chunks skip most of the masked upper triangle
+        step = min(step, _CAUSAL_ROWS)
     for lo in range(0, tq, step):
         hi = min(tq, lo + step)
         n_keys = tk - tq + hi if causal else tk  # later keys are masked for every row of the chunk
@@ -228,21 +232,29 @@ def santa_prefill_forward(
     """SANTA / S²ANTA estimate per query row (backend contract of ``api.santa_attention``).
 
     q: [B, Hq, Tq, D]; k, v: [B, Hkv, Tk, D]; num_samples: [B] int64 ``>= 1``; uniforms as in
-    ``per_row_sample_counts``. Returns [B, Hq, Tq, D] in ``q.dtype``: ``(1/S_b) Σ_j V[key_j]``, the
-    gathered rows summed in float32 (float64 for float64 inputs).
+    ``per_row_sample_counts``. Returns [B, Hq, Tq, D] in ``q.dtype``: ``(1/S_b) Σ_j V[key_j]``, summed
+    in float32 (float64 for float64 inputs): the gathered rows when S is small against the keys, else
+    the per-key sample counts times V (the same keys, a different summation order).
     """
     b, hq, tq, d = q.shape
-    hkv = k.shape[1]
+    hkv, tk = k.shape[1], k.shape[2]
     acc = torch.promote_types(v.dtype, torch.float32)
     out = torch.empty(b, hq, tq, d, dtype=acc, device=q.device)
     inv_s = 1.0 / num_samples.to(acc)[:, None, None, None]
     chunks = _prefill_indices(q, k, num_samples, estimator, causal, scale, uniforms, key_len)
     for lo, hi, idx, valid in chunks:
         c, m = hi - lo, idx.shape[-1]
-        flat = idx.reshape(b, hkv, -1, 1).expand(-1, -1, -1, d)  # [B, Hkv, G·c·m, D]
-        rows = torch.gather(v, 2, flat).reshape(b, hq, c, m, d).to(acc)
-        rows = rows.masked_fill_(~valid[..., None], 0.0)  # padding samples (j >= S_b)
-        out[:, :, lo:hi] = rows.sum(-2) * inv_s
+        n_keys = tk - tq + hi if causal else tk  # idx < n_keys
+        if m * _GATHER_RATIO < n_keys:  # few samples per row: gather the sampled rows of V
+            flat = idx.reshape(b, hkv, -1, 1).expand(-1, -1, -1, d)  # [B, Hkv, G·c·m, D]
+            rows = torch.gather(v, 2, flat).reshape(b, hq, c, m, d).to(acc)
+            rows = rows.masked_fill_(~valid[..., None], 0.0)  # padding samples (j >= S_b)
+            out[:, :, lo:hi] = rows.sum(-2) * inv_s
+        else:  # many: samples per key times V (one matmul), the same sum in another order
+            counts = torch.zeros(b, hq, c, n_keys, dtype=acc, device=q.device)
+            counts.scatter_add_(-1, idx, valid.expand_as(idx).to(acc))
+            rows = torch.matmul(counts.reshape(b, hkv, -1, n_keys), v[:, :, :n_keys].to(acc))  # [B, Hkv, G·c, D]
+            out[:, :, lo:hi] = rows.reshape(b, hq, c, d) * inv_s
     return out.to(q.dtype)
 
 

@@ -64,10 +64,13 @@ def test_learned_schedule_beats_uniform_on_held_out_questions(tmp_path):
     overrides = ["+method=santa", f"model.path={env}", "model.name=santa-env", *arch, "model.lengths=[128]",
                  "device=cpu", "data=jsonl", f"data.path={env / 'rows.jsonl'}", "data.eval_fraction=0.5",
                  "method.reward.max_new_tokens=1", "method.reward.pool=150", "rl.budget_per_layer=4",
-                 "rl.lr=1.0", "rl.iterations=20", "rl.workers=2", "rl.heldout_questions=500", "rl.seed=0"]
+                 "rl.lr=1.0", "rl.iterations=20", "rl.workers=2", "rl.heldout_questions=500", "rl.seed=0",
+                 "rl.episodes=10", "rl.questions_per_episode=16"]
     m = run_recipe(tmp_path / "home", overrides)["metrics"]
     assert m["reward_dense"] == 1.0 and 0.3 <= m["reward_uniform"] <= 0.7
     assert m["reward_learned_ci_low"] > m["reward_uniform_ci_high"] and m["heldout_ci_separated"] == 1.0
     assert m["reward_learned_minus_uniform_ci_low"] > 0
-    assert m["schedule.layer_1"] == max(m[f"schedule.layer_{i}"] for i in range(4))  # samples moved to layer 1
+    trained = [m[f"training_schedule.layer_{i}"] for i in range(4)]
+    assert trained[1] == max(trained)  # samples moved to layer 1
+    assert m["schedule.layer_1"] == max(m[f"schedule.layer_{i}"] for i in range(4))  # and stay there when deployed
     assert m["p.layer_1"] > 0.5

@@ -41,7 +41,8 @@ def overrides(model_dir: Path, *extra: str) -> list[str]:
     return ["+method=santa", f"model.path={model_dir}", "model.name=rand-santa", *arch, "model.lengths=[192]",
             "device=cpu", "data.tasks=[kv_retrieval,niah_single]", "method.reward.length=192",
             "method.reward.pool=4", "rl.questions_per_episode=2", "rl.episodes=2", "rl.heldout_questions=6",
-            "rl.poll_s=0.2", "rl.threads=1", "eval.bootstrap=200", "eval.max_new_tokens=4", *extra]
+            "rl.poll_s=0.2", "rl.threads=1", "eval.bootstrap=200", "eval.max_new_tokens=4",
+            "method.deploy.questions=4", "method.deploy.budgets_per_layer=[1,4]", *extra]
 
 
 def _compose(model_dir: Path, *extra: str) -> Any:
@@ -91,8 +92,11 @@ def test_run_artifact_schedule_and_rl_dir(run_result):
     schedule, theta, probs = art.tensor("schedule"), art.tensor("theta"), art.tensor("probs")
     assert schedule.dtype == torch.int64 and theta.dtype == probs.dtype == torch.float32
     assert schedule.shape == theta.shape == probs.shape == (2,)
-    assert int(schedule.sum()) == 16 and int(schedule.min()) >= 1
     man = art.manifest
+    default = man.payload["default_budget"]
+    assert default in (2, 8, 16) and man.hyperparameters["default_budget"] == default  # the ladder: 1, 4, 8 per layer
+    assert int(schedule.sum()) == default and int(schedule.min()) >= 1
+    assert man.payload["schedule"] == schedule.tolist() and man.payload["training_budget"] == 16
     assert man.hyperparameters["N"] == 16 and man.hyperparameters["phases"] == ["prefill", "decode"]
     assert (man.payload["tiling"], man.payload["tile"], man.payload["estimator"]) == ("flash", 256, "sys")
     rl_dir = Path(man.payload["rl_dir"])
@@ -101,7 +105,8 @@ def test_run_artifact_schedule_and_rl_dir(run_result):
     facts = check_rl_dir(rl_dir, num_layers=2, budget=16)  # consecutive snapshots, REINFORCE math, no double count
     assert facts.iterations == 2 and (rl_dir / "done.json").exists()
     np.testing.assert_allclose(theta.double().numpy(), facts.thetas[-1], rtol=0, atol=1e-6)
-    assert schedule.tolist() == _largest_remainder(facts.thetas[-1], 16).tolist()
+    assert man.payload["training_schedule"] == _largest_remainder(facts.thetas[-1], 16).tolist()
+    assert schedule.tolist() == _largest_remainder(np.log(probs.double().numpy()), default).tolist()
     assert man.data.seed == 1234 and man.data.count == 4 and man.data.lengths == [192]
 
 
@@ -114,14 +119,20 @@ def test_run_logs_iterations_and_plots(run_result):
     assert sorted(set(steps)) == [1, 2]
     assert {"rl/p_layer_0", "rl/p_layer_1", "rl/grad_norm", "rl/policy_entropy", "time_reinforce_s"} <= set(run.data.metrics)
     plots = {a.path for a in client.list_artifacts(run.info.run_id, "plots")}
-    assert {"plots/santa_reward_curve.png", "plots/santa_policy_heatmap.png", "plots/santa_schedule.png"} <= plots
+    assert {"plots/santa_reward_curve.png", "plots/santa_policy_heatmap.png", "plots/santa_schedule.png",
+            "plots/santa_accuracy_vs_budget.png"} <= plots
+    curve = client.get_metric_history(run.info.run_id, "deploy/accuracy_learned")
+    assert sorted(x.step for x in curve) == [2, 8, 16]
+    assert {"time_deploy_s", "deploy_budget", "deploy_accuracy_dense", "deploy.uniform.N8"} <= set(run.data.metrics)
 
 
 def test_artifact_applies_to_the_model(run_result, model_dir):
     from calib.models import load_model
     from runtime_kernels import hf
     from runtime_kernels.artifact import load_artifact
+    from runtime_kernels.errors import ArtifactError
     from runtime_kernels.santa.api import SantaDecode
+    from runtime_kernels.santa.schedule import apportion
 
     loaded = load_model(_compose(model_dir).model, device="cpu")
     try:
@@ -132,6 +143,11 @@ def test_artifact_applies_to_the_model(run_result, model_dir):
         with torch.no_grad():
             out = loaded.model(input_ids=torch.arange(5, 69)[None], use_cache=True)
         assert torch.isfinite(out.logits).all() and state.decode.pop_stats()["sampled_calls"] == 2
+        probs = load_artifact(run_result["artifact_dir"]).tensor("probs").double().tolist()
+        state = hf.apply(loaded.model, run_result["artifact_dir"], options={"santa": {"budget": 7}})
+        assert state.decode.schedule == apportion(probs, 7) and sum(state.decode.schedule) == 7
+        with pytest.raises(ArtifactError, match="integer >= 2"):
+            hf.apply(loaded.model, run_result["artifact_dir"], options={"santa": {"budget": 1}})
     finally:
         hf.remove(loaded.model)
 
@@ -146,7 +162,10 @@ def test_eval_reports_dense_vs_santa_accuracy(run_result, model_dir):
     assert result["tasks"].keys() == {"kv_retrieval@192"}
     assert set(result["tasks"]["kv_retrieval@192"]) == {"dense", "sparse"}
     m = result["metrics"]
-    assert m["kv_retrieval@192.mean_samples"] == pytest.approx(8.0)  # the uniform-ish schedule [8, 8] or near
+    from runtime_kernels.artifact import load_artifact
+
+    schedule = load_artifact(run_result["artifact_dir"]).tensor("schedule").tolist()  # the default budget's
+    assert m["kv_retrieval@192.mean_samples"] == pytest.approx(np.mean(schedule))  # every layer, prefill and decode
     assert 0 < m["kv_retrieval@192.sample_fraction"] < 1
 
 
@@ -223,6 +242,20 @@ def test_evaluator_draws_distinct_questions_and_runs_the_schedule(model_dir, mon
         evaluate([1, 2, 3], np.random.default_rng(0))
 
 
+def test_deploy_questions_are_calibration_side_and_outside_the_reward_pool(model_dir):
+    """skip=pool: the next prompts of each task from the calibration seed, none of the pool's, not eval.seed's."""
+    from calib.models import load_model
+    from calib.santa.reward import reward_prompts
+
+    cfg = _compose(model_dir)
+    tok = load_model(cfg.model, device="cpu").tokenizer
+    pool = reward_prompts(cfg, tok, heldout=False, count=4)
+    extra = reward_prompts(cfg, tok, heldout=False, count=4, skip=4, setting="method.deploy.questions")
+    tasks = ("kv_retrieval", "niah_single")
+    assert [p.prompt_id for p in pool] == [f"{t}-192-s1234-{i}" for i in (0, 1) for t in tasks]
+    assert [p.prompt_id for p in extra] == [f"{t}-192-s1234-{i}" for i in (2, 3) for t in tasks]
+
+
 def test_heldout_scores_do_not_depend_on_sharding(model_dir, monkeypatch):
     """Sharded over 2 child processes == in process: per-question seeds, questions j::shards merged back."""
     import dataclasses
@@ -266,9 +299,9 @@ def test_uniform_sweep_totals_score_every_placement(model_dir, capsys, monkeypat
     scored: list[dict] = []
     real = heldout._score_unique
 
-    def spy(cfg, loaded, prompts, max_new, seeds, schedules, shards):
-        scored.append(dict(schedules))
-        return real(cfg, loaded, prompts, max_new, seeds, schedules, shards)
+    def spy(cfg, loaded, work, shards, progress):
+        scored.extend(dict(unique) for _, unique in work)
+        return real(cfg, loaded, work, shards, progress)
 
     monkeypatch.setattr(heldout, "_score_unique", spy)
     args = overrides(model_dir, "rl.heldout_questions=6", "method.reward.heldout_dense=false")[1:]
@@ -331,7 +364,7 @@ def test_heldout_comparison_scores_every_uniform_placement(model_dir, monkeypatc
     correct = {(2, 1): [1, 0, 0, 0, 1, 0], (1, 2): [1, 1, 1, 0, 1, 0], (1, 1): [0] * 6}
     seen: list[dict] = []
 
-    def fake(cfg, loaded, prompts, max_new, seeds, schedules, shards):
+    def fake(cfg, loaded, prompts, max_new, seeds, schedules, shards, desc="score"):
         seen.append(dict(schedules))
         learned = [1, 1, 1, 1, 1, 1]
         return {name: np.array(learned if name == "learned" else correct[tuple(s)], dtype=bool)

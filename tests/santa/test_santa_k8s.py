@@ -128,5 +128,9 @@ def test_santa_method_config_defaults():
     cfg = compose(["+method=santa"])
     assert (cfg.method.estimator, cfg.method.tiling, cfg.method.tile) == ("sys", "flash", 256)
     rl = cfg.rl
-    assert (rl.budget_per_layer, rl.episodes, rl.questions_per_episode, rl.lr) == (8, 10, 16, 0.02)
+    # the CPU default run is sized for 3 minutes (5 episodes of 12 questions per batch); the cluster run
+    # sets App. L's ten episodes of 16 questions itself
+    assert (rl.budget_per_layer, rl.episodes, rl.questions_per_episode, rl.lr) == (8, 5, 12, 0.02)
     assert rl.workers >= 1 and rl.iterations >= 1 and "dir" in rl
+    cluster = compose(["+method=santa", *_overrides()]).rl
+    assert (cluster.episodes, cluster.questions_per_episode) == (10, 16)

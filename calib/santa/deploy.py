@@ -1,0 +1,175 @@
+"""The deployment budget of a SANTA artifact: accuracy against total budget, learned vs uniform.
+
+REINFORCE learns where samples matter at a starved budget ``N_train`` (the policy ``p = softmax(theta)``
+over layers); a user wants an artifact that answers like dense. The ``deploy`` stage scales the learned
+``p`` to a ladder of total budgets (``N = b x L`` for ``b`` in ``method.deploy.budgets_per_layer``, plus
+``N_train``), each by largest remainder (:func:`runtime_kernels.santa.schedule.apportion`, >= 1 sample
+per layer), and scores every rung, the uniform schedule at the same ``N`` and dense attention on the
+same ``method.deploy.questions`` questions of the calibration side that the reward pool does not hold
+(``data.seed``, after the pool's; ``eval.seed`` stays unseen), question ``i`` sampled with the same
+seed under every schedule (a file with fewer rows: the rows there are, with a warning).
+
+The artifact's default budget is the smallest rung from which the learned schedule is within
+``method.deploy.tolerance`` of dense at that rung and at every larger one (one lucky rung below a
+failing one is not taken). When no rung qualifies the largest is used and ``deploy_within_tolerance``
+is 0. ``options={"santa": {"budget": N}}`` overrides it at load time.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from calib.config import require
+from calib.errors import UserError
+
+log = logging.getLogger("calib.santa")
+
+
+@dataclass(frozen=True)
+class DeploySettings:
+    """``method.deploy``: the budget ladder, its questions and the tolerance against dense."""
+
+    budgets_per_layer: tuple[int, ...]
+    questions: int
+    tolerance: float
+
+    @classmethod
+    def from_cfg(cls, cfg: Any) -> "DeploySettings":
+        d = cfg.method.get("deploy")
+        require(d is not None, "no method.deploy block: add +method=santa")
+        try:
+            ladder = tuple(int(b) for b in d.budgets_per_layer)
+            out = cls(budgets_per_layer=ladder, questions=int(d.questions), tolerance=float(d.tolerance))
+        except (TypeError, ValueError):
+            raise UserError("method.deploy needs budgets_per_layer (a list of integers), questions (an integer) "
+                            f"and tolerance (a number); got {dict(d)}") from None
+        require(len(ladder) >= 1 and min(ladder) >= 1,
+                f"method.deploy.budgets_per_layer must be a non-empty list of integers >= 1 (got {list(ladder)})")
+        require(out.questions >= 1, f"method.deploy.questions must be >= 1 (got {out.questions})")
+        require(0 <= out.tolerance < 1, f"method.deploy.tolerance must lie in [0, 1) (got {out.tolerance})")
+        return out
+
+
+def ladder(num_layers: int, budgets_per_layer: Sequence[int], training_budget: int) -> list[int]:
+    """Total budgets scored: ``b x L`` for every ``b`` plus the training budget, ascending, unique."""
+    return sorted({int(b) * int(num_layers) for b in budgets_per_layer} | {int(training_budget)})
+
+
+def smallest_budget_within(budgets: Sequence[int], learned: Sequence[float], dense: float,
+                           tolerance: float) -> int | None:
+    """The smallest budget from which ``learned >= dense - tolerance`` holds at it and every larger
+    budget; None when the largest budget fails. ``budgets`` ascending, ``learned`` the accuracy at each."""
+    if len(budgets) != len(learned) or list(budgets) != sorted(budgets):
+        raise ValueError("budgets must be ascending, one accuracy each")
+    found = None
+    for n, acc in zip(reversed(list(budgets)), reversed(list(learned))):
+        if acc < dense - tolerance - 1e-12:  # float guard: 0.97 - 0.01 must admit 0.96
+            break
+        found = int(n)
+    return found
+
+
+@dataclass(frozen=True)
+class LadderResult:
+    """Accuracy per rung on the calibration-side questions; ``[R]`` arrays, rungs ascending."""
+
+    budgets: list[int]
+    learned: dict[int, np.ndarray]  # N -> per-question correctness [Q] of the learned schedule at N
+    uniform: dict[int, np.ndarray]  # N -> the same for the uniform schedule
+    dense: np.ndarray  # [Q]
+    schedules: dict[int, list[int]]  # N -> learned schedule
+    default_budget: int
+    within_tolerance: bool
+    tolerance: float
+
+    def metrics(self, resamples: int, seed: int) -> dict[str, Any]:
+        """Headline metrics (``deploy_*``) and the curve as ``deploy.learned.N<n>`` / ``deploy.uniform.N<n>``."""
+        from calib.stats import bootstrap_mean_ci
+
+        n = self.default_budget
+        ci = bootstrap_mean_ci(self.learned[n], resamples=resamples, seed=seed)
+        return {"deploy_budget": float(n), "deploy_within_tolerance": float(self.within_tolerance),
+                "deploy_accuracy_learned": ci.mean, "deploy_accuracy_learned_ci_low": ci.low,
+                "deploy_accuracy_learned_ci_high": ci.high, "deploy_accuracy_dense": float(self.dense.mean()),
+                "deploy_accuracy_uniform": float(self.uniform[n].mean()), "deploy_questions": float(len(self.dense)),
+                "deploy": {"learned": {f"N{b}": float(self.learned[b].mean()) for b in self.budgets},
+                           "uniform": {f"N{b}": float(self.uniform[b].mean()) for b in self.budgets}}}
+
+
+def run_ladder(cfg: Any, loaded: Any, probs: np.ndarray, training_budget: int, shards: int) -> LadderResult:
+    """Score the ladder (module docstring); ``probs [L]`` are the artifact's stored shares."""
+    from calib.santa.heldout import ScoreGroup, score_groups
+    from calib.santa.reward import RewardSettings, new_token_budgets, question_seeds, reward_prompts
+    from runtime_kernels.santa.schedule import apportion
+
+    ds = DeploySettings.from_cfg(cfg)
+    layers = len(probs)
+    budgets = [n for n in ladder(layers, ds.budgets_per_layer, training_budget) if n >= layers]
+    prompts = reward_prompts(cfg, loaded.tokenizer, heldout=False, count=ds.questions, skip=int(cfg.method.reward.pool),
+                             setting="method.deploy.questions", allow_fewer=True)
+    if len(prompts) < ds.questions:
+        log.warning("the data holds %d calibration questions beyond the reward pool; the budget ladder uses them "
+                    "instead of method.deploy.questions=%d", len(prompts), ds.questions)
+    max_new = new_token_budgets(prompts, loaded.tokenizer, RewardSettings.from_cfg(cfg))
+    learned = {n: apportion(probs.tolist(), n) for n in budgets}
+    schedules: dict[str, list[int] | None] = {"dense": None}
+    for n in budgets:
+        schedules[f"learned:{n}"] = learned[n]
+        schedules[f"uniform:{n}"] = apportion([1.0] * layers, n)
+    group = ScoreGroup(prompts, max_new, question_seeds(int(cfg.get("seed", 0)) + 1, len(prompts)), schedules)
+    got = score_groups(cfg, loaded, [group], shards, desc="deploy budgets")[0]
+    acc = [float(got[f"learned:{n}"].mean()) for n in budgets]
+    found = smallest_budget_within(budgets, acc, float(got["dense"].mean()), ds.tolerance)
+    if found is None:
+        log.warning("no budget up to N=%d brings the learned schedule within %.3f of dense (%.3f vs %.3f); "
+                    "the artifact defaults to N=%d: extend method.deploy.budgets_per_layer", budgets[-1],
+                    ds.tolerance, acc[-1], float(got["dense"].mean()), budgets[-1])
+    return LadderResult(budgets=budgets, learned={n: got[f"learned:{n}"] for n in budgets},
+                        uniform={n: got[f"uniform:{n}"] for n in budgets}, dense=got["dense"], schedules=learned,
+                        default_budget=found if found is not None else budgets[-1],
+                        within_tolerance=found is not None, tolerance=ds.tolerance)
+
+
+def log_ladder(result: LadderResult) -> None:
+    """The curve as MLflow step series (``deploy/accuracy_learned`` etc., step = N) and one figure."""
+    import mlflow
+
+    from calib.tracking import log_figure
+
+    if mlflow.active_run() is None:
+        return
+    for n in result.budgets:
+        mlflow.log_metrics({"deploy/accuracy_learned": float(result.learned[n].mean()),
+                            "deploy/accuracy_uniform": float(result.uniform[n].mean()),
+                            "deploy/accuracy_dense": float(result.dense.mean())}, step=int(n))
+    log_figure(accuracy_vs_budget(result), "plots/santa_accuracy_vs_budget.png")
+
+
+def accuracy_vs_budget(result: LadderResult) -> Any:
+    """Accuracy against total budget N (log scale): learned and uniform with 95 % bootstrap bars, dense,
+    the tolerance band and the chosen default budget."""
+    from calib.santa.plots import pyplot
+    from calib.stats import bootstrap_mean_ci
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    x = np.asarray(result.budgets, dtype=float)
+    for name, curve, style in (("learned", result.learned, "o-"), ("uniform", result.uniform, "s--")):
+        cis = [bootstrap_mean_ci(curve[n], resamples=1000, seed=0) for n in result.budgets]
+        y = np.array([c.mean for c in cis])
+        err = np.array([[c.mean - c.low for c in cis], [c.high - c.mean for c in cis]])
+        ax.errorbar(x, y, yerr=err, fmt=style, capsize=3, label=f"{name} schedule")
+    dense = float(result.dense.mean())
+    ax.axhline(dense, color="k", lw=1, label=f"dense ({dense:.3f})")
+    ax.axhspan(dense - result.tolerance, dense, color="0.85", label=f"within {result.tolerance:g} of dense")
+    ax.axvline(result.default_budget, color="C3", ls=":", label=f"default budget N={result.default_budget}")
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="total samples N over all layers", ylabel=f"accuracy ({len(result.dense)} questions)",
+           title="SANTA: accuracy vs total budget (calibration-side questions)", ylim=(-0.02, 1.02))
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    return fig

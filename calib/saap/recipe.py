@@ -387,6 +387,7 @@ def training_rows(loaded: Any, prompts: Sequence[Any], centroids: dict[int, torc
     from calib.collect import run_layer_callbacks
     from calib.collect.sampling import sample_generator
     from calib.saap.kmeans import assign
+    from calib.rope import derope, rotary_cos_sin
     from calib.saap.targets import prompt_training_rows
 
     sequences, prompt_lens = calibration_sequences(loaded.tokenizer, prompts, s.teacher_forced_answer)
@@ -398,7 +399,9 @@ def training_rows(loaded: Any, prompts: Sequence[Any], centroids: dict[int, torc
         if cap.layer not in rows:
             return
         qr, kr = cap.q_post.float(), cap.k_post.float()
-        qd, kd = derope_capture(loaded.model, cap)
+        cos, sin = rotary_cos_sin(loaded.model, cap.positions)
+        cos, sin = cos.to(qr.device), sin.to(qr.device)
+        kd = derope(kr, cos, sin, torch.float32)  # [Hkv, T, D]; queries are de-RoPE'd at the chosen rows only
         prompt_len = prompt_lens[cap.prompt_index]
         pool = prompt_len - max(s.sink, 1)
         n = min(s.queries_per_prompt, pool if s.query_candidates is None else min(pool, s.query_candidates))
@@ -408,7 +411,8 @@ def training_rows(loaded: Any, prompts: Sequence[Any], centroids: dict[int, torc
                                   causal_top1=s.causal_top1, causal_targets=s.causal_targets,
                                   candidates=s.query_candidates, scale=scales[cap.layer], generator=gen)
         r = rows[cap.layer]
-        r.x.append(qd.gather(1, pr.positions.unsqueeze(-1).expand(-1, -1, qd.shape[-1])).cpu())
+        rows_q = qr.gather(1, pr.positions.unsqueeze(-1).expand(-1, -1, qr.shape[-1]))  # [Hq, n, D] RoPE'd
+        r.x.append(derope(rows_q, cos[pr.positions], sin[pr.positions], torch.float32).cpu())
         r.targets.append(pr.targets.cpu())
         r.long_range.append(pr.long_range.cpu())
         r.answer.append(pr.answer.cpu())

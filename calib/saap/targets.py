@@ -62,10 +62,11 @@ def top1_key_distance(q_rope: torch.Tensor, k_rope: torch.Tensor, *, positions: 
     out = torch.empty(hq, positions.numel(), dtype=torch.int64, device=q_rope.device)
     for start in range(0, positions.numel(), chunk):
         qpos = positions[start:start + chunk]
-        s = _scores(q_rope[:, qpos], k_rope, scale)  # [Hq, n, T]
-        bad = (kpos < sink).expand(qpos.numel(), -1)
+        width = int(qpos.max()) + 1 if causal else t  # a causal query sees no key beyond the chunk's last one
+        s = _scores(q_rope[:, qpos], k_rope[:, :width], scale)  # [Hq, n, width]
+        bad = (kpos[:width] < sink).expand(qpos.numel(), -1)
         if causal:
-            bad = bad | (kpos[None, :] > qpos[:, None])
+            bad = bad | (kpos[None, :width] > qpos[:, None])
         s = s.masked_fill(bad, float("-inf"))
         dist = qpos[None, :] - s.argmax(-1)
         out[:, start:start + chunk] = torch.where(bad.all(-1)[None, :], -1, dist)
@@ -149,13 +150,14 @@ def kl_targets(q_rope: torch.Tensor, k_rope: torch.Tensor, key_bucket: torch.Ten
     for start in range(0, nq, chunk):
         qi = query_idx[:, start:start + chunk]  # [Hq, n]
         q = q_rope.gather(1, qi.unsqueeze(-1).expand(-1, -1, d))  # [Hq, n, D]
-        s = _scores(q, k_rope, scale)  # [Hq, n, T]
-        bad = (kpos < sink).expand_as(s)
+        width = int(qi.max()) + 1 if causal else t  # keys past the chunk's last query carry no causal mass
+        s = _scores(q, k_rope[:, :width], scale)  # [Hq, n, width]
+        bad = (kpos[:width] < sink).expand_as(s)
         if causal:
-            bad = bad | (kpos[None, None, :] > qi[..., None])
+            bad = bad | (kpos[None, None, :width] > qi[..., None])
         p = torch.softmax(s.masked_fill(bad, float("-inf")), -1)  # sink excluded, renormalized
         tgt = torch.zeros(hq, qi.shape[1], C, dtype=torch.float32, device=q_rope.device)
-        out[:, start:start + chunk] = tgt.scatter_add_(-1, bucket.unsqueeze(1).expand_as(p), p)
+        out[:, start:start + chunk] = tgt.scatter_add_(-1, bucket[:, None, :width].expand_as(p), p)
     return out
 
 

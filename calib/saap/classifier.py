@@ -16,7 +16,7 @@ runtime's :func:`runtime_kernels.saap.classify_queries`, use the running statist
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -98,7 +98,7 @@ def fit_query_classifiers(x: torch.Tensor, targets: torch.Tensor, *, hidden: int
                           steps: int = 1000, batch: int = 256, seed: int = 0, head_seeds: list[int] | None = None,
                           prompt_index: torch.Tensor | None = None, device: str | torch.device | None = None,
                           progress: bool = True, desc: str = "SAAP classifiers",
-                          on_step: Callable[[int, torch.Tensor], None] | None = None,
+                          on_step: Callable[[int, torch.Tensor], None] | None = None, bar: Any = None,
                           ) -> tuple[BatchedQueryClassifier, torch.Tensor]:
     """Train every head's classifier at once.
 
@@ -111,6 +111,8 @@ def fit_query_classifiers(x: torch.Tensor, targets: torch.Tensor, *, hidden: int
         prompt_index: ``[N]`` prompt of each row; given, each batch comes from one prompt (the paper).
         device: where to train (default: ``x.device``).
         on_step: called as ``on_step(step, loss_per_head [Hq])`` after every step (for tracking).
+        bar: a tqdm bar to advance by one per step (a stage's bar over several layers); without one,
+            ``progress`` opens a bar of its own.
 
     Returns:
         ``(classifier in eval mode on CPU, loss curve [steps, Hq] float32)``.
@@ -124,7 +126,8 @@ def fit_query_classifiers(x: torch.Tensor, targets: torch.Tensor, *, hidden: int
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     gen = torch.Generator().manual_seed(seed)
     curve = torch.empty(steps, hq)
-    bar = _progress(steps, desc, progress)
+    own_bar = bar is None
+    bar = _progress(steps, desc, progress) if own_bar else bar
     for step in range(steps):
         rows = _batch_rows(gen, n, batch, prompt_index)
         xb = x[:, rows].to(device, torch.float32)  # [Hq, b, D]
@@ -140,7 +143,7 @@ def fit_query_classifiers(x: torch.Tensor, targets: torch.Tensor, *, hidden: int
                 bar.set_postfix(kl=f"{curve[step].mean().item():.4f}")
         if on_step is not None:
             on_step(step, curve[step])
-    if bar is not None:
+    if bar is not None and own_bar:
         bar.close()
     return model.cpu().eval(), curve
 

@@ -37,12 +37,14 @@ def _chunk(chunk: int | None, hq: int, t: int) -> int:
     return chunk if chunk is not None else max(1, _BUDGET // max(1, hq * t))
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
-    """``q [Hq, n, D]``, ``k [Hkv, T, D]`` -> ``[Hq, n, T]`` float32 scaled scores (GQA)."""
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """``q [Hq, n, D]``, ``k [Hkv, T, D]`` -> ``[Hq, n, T]`` float32 scores times ``scale`` (GQA).
+
+    ``scale=None`` leaves them unscaled (an argmax does not need the extra pass over the buffer)."""
     hq, n, d = q.shape
     hkv = k.shape[0]
     s = q.float().reshape(hkv, (hq // hkv) * n, d) @ k.float().transpose(1, 2)  # [Hkv, G*n, T]
-    return s.view(hq, n, -1) * scale
+    return s.view(hq, n, -1) if scale is None else s.view(hq, n, -1) * scale
 
 
 def top1_key_distance(q_rope: torch.Tensor, k_rope: torch.Tensor, *, positions: torch.Tensor | None = None,
@@ -52,10 +54,10 @@ def top1_key_distance(q_rope: torch.Tensor, k_rope: torch.Tensor, *, positions: 
 
     ``q_rope [Hq, T, D]``, ``k_rope [Hkv, T, D]``; ``positions [P]`` the queries to test (default all
     ``T``). Queries with no eligible key (``i < sink`` when causal) get ``-1``. Negative values
-    (non-causal) mean the top key is in the future.
+    (non-causal) mean the top key is in the future. ``scale`` (the softmax scale, positive) does not
+    move an argmax, so the raw products are compared; it is accepted for the callers' symmetry.
     """
     hq, t, d = q_rope.shape
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
     kpos = torch.arange(t, device=q_rope.device)
     positions = kpos if positions is None else positions.to(q_rope.device)
     chunk = _chunk(chunk, hq, t)
@@ -63,7 +65,7 @@ def top1_key_distance(q_rope: torch.Tensor, k_rope: torch.Tensor, *, positions: 
     for start in range(0, positions.numel(), chunk):
         qpos = positions[start:start + chunk]
         width = int(qpos.max()) + 1 if causal else t  # a causal query sees no key beyond the chunk's last one
-        s = _scores(q_rope[:, qpos], k_rope[:, :width], scale)  # [Hq, n, width]
+        s = _scores(q_rope[:, qpos], k_rope[:, :width], None)  # [Hq, n, width]; a positive scale keeps the argmax
         bad = (kpos[:width] < sink).expand(qpos.numel(), -1)
         if causal:
             bad = bad | (kpos[None, :width] > qpos[:, None])

@@ -85,6 +85,8 @@ def _base_attention(impl: str, module: nn.Module) -> Callable[..., Any]:
 def _capture_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, Any]:
     session = _ACTIVE
+    if session is not None and session.skips_attention(module):
+        session._after_attention(module, query, key, value, None, kwargs)  # hands q/k/v over, then stops
     base = _base_attention(session.base_impl if session else "sdpa", module)
     out, weights = base(module, query, key, value, attention_mask, **kwargs)
     if session is not None:
@@ -151,12 +153,18 @@ class CaptureSession:
         self.layers = sorted(set(range(num_layers) if layers is None else (int(x) for x in layers)))
         if not self.layers or self.layers[0] < 0 or self.layers[-1] >= num_layers:
             raise UserError(f"layers={list(layers or [])} out of range: the model has layers 0..{num_layers - 1}")
-        self.stop_after = self.layers[-1] if self.layers[-1] < num_layers - 1 else None
+        self.stop_after = self.layers[-1]
         self.base_impl = str(model.config._attn_implementation or "sdpa")
         self._pre: dict[tuple[int, str], torch.Tensor] = {}
         self._indices: list[int] | None = None  # set by forward(); None: a direct model call, rows 0..B-1
         self._lengths: list[int] | None = None
         self._positions: torch.Tensor | None = None
+
+    def skips_attention(self, module: nn.Module) -> bool:
+        """True for the last requested layer of our own :meth:`forward` when no attention output is kept:
+        its q/k/v are all the callback needs, so the layer's attention (the costliest part of a long
+        prefill) is not computed and the pass stops there."""
+        return int(module.layer_idx) == self.stop_after and self._indices is not None and not self.keep_attn_output
 
     def _hook(self, layer: int, which: str) -> Callable[..., None]:
         def store(_module: nn.Module, _inputs: Any, output: torch.Tensor) -> None:
@@ -169,7 +177,7 @@ class CaptureSession:
         return raw.reshape(batch, tokens, -1, head_dim).transpose(1, 2)  # [B, H, T, D]
 
     def _after_attention(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                         out: torch.Tensor, kwargs: dict[str, Any]) -> None:
+                         out: torch.Tensor | None, kwargs: dict[str, Any]) -> None:
         layer = int(module.layer_idx)
         if layer not in self.layers:
             return
@@ -188,7 +196,7 @@ class CaptureSession:
                 layer=layer, prompt_index=index,
                 q_pre=q_pre[b, :, :n], q_post=query[b, :, :n], k_pre=k_pre[b, :, :n], k_post=key[b, :, :n],
                 v=value[b, :, :n], positions=pos[min(b, pos.shape[0] - 1), :n],
-                attn_output=out[b, :n].transpose(0, 1) if self.keep_attn_output else None,
+                attn_output=out[b, :n].transpose(0, 1) if self.keep_attn_output and out is not None else None,
             ))
         if layer == self.stop_after and self._indices is not None:  # only our own forward() catches it
             raise _StopForward
@@ -248,7 +256,8 @@ def run_layer_callbacks(loaded: Any, prompts: Any, callback: Callable[[LayerCapt
     The per-layer, per-prompt hook of SPEC §4: ``callback`` runs inside the forward pass while that
     layer's tensors for that prompt are in memory (on the model's device); whatever it keeps is its
     own business, nothing full-length is stored here. Layers are visited in order 0..L-1 for a batch;
-    after the last requested layer the forward pass stops. ``prompts``: lists of token ids, 1-D
+    the forward pass stops at the last requested layer, whose attention is not even computed unless
+    ``keep_attn_output`` asks for its output. ``prompts``: lists of token ids, 1-D
     tensors or a [N, T] tensor; ``prompt_index`` in the captures is the position in this list.
     Returns throughput and peak-memory stats.
     """

@@ -16,7 +16,7 @@ runtime's :func:`runtime_kernels.saap.classify_queries`, use the running statist
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -78,18 +78,40 @@ class BatchedQueryClassifier(nn.Module):
                                bn_eps=self.bn_eps, **self.export_params())
 
 
-def kl_loss_per_head(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Batch-mean ``KL(target ‖ softmax(logits))`` per head: ``[Hq, N, C]`` x2 -> ``[Hq]``."""
-    return F.kl_div(F.log_softmax(logits, -1), targets, reduction="none").sum(-1).mean(-1)
+def kl_loss_per_head(logits: torch.Tensor, targets: torch.Tensor,
+                     target_neg_entropy: torch.Tensor | None = None) -> torch.Tensor:
+    """Batch-mean ``KL(target ‖ softmax(logits))`` per head: ``[Hq, N, C]`` x2 -> ``[Hq]``.
+
+    ``KL = Σ t·log t − Σ t·log q``; the first term does not depend on the logits, so a training loop
+    passes it precomputed per row (``target_neg_entropy [Hq, N]``, :func:`target_neg_entropy`) and each
+    step computes only the cross term (``xlogy`` over ``[Hq, N, C]`` is a slow CPU kernel).
+    """
+    if target_neg_entropy is None:
+        return F.kl_div(F.log_softmax(logits, -1), targets, reduction="none").sum(-1).mean(-1)
+    return (target_neg_entropy - (targets * F.log_softmax(logits, -1)).sum(-1)).mean(-1)
 
 
-def _batch_rows(step_gen: torch.Generator, n: int, batch: int, prompt_index: torch.Tensor | None) -> torch.Tensor:
-    """Rows of one batch: uniform over all rows, or (``prompt_index``) from one random prompt."""
+def target_neg_entropy(targets: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+    """``Σ_c t·log t`` per row (0·log 0 = 0): ``[Hq, N, C]`` -> ``[Hq, N]`` float32, ``chunk`` rows at a time."""
+    return torch.cat([torch.xlogy(t, t).sum(-1) for t in targets.float().split(chunk, 1)], 1)
+
+
+def _prompt_rows(prompt_index: torch.Tensor | None) -> list[torch.Tensor] | None:
+    """Row indices of each prompt, in ascending prompt order (None: batches are drawn over all rows)."""
     if prompt_index is None:
+        return None
+    return [torch.nonzero(prompt_index == p).flatten() for p in torch.unique(prompt_index)]
+
+
+def _batch_rows(step_gen: torch.Generator, n: int, batch: int,
+                prompt_rows: list[torch.Tensor] | torch.Tensor | None) -> torch.Tensor:
+    """Rows of one batch: uniform over all rows, or (``prompt_rows``: each prompt's rows, or the
+    ``[N]`` prompt index they come from) from one random prompt."""
+    if isinstance(prompt_rows, torch.Tensor):
+        prompt_rows = _prompt_rows(prompt_rows)
+    if prompt_rows is None:
         return torch.randint(n, (min(batch, n),), generator=step_gen)
-    prompts = torch.unique(prompt_index)
-    p = prompts[torch.randint(prompts.numel(), (1,), generator=step_gen)]
-    rows = torch.nonzero(prompt_index == p).flatten()
+    rows = prompt_rows[int(torch.randint(len(prompt_rows), (1,), generator=step_gen))]
     pick = torch.randperm(rows.numel(), generator=step_gen)[:batch]
     return rows[pick]
 
@@ -98,7 +120,7 @@ def fit_query_classifiers(x: torch.Tensor, targets: torch.Tensor, *, hidden: int
                           steps: int = 1000, batch: int = 256, seed: int = 0, head_seeds: list[int] | None = None,
                           prompt_index: torch.Tensor | None = None, device: str | torch.device | None = None,
                           progress: bool = True, desc: str = "SAAP classifiers",
-                          on_step: Callable[[int, torch.Tensor], None] | None = None,
+                          on_step: Callable[[int, torch.Tensor], None] | None = None, bar: Any = None,
                           ) -> tuple[BatchedQueryClassifier, torch.Tensor]:
     """Train every head's classifier at once.
 
@@ -111,6 +133,8 @@ def fit_query_classifiers(x: torch.Tensor, targets: torch.Tensor, *, hidden: int
         prompt_index: ``[N]`` prompt of each row; given, each batch comes from one prompt (the paper).
         device: where to train (default: ``x.device``).
         on_step: called as ``on_step(step, loss_per_head [Hq])`` after every step (for tracking).
+        bar: a tqdm bar to advance by one per step (a stage's bar over several layers); without one,
+            ``progress`` opens a bar of its own.
 
     Returns:
         ``(classifier in eval mode on CPU, loss curve [steps, Hq] float32)``.
@@ -124,12 +148,15 @@ def fit_query_classifiers(x: torch.Tensor, targets: torch.Tensor, *, hidden: int
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     gen = torch.Generator().manual_seed(seed)
     curve = torch.empty(steps, hq)
-    bar = _progress(steps, desc, progress)
+    own_bar = bar is None
+    bar = _progress(steps, desc, progress) if own_bar else bar
+    prompt_rows = _prompt_rows(prompt_index)
+    neg_entropy = target_neg_entropy(targets)  # [Hq, N]: the loss's constant term, once per row
     for step in range(steps):
-        rows = _batch_rows(gen, n, batch, prompt_index)
+        rows = _batch_rows(gen, n, batch, prompt_rows)
         xb = x[:, rows].to(device, torch.float32)  # [Hq, b, D]
         tb = targets[:, rows].to(device, torch.float32)  # [Hq, b, C]
-        loss = kl_loss_per_head(model(xb), tb)  # [Hq]
+        loss = kl_loss_per_head(model(xb), tb, neg_entropy[:, rows].to(device))  # [Hq]
         opt.zero_grad(set_to_none=True)
         loss.sum().backward()  # sum: each head's gradient is its own loss's gradient
         opt.step()
@@ -140,7 +167,7 @@ def fit_query_classifiers(x: torch.Tensor, targets: torch.Tensor, *, hidden: int
                 bar.set_postfix(kl=f"{curve[step].mean().item():.4f}")
         if on_step is not None:
             on_step(step, curve[step])
-    if bar is not None:
+    if bar is not None and own_bar:
         bar.close()
     return model.cpu().eval(), curve
 

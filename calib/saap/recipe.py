@@ -89,9 +89,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from calib.config import layer_map, require
 from calib.errors import UserError
+from calib.saap.artifact import hyperparameters, method_output  # noqa: F401 (hyperparameters: public here too)
 from calib.saap.kmeans_stage import kmeans_layer
 from calib.saap.metrics import LayerEvaluation
-from runtime_kernels.manifest import DataRecord
 from runtime_kernels.saap.reference import SaapLayerParams
 
 log = logging.getLogger(__name__)
@@ -387,6 +387,7 @@ def training_rows(loaded: Any, prompts: Sequence[Any], centroids: dict[int, torc
     from calib.collect import run_layer_callbacks
     from calib.collect.sampling import sample_generator
     from calib.saap.kmeans import assign
+    from calib.rope import derope, rotary_cos_sin
     from calib.saap.targets import prompt_training_rows
 
     sequences, prompt_lens = calibration_sequences(loaded.tokenizer, prompts, s.teacher_forced_answer)
@@ -398,7 +399,9 @@ def training_rows(loaded: Any, prompts: Sequence[Any], centroids: dict[int, torc
         if cap.layer not in rows:
             return
         qr, kr = cap.q_post.float(), cap.k_post.float()
-        qd, kd = derope_capture(loaded.model, cap)
+        cos, sin = rotary_cos_sin(loaded.model, cap.positions)
+        cos, sin = cos.to(qr.device), sin.to(qr.device)
+        kd = derope(kr, cos, sin, torch.float32)  # [Hkv, T, D]; queries are de-RoPE'd at the chosen rows only
         prompt_len = prompt_lens[cap.prompt_index]
         pool = prompt_len - max(s.sink, 1)
         n = min(s.queries_per_prompt, pool if s.query_candidates is None else min(pool, s.query_candidates))
@@ -408,7 +411,8 @@ def training_rows(loaded: Any, prompts: Sequence[Any], centroids: dict[int, torc
                                   causal_top1=s.causal_top1, causal_targets=s.causal_targets,
                                   candidates=s.query_candidates, scale=scales[cap.layer], generator=gen)
         r = rows[cap.layer]
-        r.x.append(qd.gather(1, pr.positions.unsqueeze(-1).expand(-1, -1, qd.shape[-1])).cpu())
+        rows_q = qr.gather(1, pr.positions.unsqueeze(-1).expand(-1, -1, qr.shape[-1]))  # [Hq, n, D] RoPE'd
+        r.x.append(derope(rows_q, cos[pr.positions], sin[pr.positions], torch.float32).cpu())
         r.targets.append(pr.targets.cpu())
         r.long_range.append(pr.long_range.cpu())
         r.answer.append(pr.answer.cpu())
@@ -419,22 +423,27 @@ def training_rows(loaded: Any, prompts: Sequence[Any], centroids: dict[int, torc
     return rows
 
 
-def train_layer(rows: TrainingRows, s: Settings, layer: int, device: torch.device) -> tuple[Any, torch.Tensor]:
-    """All query heads of one layer at once -> ``(BatchedQueryClassifier, loss curve [steps, Hq])``."""
+def train_layer(rows: TrainingRows, s: Settings, layer: int, device: torch.device,
+                bar: Any = None) -> tuple[Any, torch.Tensor]:
+    """All query heads of one layer at once -> ``(BatchedQueryClassifier, loss curve [steps, Hq])``.
+
+    ``bar``: the stage's progress bar (one step per optimizer step); None opens one for this layer."""
     from calib.saap.classifier import fit_query_classifiers
 
     x, t, index = rows.tensors()
     return fit_query_classifiers(x, t, hidden=s.hidden, lr=s.lr, steps=s.steps, batch=s.batch,
                                  seed=s.classifier_seed, prompt_index=index if s.batch_from_one_prompt else None,
-                                 device=device, desc=f"saap classifiers, layer {layer}")
+                                 device=device, desc=f"saap classifiers, layer {layer}", bar=bar)
 
 
 def classifier_layer(rows: TrainingRows, centroids: torch.Tensor, s: Settings, layer: int,
-                     device: torch.device) -> dict[str, torch.Tensor]:
+                     device: torch.device, bar: Any = None) -> dict[str, torch.Tensor]:
     """One layer's classifiers as :func:`calib.saap.resume.classifier_to_tensors` (params + loss curve)."""
     from calib.saap.resume import classifier_to_tensors
 
-    model, curve = train_layer(rows, s, layer, device)
+    if bar is not None:
+        bar.set_description(f"saap classifiers, layer {layer}")
+    model, curve = train_layer(rows, s, layer, device, bar)
     log.info("saap: layer %d classifiers, KL %.4f -> %.4f (mean over heads)", layer,
              float(curve[0].mean()), float(curve[-1].mean()))
     return classifier_to_tensors(model.layer_params(centroids, sink=s.sink, recent=s.recent), curve)
@@ -479,6 +488,13 @@ def evaluate(loaded: Any, prompts: Sequence[Any], params: dict[int, SaapLayerPar
 
 
 # ------------------------------------------------------------------------------------------- recipe
+def stage_bar(total: int, desc: str, unit: str) -> Any:
+    """A tqdm bar over a stage's known amount of work (so it shows an ETA); closes as a context manager."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, leave=False)
+
+
 def calibrate(cfg: DictConfig, ctx: Any) -> Any:
     """The SAAP pipeline (see the module docstring); returns the :class:`calib.run.MethodOutput`."""
     from calib.models import load_model
@@ -497,21 +513,23 @@ def calibrate(cfg: DictConfig, ctx: Any) -> Any:
         collected = collect_keys(cfg, loaded, calib_prompts, s, layers)
     centroids, rope_centroids, balance = {}, {}, {}
     ckpt = resume.saap_checkpoints(cfg, loaded.facts.model_hash, calib_prompts)  # finished layers of a killed run
-    with ctx.timer.stage("kmeans"):
+    with ctx.timer.stage("kmeans"), stage_bar(len(layers), "saap k-means", "layer") as bar:
         for layer in layers:
             done = ckpt.layer("kmeans", layer, lambda: kmeans_layer(collected, layer, s, seed, ctx.device))
             centroids[layer], balance[layer] = done["centroids"], float(done["imbalance"])
             if "rope_centroids" in done:  # the kmeans_rope baseline: a report extra (method.report=full)
                 rope_centroids[layer] = done["rope_centroids"]
+            bar.update(1)
     with ctx.timer.stage("targets"):
         rows = resume.checkpointed_rows(ckpt, layers, lambda todo: training_rows(
             loaded, calib_prompts, {l: centroids[l] for l in todo}, s, seed), TrainingRows)
     params, curves = {}, {}
-    with ctx.timer.stage("classifier"):
-        for layer in layers:
+    with ctx.timer.stage("classifier"), stage_bar(len(layers) * s.steps, "saap classifiers", "step") as bar:
+        for layer in layers:  # one bar over every layer's steps, so its ETA is the stage's
             done = ckpt.layer("classifier", layer, lambda: classifier_layer(rows[layer], centroids[layer], s, layer,
-                                                                             ctx.device))
+                                                                             ctx.device, bar))
             params[layer], curves[layer] = resume.classifier_from_tensors(done, sink=s.sink, recent=s.recent)
+            bar.update(s.steps * (layers.index(layer) + 1) - bar.n)  # a layer loaded from its checkpoint
     with ctx.timer.stage("eval"):
         evals = evaluate(loaded, held_out, params, rope_centroids, s, seed)
         head = report.head_curves(evals)
@@ -544,48 +562,5 @@ def calibrate(cfg: DictConfig, ctx: Any) -> Any:
                "collected_set": collected.content_hash, "eval_length": eval_length, "eval_prompts": len(held_out)}
     metrics["checkpoint_layers_loaded"] = ckpt.loaded
     ckpt.clear()  # every stage finished: the artifact holds the results
-    return _output(cfg, s, loaded, params, calib_prompts, held_out, calib_lengths, metrics, payload,
-                   keys_per_prompt(s, len(calib_prompts)))
-
-
-def hyperparameters(s: Settings, keys: int, calib_lengths: list[int], eval_length: int,
-                    bn_eps: float) -> dict[str, Any]:
-    """The manifest's hyperparameters: what the runtime reads plus every calibration setting."""
-    from calib.saap.kmeans import faiss_available
-
-    backend = s.kmeans_backend if s.kmeans_backend != "auto" else ("faiss" if faiss_available() else "torch")
-    return {"clusters": s.clusters, "iterations": s.iterations, "window": s.window, "sink": s.sink,
-            "recent": s.recent, "long_range": s.long_range, "top_l": s.top_l,
-            "top_l_layers": {str(k): v for k, v in sorted(s.top_l_layers.items())}, "top_ls": s.evaluated_ls,
-            "dense_layers": sorted(set(s.dense_layers)), "bn_eps": bn_eps, "causal_targets": s.causal_targets,
-            "causal_top1": s.causal_top1,
-            "kmeans": {"backend": backend, "use_gpu": s.kmeans_use_gpu,
-                       "max_points_per_centroid": s.max_points_per_centroid, "keys_per_prompt": keys,
-                       "excluded": "sink and the final window (positions < sink or >= T - recent)"},
-            "classifier": {"hidden": s.hidden, "lr": s.lr, "steps": s.steps, "batch": s.batch,
-                           "queries_per_prompt": s.queries_per_prompt, "query_candidates": s.query_candidates,
-                           "batch_from_one_prompt": s.batch_from_one_prompt, "seed": s.classifier_seed,
-                           "teacher_forced_answer": s.teacher_forced_answer,
-                           "optimizer": "adam", "batch_norm": True, "loss": "KL(A·H_k || softmax f_q(q))"},
-            "prompts": s.prompts, "calib_lengths": calib_lengths, "eval_length": eval_length,
-            "eval_prompts": s.eval_prompts, "report": s.report,
-            "baseline_probe": s.baseline_probe if s.full_report else None, "oracle": s.oracle and s.full_report}
-
-
-def _output(cfg: DictConfig, s: Settings, loaded: Any, params: dict[int, SaapLayerParams], prompts: Sequence[Any],
-            held_out: Sequence[Any], calib_lengths: list[int], metrics: dict[str, Any], payload: dict[str, Any],
-            keys: int) -> Any:
-    from calib.data import dataset_hash
-    from calib.run import MethodOutput
-
-    tensors = {f"layer_{l}": p.to_tensors(prefix=f"layers.{l}.") for l, p in sorted(params.items())}
-    data = DataRecord(source=str(cfg.data.get("source", "synthetic")), seed=int(cfg.data.seed), count=len(prompts),
-                      lengths=sorted({int(p.length) for p in prompts}), content_hash=dataset_hash(prompts),
-                      tasks=sorted({str(p.task) for p in prompts}),
-                      details={"prompt_ids": [p.prompt_id for p in prompts],
-                               "tokens": [len(p.input_ids) for p in prompts], "heldout_seed": int(cfg.eval.seed),
-                               "heldout_prompt_ids": [p.prompt_id for p in held_out],
-                               "heldout_hash": dataset_hash(held_out)})
-    hyper = hyperparameters(s, keys, calib_lengths, payload["eval_length"], next(iter(params.values())).bn_eps)
-    return MethodOutput(tensors=tensors, hyperparameters=hyper,
-                        model=loaded.facts.to_dict(), data=data, metrics=metrics, payload=payload)
+    return method_output(cfg, s, loaded, params, calib_prompts, held_out, calib_lengths, metrics, payload,
+                         keys_per_prompt(s, len(calib_prompts)))

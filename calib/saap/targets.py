@@ -37,12 +37,14 @@ def _chunk(chunk: int | None, hq: int, t: int) -> int:
     return chunk if chunk is not None else max(1, _BUDGET // max(1, hq * t))
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
-    """``q [Hq, n, D]``, ``k [Hkv, T, D]`` -> ``[Hq, n, T]`` float32 scaled scores (GQA)."""
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """``q [Hq, n, D]``, ``k [Hkv, T, D]`` -> ``[Hq, n, T]`` float32 scores times ``scale`` (GQA).
+
+    ``scale=None`` leaves them unscaled (an argmax does not need the extra pass over the buffer)."""
     hq, n, d = q.shape
     hkv = k.shape[0]
     s = q.float().reshape(hkv, (hq // hkv) * n, d) @ k.float().transpose(1, 2)  # [Hkv, G*n, T]
-    return s.view(hq, n, -1) * scale
+    return s.view(hq, n, -1) if scale is None else s.view(hq, n, -1) * scale
 
 
 def top1_key_distance(q_rope: torch.Tensor, k_rope: torch.Tensor, *, positions: torch.Tensor | None = None,
@@ -52,20 +54,21 @@ def top1_key_distance(q_rope: torch.Tensor, k_rope: torch.Tensor, *, positions: 
 
     ``q_rope [Hq, T, D]``, ``k_rope [Hkv, T, D]``; ``positions [P]`` the queries to test (default all
     ``T``). Queries with no eligible key (``i < sink`` when causal) get ``-1``. Negative values
-    (non-causal) mean the top key is in the future.
+    (non-causal) mean the top key is in the future. ``scale`` (the softmax scale, positive) does not
+    move an argmax, so the raw products are compared; it is accepted for the callers' symmetry.
     """
     hq, t, d = q_rope.shape
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
     kpos = torch.arange(t, device=q_rope.device)
     positions = kpos if positions is None else positions.to(q_rope.device)
     chunk = _chunk(chunk, hq, t)
     out = torch.empty(hq, positions.numel(), dtype=torch.int64, device=q_rope.device)
     for start in range(0, positions.numel(), chunk):
         qpos = positions[start:start + chunk]
-        s = _scores(q_rope[:, qpos], k_rope, scale)  # [Hq, n, T]
-        bad = (kpos < sink).expand(qpos.numel(), -1)
+        width = int(qpos.max()) + 1 if causal else t  # a causal query sees no key beyond the chunk's last one
+        s = _scores(q_rope[:, qpos], k_rope[:, :width], None)  # [Hq, n, width]; a positive scale keeps the argmax
+        bad = (kpos[:width] < sink).expand(qpos.numel(), -1)
         if causal:
-            bad = bad | (kpos[None, :] > qpos[:, None])
+            bad = bad | (kpos[None, :width] > qpos[:, None])
         s = s.masked_fill(bad, float("-inf"))
         dist = qpos[None, :] - s.argmax(-1)
         out[:, start:start + chunk] = torch.where(bad.all(-1)[None, :], -1, dist)
@@ -149,13 +152,14 @@ def kl_targets(q_rope: torch.Tensor, k_rope: torch.Tensor, key_bucket: torch.Ten
     for start in range(0, nq, chunk):
         qi = query_idx[:, start:start + chunk]  # [Hq, n]
         q = q_rope.gather(1, qi.unsqueeze(-1).expand(-1, -1, d))  # [Hq, n, D]
-        s = _scores(q, k_rope, scale)  # [Hq, n, T]
-        bad = (kpos < sink).expand_as(s)
+        width = int(qi.max()) + 1 if causal else t  # keys past the chunk's last query carry no causal mass
+        s = _scores(q, k_rope[:, :width], scale)  # [Hq, n, width]
+        bad = (kpos[:width] < sink).expand_as(s)
         if causal:
-            bad = bad | (kpos[None, None, :] > qi[..., None])
+            bad = bad | (kpos[None, None, :width] > qi[..., None])
         p = torch.softmax(s.masked_fill(bad, float("-inf")), -1)  # sink excluded, renormalized
         tgt = torch.zeros(hq, qi.shape[1], C, dtype=torch.float32, device=q_rope.device)
-        out[:, start:start + chunk] = tgt.scatter_add_(-1, bucket.unsqueeze(1).expand_as(p), p)
+        out[:, start:start + chunk] = tgt.scatter_add_(-1, bucket[:, None, :width].expand_as(p), p)
     return out
 
 

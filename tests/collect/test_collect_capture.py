@@ -104,6 +104,26 @@ def test_layer_subset_stops_the_forward_early(llama):
     assert calls == []  # layer 1 never ran
 
 
+def test_last_layer_attention_is_skipped_and_captures_are_unchanged(llama, monkeypatch):
+    """The last requested layer hands over q/k/v without computing its attention; what the callback
+    sees equals the capture of a pass that computes it (keep_attn_output runs every attention)."""
+    import torch.nn.functional as F
+
+    prompts = _prompts(2, [70, 90])
+    full = {(c.layer, c.prompt_index): c for c in _captures(llama, prompts, layers=[0, 1], keep_attn_output=True)}
+    sdpa_calls = []
+    real_sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: sdpa_calls.append(1) or real_sdpa(*a, **k))
+    caps = _captures(llama, prompts, layers=[0, 1])
+    assert [(c.layer, c.prompt_index) for c in caps] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    assert len(sdpa_calls) == len(prompts)  # layer 0 only: layer 1's attention is never computed
+    for c in caps:
+        ref = full[(c.layer, c.prompt_index)]
+        assert c.attn_output is None
+        for field in ("q_pre", "q_post", "k_pre", "k_post", "v"):
+            assert torch.equal(getattr(c, field), getattr(ref, field)), field
+
+
 def test_prompt_longer_than_context_is_user_error(qwen2):
     with pytest.raises(UserError) as err:
         run_layer_callbacks(qwen2, [[5] * 10, [5] * 4097], lambda c: None, progress=False)

@@ -68,3 +68,19 @@ def test_batches_from_one_prompt_and_on_step():
     from calib.saap.classifier import _batch_rows
     rows = _batch_rows(torch.Generator().manual_seed(0), 300, 50, prompt)
     assert rows.numel() == 50 and prompt[rows].unique().numel() == 1
+
+
+def test_loss_with_precomputed_entropy_equals_kl_in_float64():
+    """The training loop's KL (constant term precomputed per row) against a float64 sum over buckets."""
+    from calib.saap.classifier import target_neg_entropy
+
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, 40, 7, generator=g)
+    t = torch.softmax(torch.randn(3, 40, 7, generator=g) * 2, -1)
+    t[0, 0] = torch.tensor([1.0, 0, 0, 0, 0, 0, 0])  # zero targets: 0·log 0 = 0
+    lq, td = torch.log_softmax(logits.double(), -1), t.double()
+    expect = torch.where(td > 0, td * (td.clamp(min=1e-300).log() - lq), 0.0).sum(-1).mean(-1)
+    neg_h = target_neg_entropy(t, chunk=16)
+    assert neg_h.shape == (3, 40)
+    torch.testing.assert_close(kl_loss_per_head(logits, t, neg_h).double(), expect, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(kl_loss_per_head(logits, t).double(), expect, rtol=1e-5, atol=1e-6)

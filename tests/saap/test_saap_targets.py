@@ -107,6 +107,17 @@ def test_top1_distance_at_positions():
     assert torch.equal(top1_key_distance(q, k, positions=pos), top1_key_distance(q, k)[:, pos])
 
 
+def test_top1_distance_at_unsorted_positions_in_small_chunks():
+    """Each chunk scores only the keys up to its latest query: unsorted chunks against float64 brute force."""
+    q, k = _qk(t=50)
+    pos = torch.tensor([49, 3, 30, 2, 17, 44, 9])
+    dist = top1_key_distance(q, k, positions=pos, sink=1, causal=True, chunk=2)
+    for h in range(4):
+        for n, i in enumerate(pos.tolist()):
+            s = torch.stack([q[h, i].double() @ k[h // 2, j].double() for j in range(1, i + 1)])
+            assert dist[h, n] == i - (int(s.argmax()) + 1)
+
+
 def test_select_training_queries_from_candidates():
     # long-range hand case: queries >= 20 look at key 1
     t, d = 64, 64

@@ -231,3 +231,12 @@ def test_training_rows_on_off(random_llama):
         assert torch.equal(on.positions[k][:, :n], off.positions[k])
         torch.testing.assert_close(on.x[k][:, :n], off.x[k], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(on.targets[k][:, :n], off.targets[k], rtol=1e-4, atol=1e-5)
+    # the rows' inputs are the de-RoPE'd queries: the model's own pre-RoPE queries at those positions
+    from calib.collect import run_layer_callbacks
+
+    q_pre: dict[int, torch.Tensor] = {}
+    run_layer_callbacks(loaded, [list(p.input_ids) for p in prompts],
+                        lambda c: q_pre.__setitem__(c.prompt_index, c.q_pre.float().cpu()), layers=[1], progress=False)
+    for k in range(len(prompts)):
+        expect = q_pre[k].gather(1, off.positions[k].unsqueeze(-1).expand(-1, -1, 16))
+        torch.testing.assert_close(off.x[k], expect, rtol=1e-4, atol=1e-4)

@@ -155,5 +155,27 @@ def evaluation_prompts(cfg: Any, tokenizer) -> list[Prompt]:
     ``eval.tasks`` and ``eval.num_prompts`` (per task and length). File/hub sources give their held-out
     rows, of ``eval.tasks`` when set (null: every task), at most ``eval.num_prompts`` per task."""
     ev = cfg.eval
-    return build_prompts(cfg.data, tokenizer, seed=int(ev.seed), lengths=cfg_get(ev, "lengths"),
-                         tasks=cfg_get(ev, "tasks"), num_prompts=int(ev.num_prompts), purpose="evaluation")
+    prompts = build_prompts(cfg.data, tokenizer, seed=int(ev.seed), lengths=cfg_get(ev, "lengths"),
+                            tasks=cfg_get(ev, "tasks"), num_prompts=int(ev.num_prompts), purpose="evaluation")
+    cells = cfg_get(ev, "cells")
+    return prompts if cells is None else keep_cells(prompts, parse_cells(cells))
+
+
+def parse_cells(cells: Any) -> set[tuple[str, int]]:
+    """``eval.cells`` (``["niah_single@1024", ...]``, a model's default eval set) as ``{(task, length)}``."""
+    out: set[tuple[str, int]] = set()
+    for cell in [cells] if isinstance(cells, str) else list(cells):
+        task, sep, length = str(cell).partition("@")
+        if not sep or not task or not length.isdigit():
+            raise UserError(f"eval.cells entries are task@length, e.g. niah_single@1024 (got {cell!r})")
+        out.add((task, int(length)))
+    return out
+
+
+def keep_cells(prompts: list[Prompt], cells: set[tuple[str, int]]) -> list[Prompt]:
+    """The prompts of the (task, length) grid that lie in ``cells`` (a model's kept tasks per length
+    need not form a grid); the same prompts the full grid holds, so figures stay comparable."""
+    kept = [p for p in prompts if (p.task, p.length) in cells]
+    if not kept:
+        raise UserError(f"eval.cells {sorted(f'{t}@{n}' for t, n in cells)} match none of eval.tasks x eval.lengths")
+    return kept

@@ -170,3 +170,38 @@ def test_hf_truncate_to_lengths(tmp_path, tiny_tokenizer, monkeypatch):
     assert [(p.length, len(p.input_ids)) for p in prompts] == [(64, 64), (128, 128)]
     assert prompts[0].input_ids == prompts[1].input_ids[:64] and prompts[0].answer == ""
     assert prompts[0].text.startswith("The old fox")
+
+
+def _eval_cfg(cells):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.create({
+        "data": {"source": "synthetic", "lengths": [256, 512], "tasks": ["niah_single", "kv_retrieval"],
+                 "num_prompts": 2, "seed": 1},
+        "eval": {"seed": 7, "lengths": [256, 512], "tasks": ["niah_single", "kv_retrieval"], "num_prompts": 2,
+                 "cells": cells},
+    })
+
+
+def test_eval_cells_keep_only_those_cells_of_the_grid(tiny_tokenizer):
+    """A model's kept cells need not form a grid: niah_single at both lengths, kv_retrieval at 256 only;
+    the kept prompts are the grid's own (same ids and text), so figures compare with a full-grid eval."""
+    from calib.data.sources import evaluation_prompts
+
+    grid = evaluation_prompts(_eval_cfg(None), tiny_tokenizer)
+    kept = evaluation_prompts(_eval_cfg(["niah_single@256", "niah_single@512", "kv_retrieval@256"]),
+                              tiny_tokenizer)
+    assert {(p.task, p.length) for p in grid} == {(t, n) for t in ("niah_single", "kv_retrieval") for n in (256, 512)}
+    assert sorted((p.task, p.length) for p in kept) == sorted(
+        [("niah_single", 256)] * 2 + [("niah_single", 512)] * 2 + [("kv_retrieval", 256)] * 2)
+    by_id = {p.prompt_id: p.text for p in grid}
+    assert all(by_id[p.prompt_id] == p.text for p in kept)
+
+
+@pytest.mark.parametrize("cells, message", [(["niah_single-256"], "task@length"), (["niah_single@long"], "task@length"),
+                                            (["frequent_words@256"], "match none")])
+def test_eval_cells_errors(tiny_tokenizer, cells, message):
+    from calib.data.sources import evaluation_prompts
+
+    with pytest.raises(UserError, match=message):
+        evaluation_prompts(_eval_cfg(cells), tiny_tokenizer)

@@ -26,6 +26,7 @@ this script passes ``PYTHONPATH`` on to the runs. The script itself imports only
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -52,6 +53,24 @@ def parse_sets(items: list[str]) -> dict[str, list[str]]:
 def directory_bytes(path: Path) -> int:
     """Total size of the files under ``path`` (0 when it does not exist)."""
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
+
+
+def logged_stage_times(db: Path) -> dict[str, float]:
+    """The ``time_<stage>_s`` metrics the newest run in the MLflow SQLite store ``db`` logged (each stage
+    logs its time when it ends), so a run killed in a long stage still reports the stages before it.
+    Read with the standard library's sqlite3; ``{}`` when there is no store or no run."""
+    if not db.is_file():
+        return {}
+    import sqlite3
+
+    with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as con:
+        try:
+            rows = con.execute(
+                "SELECT key, value FROM latest_metrics WHERE key LIKE 'time\\_%' ESCAPE '\\' AND run_uuid = "
+                "(SELECT run_uuid FROM runs ORDER BY start_time DESC, rowid DESC LIMIT 1)").fetchall()
+        except sqlite3.Error:
+            return {}
+    return {key: float(value) for key, value in rows}
 
 
 def run_method(method: str, model: str, overrides: list[str], home: Path, timeout_s: float) -> dict:
@@ -87,6 +106,7 @@ def run_method(method: str, model: str, overrides: list[str], home: Path, timeou
     if proc.returncode != 0 or not lines:
         tail = log_path.read_text().strip().splitlines()
         row["error"] = f"timed out after {timeout_s:.0f} s" if timed_out else (tail[-1] if tail else "no output")
+        row.update(logged_stage_times(home / "artifacts" / "mlflow.db"))  # the stages that finished
         return row
     result = json.loads(lines[-1])
     metrics = result.get("metrics", {})

@@ -36,6 +36,26 @@ def test_table_has_every_stage_any_method_reported():
     assert lines[4] == "sale: error: boom (log: /x/sale.log)"
 
 
+def test_a_killed_run_reports_the_stages_it_logged(tmp_path):
+    """Stage times come from the newest run of the MLflow store (an older run's and other metrics ignored)."""
+    import mlflow
+
+    db = tmp_path / "mlflow.db"
+    assert bench.logged_stage_times(db) == {}
+    mlflow.set_tracking_uri(f"sqlite:///{db}")
+    try:
+        with mlflow.start_run(run_name="older"):
+            mlflow.log_metric("time_load_s", 99.0)
+        with mlflow.start_run(run_name="killed"):
+            mlflow.log_metric("time_load_s", 14.5)
+            mlflow.log_metric("time_collect_s", 51.0)
+            mlflow.log_metric("timeless", 1.0)
+            mlflow.log_metric("kl", 0.5)
+    finally:
+        mlflow.set_tracking_uri(None)
+    assert bench.logged_stage_times(db) == {"time_load_s": 14.5, "time_collect_s": 51.0}
+
+
 @pytest.mark.slow  # a real calibration in a subprocess; tests/spine/test_dry_run.py covers the dry run itself
 def test_one_method_dry_run_on_the_tiny_shape(tmp_path):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}

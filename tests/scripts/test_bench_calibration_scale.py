@@ -38,21 +38,17 @@ def test_table_has_every_stage_any_method_reported():
 
 def test_a_killed_run_reports_the_stages_it_logged(tmp_path):
     """Stage times come from the newest run of the MLflow store (an older run's and other metrics ignored)."""
-    import mlflow
+    from mlflow import MlflowClient
 
     db = tmp_path / "mlflow.db"
     assert bench.logged_stage_times(db) == {}
-    mlflow.set_tracking_uri(f"sqlite:///{db}")
-    try:
-        with mlflow.start_run(run_name="older"):
-            mlflow.log_metric("time_load_s", 99.0)
-        with mlflow.start_run(run_name="killed"):
-            mlflow.log_metric("time_load_s", 14.5)
-            mlflow.log_metric("time_collect_s", 51.0)
-            mlflow.log_metric("timeless", 1.0)
-            mlflow.log_metric("kl", 0.5)
-    finally:
-        mlflow.set_tracking_uri(None)
+    client = MlflowClient(tracking_uri=f"sqlite:///{db}")  # no global MLflow state: other tests keep theirs
+    experiment = client.create_experiment("bench", artifact_location=(tmp_path / "runs").as_uri())
+    older = client.create_run(experiment, run_name="older", start_time=1_000)
+    client.log_metric(older.info.run_id, "time_load_s", 99.0)
+    killed = client.create_run(experiment, run_name="killed", start_time=2_000).info.run_id
+    for key, value in (("time_load_s", 14.5), ("time_collect_s", 51.0), ("timeless", 1.0), ("kl", 0.5)):
+        client.log_metric(killed, key, value)
     assert bench.logged_stage_times(db) == {"time_load_s": 14.5, "time_collect_s": 51.0}
 
 

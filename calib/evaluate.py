@@ -12,6 +12,7 @@ task and length.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections import defaultdict
@@ -39,23 +40,82 @@ class PromptResult:
 
 
 def answer_prompts(loaded: Any, prompts: Sequence[Any], max_new_tokens: int, runtime: Any = None,
-                   desc: str = "dense") -> list[PromptResult]:
-    """Answer every prompt, scored by its task's rule; ``runtime`` (a CalibAttention) supplies per-prompt
-    method stats."""
+                   desc: str = "dense", batch_tokens: int = 0) -> list[PromptResult]:
+    """Answer every prompt, scored by its task's rule; ``runtime`` (a CalibAttention) supplies method stats.
+
+    ``batch_tokens > 0``: prompts of one token count (and one scoring rule) are answered together, up to
+    that many prompt tokens per batch (:func:`calib.generation.equal_length_batches`; no padding, so a
+    sparse method sees each prompt as it would alone). A batch's method stats (the runtime's means
+    since the last ``pop_stats``) are given to each of its prompts. Results are in ``prompts`` order.
+    """
     from calib.data import is_correct
+    from calib.generation import equal_length_batches, equal_length_greedy_generate
 
     # an exact-match answer ends at the first newline; a contained one may come after a line break
     stops = {rule: stop_token_ids(loaded.tokenizer, newline=rule == "exact_match") for rule in ("exact_match", "contains")}
-    results = []
-    for p in tqdm(prompts, desc=f"eval {desc}", unit="prompt", leave=False):
-        gen = greedy_generate(loaded.model, p.input_ids, max_new_tokens, stops[getattr(p, "scoring", "exact_match")])
-        text = loaded.tokenizer.decode(gen, skip_special_tokens=True)
-        stats: dict[str, float] = {}
-        if runtime is not None:
-            for rt in (runtime.prefill, runtime.decode):
-                if rt is not None and hasattr(rt, "pop_stats"):
-                    stats.update(rt.pop_stats())
-        results.append(PromptResult(p.task, p.length, text, is_correct(text, p), stats))
+    rules = [getattr(p, "scoring", "exact_match") for p in prompts]
+    batches = equal_length_batches([len(p.input_ids) for p in prompts], batch_tokens, rules)
+    results: list[PromptResult | None] = [None] * len(prompts)
+    with tqdm(total=len(prompts), desc=f"eval {desc}", unit="prompt", leave=False) as bar:
+        for idx in batches:
+            gen = equal_length_greedy_generate(loaded.model, [prompts[i].input_ids for i in idx], max_new_tokens,
+                                               stops[rules[idx[0]]])
+            stats: dict[str, float] = {}
+            if runtime is not None:
+                for rt in (runtime.prefill, runtime.decode):
+                    if rt is not None and hasattr(rt, "pop_stats"):
+                        stats.update(rt.pop_stats())
+            for i, tokens in zip(idx, gen):
+                text = loaded.tokenizer.decode(tokens, skip_special_tokens=True)
+                p = prompts[i]
+                results[i] = PromptResult(p.task, p.length, text, is_correct(text, p), dict(stats))
+            bar.update(len(idx))
+    return [r for r in results if r is not None]
+
+
+def dense_cache_key(loaded: Any, prompts: Sequence[Any], max_new_tokens: int, batch_tokens: int) -> str | None:
+    """What dense greedy answers depend on: the weights (model hash), dtype, device type, the library
+    versions, the decoding budget, the batching and every prompt's tokens, answer and scoring rule;
+    ``None`` (no caching) when the weights have no content hash (a random dry run)."""
+    import hashlib
+    import json
+
+    import torch
+    import transformers
+
+    model_hash = getattr(loaded.facts, "model_hash", None)
+    if not model_hash or getattr(loaded.facts, "dry_run", False):
+        return None
+    digest = hashlib.sha256()
+    digest.update(json.dumps([model_hash, str(loaded.model.dtype), loaded.device.type, torch.__version__,
+                              transformers.__version__, int(max_new_tokens), int(batch_tokens)]).encode())
+    for p in prompts:
+        digest.update(json.dumps([list(p.input_ids), str(p.answer), getattr(p, "scoring", "exact_match")]).encode())
+    return digest.hexdigest()[:32]
+
+
+def cached_dense_answers(loaded: Any, prompts: Sequence[Any], max_new_tokens: int,
+                         batch_tokens: int) -> list[PromptResult]:
+    """Dense answers, read from ``artifacts/cache/eval_dense/<key>.json`` when the same model answered
+    the same prompts with the same settings before (:func:`dense_cache_key`): evaluating several
+    artifacts of one model on one held-out set computes the dense side once."""
+    import json
+
+    from calib.paths import artifacts_dir
+
+    key = dense_cache_key(loaded, prompts, max_new_tokens, batch_tokens)
+    path = artifacts_dir() / "cache" / "eval_dense" / f"{key}.json"
+    if key is not None and path.is_file():
+        rows = json.loads(path.read_text())
+        if len(rows) == len(prompts):
+            print(f"dense answers: reused {path}", file=sys.stderr)
+            return [PromptResult(p.task, p.length, r["prediction"], bool(r["correct"]), {}) for p, r in zip(prompts, rows)]
+    results = answer_prompts(loaded, prompts, max_new_tokens, batch_tokens=batch_tokens)
+    if key is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps([{"prediction": r.prediction, "correct": r.correct} for r in results]))
+        tmp.replace(path)
     return results
 
 
@@ -201,11 +261,13 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         mlflow.log_params({"artifact": str(cfg.get("artifact")), "model": str(cfg.model.name),
                            "eval.seed": int(cfg.eval.seed), "eval.num_prompts": int(cfg.eval.num_prompts),
                            "eval.max_new_tokens": int(cfg.eval.max_new_tokens),
+                           "eval.batch_tokens": int(cfg.eval.get("batch_tokens") or 0),
                            "eval.top_l": cfg.eval.get("top_l"), "eval.ranking": cfg.eval.get("ranking"),
                            "eval.top_l_layers": str(cfg.eval.get("top_l_layers"))})
         tracking.log_eval_prompts(cfg.data, prompts, int(cfg.eval.seed))
         t0 = time.perf_counter()
-        dense = answer_prompts(loaded, prompts, int(cfg.eval.max_new_tokens))
+        batch_tokens = int(cfg.eval.get("batch_tokens") or 0)
+        dense = cached_dense_answers(loaded, prompts, int(cfg.eval.max_new_tokens), batch_tokens)
         timings = {"time_dense_s": time.perf_counter() - t0}
         sparse, settings = None, {}
         if artifact is not None:
@@ -214,7 +276,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
             mlflow.log_params({f"runtime.{k}": str(v) for k, v in settings.items()})
             try:
                 t0 = time.perf_counter()
-                sparse = answer_prompts(loaded, prompts, int(cfg.eval.max_new_tokens), runtime, desc=method)
+                sparse = answer_prompts(loaded, prompts, int(cfg.eval.max_new_tokens), runtime, desc=method,
+                                        batch_tokens=batch_tokens)
                 timings["time_sparse_s"] = time.perf_counter() - t0
             finally:
                 hf.remove(loaded.model)

@@ -1,4 +1,5 @@
-"""Greedy answer generation: one prompt at a time (``calib eval``) or a left-padded batch (task suites).
+"""Greedy answer generation: prompts of one token count batched without padding (``calib eval``), or a
+left-padded batch of mixed lengths (task suites).
 
 Both stop a sequence at its first stop token (EOS, an end-of-turn marker, and newline unless the answer
 is scored by ``contains``), never emit it, and use the KV cache: one prefill call, then one call per new
@@ -26,19 +27,53 @@ def stop_token_ids(tokenizer: Any, newline: bool = True) -> set[int]:
 @torch.inference_mode()
 def greedy_generate(model: Any, input_ids: Sequence[int], max_new_tokens: int, stop_ids: set[int]) -> list[int]:
     """Greedy decoding with a KV cache: one prefill call, then one call per new token."""
+    return equal_length_greedy_generate(model, [input_ids], max_new_tokens, stop_ids)[0]
+
+
+@torch.inference_mode()
+def equal_length_greedy_generate(model: Any, batch: Sequence[Sequence[int]], max_new_tokens: int,
+                                 stop_ids: set[int]) -> list[list[int]]:
+    """:func:`greedy_generate` for prompts of one token count at once: no padding, no attention mask, so
+    any attention the model runs (a sparse method's runtime included) sees exactly what it sees for
+    one prompt, with a batch dimension. A sequence keeps decoding after its stop token (its later tokens
+    are dropped) until every sequence stopped or ``max_new_tokens`` were produced."""
+    if len({len(ids) for ids in batch}) > 1:
+        raise ValueError(f"prompts of different lengths {sorted({len(ids) for ids in batch})}: "
+                         "group them by length (equal_length_batches) or use batched_greedy_generate")
     device = next(model.parameters()).device
-    ids = torch.tensor([list(input_ids)], device=device)
+    ids = torch.tensor([list(row) for row in batch], device=device)
     out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-    past, generated = out.past_key_values, []
-    token = out.logits[0, -1].argmax()
+    past, token = out.past_key_values, out.logits[:, -1].argmax(-1)  # token: [B]
+    stops = torch.tensor(sorted(stop_ids) or [-1], device=device)
+    done = torch.zeros(len(batch), dtype=torch.bool, device=device)
+    generated: list[torch.Tensor] = []
     for _ in range(max_new_tokens):
-        t = int(token)
-        if t in stop_ids:
+        done |= torch.isin(token, stops)
+        if bool(done.all()):
             break
-        generated.append(t)
-        out = model(input_ids=token.view(1, 1), past_key_values=past, use_cache=True)
-        past, token = out.past_key_values, out.logits[0, -1].argmax()
-    return generated
+        generated.append(torch.where(done, -1, token))
+        out = model(input_ids=token[:, None], past_key_values=past, use_cache=True)
+        past, token = out.past_key_values, out.logits[:, -1].argmax(-1)
+    if not generated:
+        return [[] for _ in batch]
+    table = torch.stack(generated, dim=1).tolist()  # [B, steps], -1 after a sequence stopped
+    return [[t for t in row if t >= 0] for row in table]
+
+
+def equal_length_batches(lengths: Sequence[int], max_tokens: int, keys: Sequence[Any] | None = None
+                         ) -> list[list[int]]:
+    """Indices grouped into batches of one length (and one ``keys`` value, e.g. the scoring rule), each
+    holding at most ``max(1, max_tokens // length)`` prompts; ``max_tokens <= 0``: one prompt per batch.
+    Groups appear in order of their first member and keep their members' order, so the batching is a
+    function of the prompt list alone."""
+    groups: dict[tuple[int, Any], list[int]] = {}
+    for i, n in enumerate(lengths):
+        groups.setdefault((int(n), keys[i] if keys is not None else None), []).append(i)
+    out = []
+    for (n, _), members in groups.items():
+        size = max(1, int(max_tokens) // max(1, n)) if max_tokens > 0 else 1
+        out += [members[j:j + size] for j in range(0, len(members), size)]
+    return out
 
 
 def left_padded(batch: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

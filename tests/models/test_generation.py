@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from calib.generation import batched_greedy_generate, greedy_generate, left_padded, stop_token_ids
+from calib.generation import (batched_greedy_generate, equal_length_batches, equal_length_greedy_generate,
+                              greedy_generate, left_padded, stop_token_ids)
 from calib.models import random_model
 from tests.models.helpers import QWEN2_ARCH
 
@@ -49,3 +50,24 @@ class _Tok:
 def test_stop_tokens_keep_the_newline_only_for_exact_match():
     assert stop_token_ids(_Tok()) == {2, 10, 11}
     assert stop_token_ids(_Tok(), newline=False) == {2}
+
+
+def test_equal_length_batch_equals_one_prompt_at_a_time(model):
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 128, (29,), generator=gen).tolist() for _ in range(5)]
+    free = [greedy_generate(model, p, 10, set()) for p in prompts]
+    stops = {free[1][3]}  # ends the second answer after at most 3 tokens
+    single = [greedy_generate(model, p, 10, stops) for p in prompts]
+    assert equal_length_greedy_generate(model, prompts, 10, stops) == single
+    assert len({len(s) for s in single}) > 1  # the prompts stopped at different steps
+    with pytest.raises(ValueError, match="different lengths"):
+        equal_length_greedy_generate(model, [prompts[0], prompts[1][:-1]], 4, stops)
+
+
+def test_equal_length_batches_group_by_length_and_key_within_the_token_budget():
+    lengths = [100, 50, 100, 100, 50, 100]
+    keys = ["a", "a", "a", "b", "a", "a"]
+    assert equal_length_batches(lengths, 200, keys) == [[0, 2], [5], [1, 4], [3]]
+    assert equal_length_batches(lengths, 0, keys) == [[i] for i in (0, 2, 5, 1, 4, 3)]
+    assert equal_length_batches([300, 300], 100) == [[0], [1]]  # a prompt longer than the budget runs alone
+    assert sorted(i for b in equal_length_batches(lengths, 10_000) for i in b) == list(range(6))

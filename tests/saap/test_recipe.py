@@ -302,3 +302,30 @@ def test_validate_accepts_defaults(model_dir):
 
     validate(compose(overrides(model_dir)))
     validate(compose(["+method=saap"]))  # the tiny model's defaults
+
+
+def test_eval_batches_of_equal_length_answer_as_one_prompt_at_a_time(result, loaded):
+    """``calib eval``'s batching (prompts of one token count, no padding) gives every prompt the answer it
+    gets alone, with SAAP at one bucket of C (sparse) attached; the stats are the batch's means."""
+    from types import SimpleNamespace
+
+    from calib.evaluate import answer_prompts
+    from runtime_kernels import hf
+
+    gen = torch.Generator().manual_seed(5)
+    prompts = [SimpleNamespace(task="t", length=n, answer="", scoring="exact_match",
+                               input_ids=torch.randint(20, 200, (n,), generator=gen).tolist())
+               for n in (140, 140, 170, 140, 170)]
+    state = hf.apply(loaded.model, result["artifact_dir"], options={"saap": {"top_l": 1, "stats": True}})
+    try:
+        one = answer_prompts(loaded, prompts, 6, state, batch_tokens=0)
+        batched = answer_prompts(loaded, prompts, 6, state, batch_tokens=450)  # batches [0, 1, 3] and [2, 4]
+    finally:
+        hf.remove(loaded.model)
+    assert [r.prediction for r in batched] == [r.prediction for r in one]
+    sel = [r.stats["selectivity"] for r in one]
+    assert 0 < min(sel) and max(sel) < 1
+    for members in ([0, 1, 3], [2, 4]):
+        for i in members:
+            assert batched[i].stats["selectivity"] == pytest.approx(sum(sel[j] for j in members) / len(members),
+                                                                    rel=0.05)

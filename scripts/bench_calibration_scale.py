@@ -73,14 +73,17 @@ def logged_stage_times(db: Path) -> dict[str, float]:
     return {key: float(value) for key, value in rows}
 
 
-def run_method(method: str, model: str, overrides: list[str], home: Path, timeout_s: float) -> dict:
-    """One ``calib run`` in a fresh process; its result JSON's figures plus wall time and peak RSS."""
+def run_method(method: str, model: str, overrides: list[str], home: Path, timeout_s: float,
+               init: str = "random") -> dict:
+    """One ``calib run`` in a fresh process; its result JSON's figures plus wall time and peak RSS.
+    ``init="pretrained"`` runs the model's real weights (``scripts/smollm2_methods.py``), not a dry run.
+    The row keeps the run's whole ``metrics`` and its ``artifact_dir``."""
     home.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "CALIB_HOME": str(home),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     for var in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI"):  # a fresh store: nothing inherited
         env.pop(var, None)
-    cmd = [sys.executable, "-m", "calib", "run", f"+method={method}", f"model={model}", "model.init=random",
+    cmd = [sys.executable, "-m", "calib", "run", f"+method={method}", f"model={model}", f"model.init={init}",
            *overrides]
     log_path = home / f"{method}.log"
     t0 = time.perf_counter()
@@ -113,6 +116,8 @@ def run_method(method: str, model: str, overrides: list[str], home: Path, timeou
     row.update({k: v for k, v in metrics.items() if k.startswith("time_") or k == "peak_gpu_mem_gb"})
     row["artifact_mb"] = directory_bytes(Path(result["artifact_dir"])) / 1e6
     row["model_uri"] = result.get("model_uri")
+    row["artifact_dir"] = result["artifact_dir"]
+    row["metrics"] = metrics
     return row
 
 
@@ -144,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="one CALIB_HOME for all methods (default: a fresh directory per method)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per method (default 3600)")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
+    parser.add_argument("--init", choices=("random", "pretrained"), default="random",
+                        help="model.init: random (a dry run, the default) or pretrained (real weights)")
     args = parser.parse_args(argv)
     per_method = parse_sets(args.set)
     methods = [m for m in args.methods.split(",") if m]
@@ -155,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     for method in methods:
         home = args.home or base / method
         print(f"[{method}] running in {home} ...", file=sys.stderr, flush=True)
-        rows.append(run_method(method, args.model, [*common, *per_method.get(method, [])], home, args.timeout))
+        rows.append(run_method(method, args.model, [*common, *per_method.get(method, [])], home, args.timeout,
+                               init=args.init))
         print(f"[{method}] exit {rows[-1]['exit_code']} after {rows[-1]['wall_s']:.0f} s", file=sys.stderr, flush=True)
     print(format_rows(rows))
     if args.json:

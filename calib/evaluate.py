@@ -161,9 +161,13 @@ def summarize(dense: list[PromptResult], sparse: list[PromptResult] | None, resa
 
 def runtime_settings(runtime: Any) -> dict[str, Any]:
     """The settings the attached runtime actually uses (the artifact's defaults after the ``eval.*``
-    overrides): SAAP's ``top_l``, per-layer ``top_l_layers`` and ``ranking``; ``{}`` for other methods.
-    Logged with every evaluation, so a held-out result names the operating point it measured."""
+    overrides): SAAP's ``top_l``, per-layer ``top_l_layers`` and ``ranking``; SANTA's per-layer
+    ``schedule`` and its total ``budget``; ``{}`` for other methods. Logged with every evaluation, so a
+    held-out result names the operating point it measured."""
     dec = getattr(runtime, "decode", None)
+    if dec is not None and hasattr(dec, "schedule") and hasattr(dec, "budget"):
+        schedule = [int(x) for x in dec.schedule]
+        return {"schedule": schedule, "budget": sum(schedule)}
     if dec is None or not hasattr(dec, "layer_top_l"):
         return {}
     return {"top_l": int(dec.top_l), "top_l_layers": {int(k): int(v) for k, v in sorted(dec.top_l_layers.items())},
@@ -179,10 +183,23 @@ def with_statistics(options: dict[str, dict[str, Any]], method: str) -> dict[str
 
 
 def runtime_options(cfg: Any, method: str) -> dict[str, dict[str, Any]]:
-    """Runtime overrides from the config: ``eval.top_l`` (SAAP: buckets visited instead of the
-    artifact's ℓ, for an ℓ sweep without recalibrating), ``eval.top_l_layers`` (SAAP: ``{layer: ℓ}`` for
-    some layers, e.g. a larger ℓ where the retrieval heads are) and ``eval.ranking`` (SAAP: ``mass`` or
-    ``density`` bucket selection). Other methods refuse them."""
+    """Runtime overrides from the config: SAAP's ``eval.top_l`` (buckets visited instead of the
+    artifact's ℓ, for an ℓ sweep without recalibrating), ``eval.top_l_layers`` (``{layer: ℓ}`` for some
+    layers, e.g. a larger ℓ where the retrieval heads are) and ``eval.ranking`` (``mass`` or ``density``
+    bucket selection); SANTA's ``eval.budget`` (total samples N over all layers instead of the
+    artifact's deployed budget: its learned share p scaled to N). Other methods refuse them."""
+    budget = cfg.eval.get("budget")
+    if budget is not None:
+        if method != "santa":
+            raise UserError(f"eval.budget is a SANTA setting; this artifact is {method!r}")
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise UserError(f"eval.budget must be a positive integer (got {budget!r})")
+        return {"santa": {"budget": int(budget)}}
+    return _saap_options(cfg, method)
+
+
+def _saap_options(cfg: Any, method: str) -> dict[str, dict[str, Any]]:
+    """SAAP's ``eval.top_l`` / ``eval.top_l_layers`` / ``eval.ranking`` (see :func:`runtime_options`)."""
     top_l, ranking = cfg.eval.get("top_l"), cfg.eval.get("ranking")
     per_layer = cfg.eval.get("top_l_layers")
     if top_l is None and ranking is None and not per_layer:
@@ -263,7 +280,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
                            "eval.max_new_tokens": int(cfg.eval.max_new_tokens),
                            "eval.batch_tokens": int(cfg.eval.get("batch_tokens") or 0),
                            "eval.top_l": cfg.eval.get("top_l"), "eval.ranking": cfg.eval.get("ranking"),
-                           "eval.top_l_layers": str(cfg.eval.get("top_l_layers"))})
+                           "eval.top_l_layers": str(cfg.eval.get("top_l_layers")), "eval.budget": cfg.eval.get("budget")})
         tracking.log_eval_prompts(cfg.data, prompts, int(cfg.eval.seed))
         t0 = time.perf_counter()
         batch_tokens = int(cfg.eval.get("batch_tokens") or 0)

@@ -167,6 +167,11 @@ def test_eval_reports_dense_vs_santa_accuracy(run_result, model_dir):
     schedule = load_artifact(run_result["artifact_dir"]).tensor("schedule").tolist()  # the default budget's
     assert m["kv_retrieval@192.mean_samples"] == pytest.approx(np.mean(schedule))  # every layer, prefill and decode
     assert 0 < m["kv_retrieval@192.sample_fraction"] < 1
+    # eval.budget: the learned share scaled to N = 7 over the 2 layers
+    at_seven = in_calib_home(run_result["home"], evaluate, _compose(
+        model_dir, f"artifact={run_result['artifact_dir']}", "eval.num_prompts=1", "eval.tasks=[kv_retrieval]",
+        "eval.max_new_tokens=2", "eval.budget=7"))
+    assert at_seven["metrics"]["kv_retrieval@192.mean_samples"] == pytest.approx(7 / 2)
 
 
 # ------------------------------------------------------------------------------ commands
@@ -384,3 +389,18 @@ def test_heldout_comparison_scores_every_uniform_placement(model_dir, monkeypatc
     cfg = _compose(model_dir, "method.reward.heldout_dense=false", "rl.heldout_uniform_placements=false")
     out = heldout.heldout_comparison(cfg, loaded, np.array([1, 2]), np.array([2, 1]), 6, shards=1)
     assert set(seen[1]) == {"learned", "uniform"} and "reward_uniform_best" not in out
+
+
+def test_eval_budget_is_a_santa_option():
+    from omegaconf import OmegaConf
+
+    from calib.evaluate import runtime_options
+
+    cfg = OmegaConf.create({"eval": {"budget": 480}})
+    assert runtime_options(cfg, "santa") == {"santa": {"budget": 480}}
+    assert runtime_options(OmegaConf.create({"eval": {"budget": None}}), "santa") == {}
+    with pytest.raises(UserError, match="eval.budget is a SANTA setting"):
+        runtime_options(cfg, "saap")
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(UserError, match="eval.budget must be a positive integer"):
+            runtime_options(OmegaConf.create({"eval": {"budget": bad}}), "santa")

@@ -73,16 +73,23 @@ def logged_stage_times(db: Path) -> dict[str, float]:
     return {key: float(value) for key, value in rows}
 
 
+def calib_env(home: Path) -> dict[str, str]:
+    """The environment of a calib process on the store in ``home``: ``CALIB_HOME``, the checkout on
+    ``PYTHONPATH`` (before what was there), no inherited MLflow URIs (the store is the home's)."""
+    env = {**os.environ, "CALIB_HOME": str(home),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI"):
+        env.pop(var, None)
+    return env
+
+
 def run_method(method: str, model: str, overrides: list[str], home: Path, timeout_s: float,
                init: str = "random") -> dict:
     """One ``calib run`` in a fresh process; its result JSON's figures plus wall time and peak RSS.
     ``init="pretrained"`` runs the model's real weights (``scripts/smollm2_methods.py``), not a dry run.
     The row keeps the run's whole ``metrics`` and its ``artifact_dir``."""
     home.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "CALIB_HOME": str(home),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI"):  # a fresh store: nothing inherited
-        env.pop(var, None)
+    env = calib_env(home)
     cmd = [sys.executable, "-m", "calib", "run", f"+method={method}", f"model={model}", f"model.init={init}",
            *overrides]
     log_path = home / f"{method}.log"

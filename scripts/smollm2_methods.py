@@ -21,24 +21,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_calibration_scale import METHODS, ROOT, parse_sets, run_method  # noqa: E402
+from bench_calibration_scale import METHODS, ROOT, calib_env, parse_sets, run_method  # noqa: E402
 
 STARVED_BAND = (0.3, 0.7)
-
-
-def calib_env(home: Path) -> dict[str, str]:
-    env = {**os.environ, "CALIB_HOME": str(home),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI"):
-        env.pop(var, None)
-    return env
 
 
 def last_json_line(cmd: list[str], home: Path, log_name: str, timeout_s: float) -> dict:

@@ -40,16 +40,20 @@ class PromptResult:
 
 
 def answer_prompts(loaded: Any, prompts: Sequence[Any], max_new_tokens: int, runtime: Any = None,
-                   desc: str = "dense", batch_tokens: int = 0) -> list[PromptResult]:
+                   desc: str = "dense", batch_tokens: int = 0, loop: str = "eager") -> list[PromptResult]:
     """Answer every prompt, scored by its task's rule; ``runtime`` (a CalibAttention) supplies method stats.
 
     ``batch_tokens > 0``: prompts of one token count (and one scoring rule) are answered together, up to
     that many prompt tokens per batch (:func:`calib.generation.equal_length_batches`; no padding, so a
     sparse method sees each prompt as it would alone). A batch's method stats (the runtime's means
     since the last ``pop_stats``) are given to each of its prompts. Results are in ``prompts`` order.
+    ``loop``: ``eager`` (transformers' own cache, one Python pass per step) or ``static`` (the serving
+    loop, :func:`calib.generation.static_greedy_generate`; see :func:`eval_loop`).
     """
     from calib.data import is_correct
-    from calib.generation import equal_length_batches, equal_length_greedy_generate
+    from calib.generation import equal_length_batches, equal_length_greedy_generate, static_greedy_generate
+
+    generate = static_greedy_generate if loop == "static" else equal_length_greedy_generate
 
     # an exact-match answer ends at the first newline; a contained one may come after a line break
     stops = {rule: stop_token_ids(loaded.tokenizer, newline=rule == "exact_match") for rule in ("exact_match", "contains")}
@@ -58,8 +62,7 @@ def answer_prompts(loaded: Any, prompts: Sequence[Any], max_new_tokens: int, run
     results: list[PromptResult | None] = [None] * len(prompts)
     with tqdm(total=len(prompts), desc=f"eval {desc}", unit="prompt", leave=False) as bar:
         for idx in batches:
-            gen = equal_length_greedy_generate(loaded.model, [prompts[i].input_ids for i in idx], max_new_tokens,
-                                               stops[rules[idx[0]]])
+            gen = generate(loaded.model, [prompts[i].input_ids for i in idx], max_new_tokens, stops[rules[idx[0]]])
             stats: dict[str, float] = {}
             if runtime is not None:
                 for rt in (runtime.prefill, runtime.decode):
@@ -73,9 +76,27 @@ def answer_prompts(loaded: Any, prompts: Sequence[Any], max_new_tokens: int, run
     return [r for r in results if r is not None]
 
 
-def dense_cache_key(loaded: Any, prompts: Sequence[Any], max_new_tokens: int, batch_tokens: int) -> str | None:
+PREFILL_METHODS = ("sale", "sampleattention")  # their decode steps are dense attention
+
+
+def eval_loop(cfg: Any, device: Any, method: str) -> str:
+    """``eval.loop``: ``eager``, ``static``, or ``auto`` = ``static`` on CUDA for dense and the prefill
+    methods (their stats come from the eager prefill; the decode steps are dense and graph-captured), else
+    ``eager`` (SAAP's and SANTA's per-prompt stats are counted by their eager decode calls). Dense and
+    sparse answers of one eval go through the same loop, so the paired difference is the method's."""
+    loop = str(cfg.eval.get("loop") or "auto")
+    if loop not in ("auto", "eager", "static"):
+        raise UserError(f"eval.loop must be auto, eager or static (got {loop!r})")
+    if loop == "auto":
+        on_cuda = getattr(device, "type", str(device)) == "cuda"
+        return "static" if on_cuda and method in ("dense", *PREFILL_METHODS) else "eager"
+    return loop
+
+
+def dense_cache_key(loaded: Any, prompts: Sequence[Any], max_new_tokens: int, batch_tokens: int,
+                    loop: str = "eager") -> str | None:
     """What dense greedy answers depend on: the weights (model hash), dtype, device type, the library
-    versions, the decoding budget, the batching and every prompt's tokens, answer and scoring rule;
+    versions, the decoding budget, the batching, the loop and every prompt's tokens, answer and scoring rule;
     ``None`` (no caching) when the weights have no content hash (a random dry run)."""
     import hashlib
     import json
@@ -88,14 +109,14 @@ def dense_cache_key(loaded: Any, prompts: Sequence[Any], max_new_tokens: int, ba
         return None
     digest = hashlib.sha256()
     digest.update(json.dumps([model_hash, str(loaded.model.dtype), loaded.device.type, torch.__version__,
-                              transformers.__version__, int(max_new_tokens), int(batch_tokens)]).encode())
+                              transformers.__version__, int(max_new_tokens), int(batch_tokens), str(loop)]).encode())
     for p in prompts:
         digest.update(json.dumps([list(p.input_ids), str(p.answer), getattr(p, "scoring", "exact_match")]).encode())
     return digest.hexdigest()[:32]
 
 
 def cached_dense_answers(loaded: Any, prompts: Sequence[Any], max_new_tokens: int,
-                         batch_tokens: int) -> list[PromptResult]:
+                         batch_tokens: int, loop: str = "eager") -> list[PromptResult]:
     """Dense answers, read from ``artifacts/cache/eval_dense/<key>.json`` when the same model answered
     the same prompts with the same settings before (:func:`dense_cache_key`): evaluating several
     artifacts of one model on one held-out set computes the dense side once."""
@@ -103,14 +124,14 @@ def cached_dense_answers(loaded: Any, prompts: Sequence[Any], max_new_tokens: in
 
     from calib.paths import artifacts_dir
 
-    key = dense_cache_key(loaded, prompts, max_new_tokens, batch_tokens)
+    key = dense_cache_key(loaded, prompts, max_new_tokens, batch_tokens, loop)
     path = artifacts_dir() / "cache" / "eval_dense" / f"{key}.json"
     if key is not None and path.is_file():
         rows = json.loads(path.read_text())
         if len(rows) == len(prompts):
             print(f"dense answers: reused {path}", file=sys.stderr)
             return [PromptResult(p.task, p.length, r["prediction"], bool(r["correct"]), {}) for p, r in zip(prompts, rows)]
-    results = answer_prompts(loaded, prompts, max_new_tokens, batch_tokens=batch_tokens)
+    results = answer_prompts(loaded, prompts, max_new_tokens, batch_tokens=batch_tokens, loop=loop)
     if key is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -279,12 +300,14 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
                            "eval.seed": int(cfg.eval.seed), "eval.num_prompts": int(cfg.eval.num_prompts),
                            "eval.max_new_tokens": int(cfg.eval.max_new_tokens),
                            "eval.batch_tokens": int(cfg.eval.get("batch_tokens") or 0),
+                           "eval.loop": eval_loop(cfg, device, artifact.method if artifact else "dense"),
                            "eval.top_l": cfg.eval.get("top_l"), "eval.ranking": cfg.eval.get("ranking"),
                            "eval.top_l_layers": str(cfg.eval.get("top_l_layers")), "eval.budget": cfg.eval.get("budget")})
         tracking.log_eval_prompts(cfg.data, prompts, int(cfg.eval.seed))
         t0 = time.perf_counter()
         batch_tokens = int(cfg.eval.get("batch_tokens") or 0)
-        dense = cached_dense_answers(loaded, prompts, int(cfg.eval.max_new_tokens), batch_tokens)
+        loop = eval_loop(cfg, device, method)
+        dense = cached_dense_answers(loaded, prompts, int(cfg.eval.max_new_tokens), batch_tokens, loop)
         timings = {"time_dense_s": time.perf_counter() - t0}
         sparse, settings = None, {}
         if artifact is not None:
@@ -294,7 +317,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
             try:
                 t0 = time.perf_counter()
                 sparse = answer_prompts(loaded, prompts, int(cfg.eval.max_new_tokens), runtime, desc=method,
-                                        batch_tokens=batch_tokens)
+                                        batch_tokens=batch_tokens, loop=loop)
                 timings["time_sparse_s"] = time.perf_counter() - t0
             finally:
                 hf.remove(loaded.model)

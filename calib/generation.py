@@ -60,6 +60,28 @@ def equal_length_greedy_generate(model: Any, batch: Sequence[Sequence[int]], max
     return [[t for t in row if t >= 0] for row in table]
 
 
+def static_greedy_generate(model: Any, batch: Sequence[Sequence[int]], max_new_tokens: int, stop_ids: set[int],
+                           graphs: bool | None = None) -> list[list[int]]:
+    """:func:`equal_length_greedy_generate` through the serving loop,
+    :class:`runtime_kernels.generate.StaticGenerator`: a preallocated cache and, on CUDA, one CUDA graph
+    per decode step (one replay of host time instead of a Python pass over every layer). All
+    ``max_new_tokens`` steps run; each row is cut before its first stop token."""
+    from runtime_kernels.generate import StaticGenerator
+
+    if len({len(ids) for ids in batch}) > 1:
+        raise ValueError(f"prompts of different lengths {sorted({len(ids) for ids in batch})}: group them by length")
+    if max_new_tokens < 1:
+        return [[] for _ in batch]
+    width = len(batch[0])
+    gen = StaticGenerator(model, batch=len(batch), max_len=width + max_new_tokens + 1, graphs=graphs)
+    tokens = gen.generate(torch.tensor([list(row) for row in batch]), max_new_tokens).tolist()
+    out = []
+    for row in tokens:
+        cut = next((i for i, t in enumerate(row) if t in stop_ids), len(row))
+        out.append(row[:cut])
+    return out
+
+
 def equal_length_batches(lengths: Sequence[int], max_tokens: int, keys: Sequence[Any] | None = None
                          ) -> list[list[int]]:
     """Indices grouped into batches of one length (and one ``keys`` value, e.g. the scoring rule), each

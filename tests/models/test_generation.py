@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from calib.generation import (batched_greedy_generate, equal_length_batches, equal_length_greedy_generate,
-                              greedy_generate, left_padded, stop_token_ids)
+                              greedy_generate, left_padded, static_greedy_generate, stop_token_ids)
 from calib.models import random_model
 from tests.models.helpers import QWEN2_ARCH
 
@@ -71,3 +71,31 @@ def test_equal_length_batches_group_by_length_and_key_within_the_token_budget():
     assert equal_length_batches(lengths, 0, keys) == [[i] for i in (0, 2, 5, 1, 4, 3)]
     assert equal_length_batches([300, 300], 100) == [[0], [1]]  # a prompt longer than the budget runs alone
     assert sorted(i for b in equal_length_batches(lengths, 10_000) for i in b) == list(range(6))
+
+
+def test_static_loop_equals_the_eager_loop_and_cuts_at_stops(model):
+    """The serving loop (preallocated cache; no graphs on CPU) answers equal-length prompts as the eager
+    loop does, each cut before its first stop token."""
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 128, (33,), generator=gen).tolist() for _ in range(3)]
+    free = equal_length_greedy_generate(model, prompts, 9, set())
+    stops = {free[0][2]}
+    assert static_greedy_generate(model, prompts, 9, set()) == free
+    assert static_greedy_generate(model, prompts, 9, stops) == equal_length_greedy_generate(model, prompts, 9, stops)
+    assert static_greedy_generate(model, prompts, 0, stops) == [[], [], []]
+
+
+@pytest.mark.gpu
+def test_static_loop_with_cuda_graphs_equals_the_eager_loop_on_the_tiny_model():
+    from pathlib import Path
+
+    from transformers import LlamaForCausalLM
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    tiny = Path(__file__).resolve().parents[2] / "artifacts" / "models" / "tiny"
+    model = LlamaForCausalLM.from_pretrained(tiny, dtype=torch.float32, attn_implementation="sdpa").cuda().eval()
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(4, model.config.vocab_size, (700,), generator=gen).tolist() for _ in range(4)]
+    eager = equal_length_greedy_generate(model, prompts, 40, set())
+    assert static_greedy_generate(model, prompts, 40, set()) == eager  # 700 + 40 crosses a 256-key view

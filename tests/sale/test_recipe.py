@@ -234,3 +234,43 @@ def test_validate_accepts_the_shipped_config(sale_model_dir):
     validate(compose(["+method=sale"]))
     validate(compose(["+method=sale", "model=llama31", "method.bits=8"]))
     validate(compose(sale_overrides(sale_model_dir, THETA_LOW)))
+
+
+def test_eval_static_loop_gives_the_eager_answers_and_stats(low_run, loaded):
+    """``eval.loop=static`` (the serving loop; on CPU without graphs) answers as the eager loop does with
+    SALE attached: the same prefill runs (so the same sparsity), then dense decode steps."""
+    from types import SimpleNamespace
+
+    from calib.evaluate import answer_prompts
+    from runtime_kernels import hf
+
+    gen = torch.Generator().manual_seed(9)
+    prompts = [SimpleNamespace(task="t", length=n, answer="", scoring="contains",
+                               input_ids=torch.randint(20, 200, (n,), generator=gen).tolist())
+               for n in (300, 300, 260)]
+    state = hf.apply(loaded.model, low_run["artifact_dir"])
+    try:
+        eager = answer_prompts(loaded, prompts, 5, state, batch_tokens=1000, loop="eager")
+        static = answer_prompts(loaded, prompts, 5, state, batch_tokens=1000, loop="static")
+    finally:
+        hf.remove(loaded.model)
+    assert [r.prediction for r in static] == [r.prediction for r in eager]
+    assert all(r.prediction for r in eager)  # five tokens each (no stop token in a contains reply here)
+    for a, b in zip(static, eager):
+        assert a.stats["sparsity"] == pytest.approx(b.stats["sparsity"]) and 0 < a.stats["sparsity"] < 1
+
+
+def test_eval_loop_is_static_on_cuda_for_dense_and_prefill_methods():
+    from omegaconf import OmegaConf
+
+    from calib.errors import UserError
+    from calib.evaluate import eval_loop
+
+    auto = OmegaConf.create({"eval": {"loop": "auto"}})
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert [eval_loop(auto, cuda, m) for m in ("dense", "sale", "sampleattention", "saap", "santa")] == [
+        "static", "static", "static", "eager", "eager"]
+    assert eval_loop(auto, cpu, "sale") == "eager"
+    assert eval_loop(OmegaConf.create({"eval": {"loop": "static"}}), cpu, "saap") == "static"
+    with pytest.raises(UserError, match="eval.loop must be auto, eager or static"):
+        eval_loop(OmegaConf.create({"eval": {"loop": "fast"}}), cpu, "sale")

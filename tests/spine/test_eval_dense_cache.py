@@ -26,6 +26,7 @@ def test_key_changes_with_everything_the_answers_depend_on():
     assert key != dense_cache_key(_loaded("sha256:other"), prompts, 32, 0)
     assert key != dense_cache_key(_loaded(), prompts, 16, 0)
     assert key != dense_cache_key(_loaded(), prompts, 32, 4096)
+    assert key != dense_cache_key(_loaded(), prompts, 32, 0, loop="static")
     assert key != dense_cache_key(_loaded(), _prompts([[1, 2, 3], [4, 5, 7]]), 32, 0)
     assert dense_cache_key(_loaded(None), prompts, 32, 0) is None
     assert dense_cache_key(_loaded(dry_run=True), prompts, 32, 0) is None
@@ -34,7 +35,7 @@ def test_key_changes_with_everything_the_answers_depend_on():
 def test_second_call_reads_the_cache(calib_home, monkeypatch):
     calls = []
 
-    def fake_answer(loaded, prompts, max_new_tokens, runtime=None, desc="dense", batch_tokens=0):
+    def fake_answer(loaded, prompts, max_new_tokens, runtime=None, desc="dense", batch_tokens=0, loop="eager"):
         calls.append(len(prompts))
         return [PromptResult(p.task, p.length, f"reply {i}", i % 2 == 0, {}) for i, p in enumerate(prompts)]
 

@@ -111,8 +111,11 @@ def test_registry_alias_and_mlflow_logs(result, home):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("CALIB_HOME", str(home))
         mp.delenv("MLFLOW_TRACKING_URI", raising=False)
-        tracking.configure(tracking.resolve_target())
-        client = mlflow.MlflowClient()
+        mp.delenv("MLFLOW_REGISTRY_URI", raising=False)
+        target = tracking.resolve_target()
+        tracking.configure(target)
+        # explicit URIs: the global client state may belong to an earlier test's store
+        client = mlflow.MlflowClient(tracking_uri=target.tracking_uri, registry_uri=target.registry_uri)
         assert str(client.get_model_version_by_alias("saap-rand-saap", "candidate").version) == "1"
         run = client.get_run(result["run_id"])
         assert "recall_at_sel0.05.saap" in run.data.metrics and "time_eval_s" in run.data.metrics

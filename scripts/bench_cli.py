@@ -48,10 +48,21 @@ class JobTiming:
     metrics: dict[str, Any] = field(default_factory=dict)  # the result JSON's metrics (for --json)
 
 
+# the order the recipes run their stages in (a stage not listed goes after these, by name)
+STAGE_ORDER = ("load", "data", "collect", "kmeans", "targets", "classifier", "calibrate", "tune", "reinforce",
+               "heldout", "deploy", "eval", "report", "plots", "publish")
+
+
+def in_stage_order(stages: dict[str, float]) -> dict[str, float]:
+    """``stages`` ordered as the recipes run them (the MLflow store returns metrics in no fixed order)."""
+    rank = {name: i for i, name in enumerate(STAGE_ORDER)}
+    return dict(sorted(stages.items(), key=lambda kv: (rank.get(kv[0], len(rank)), kv[0])))
+
+
 def stage_times(metrics: dict[str, Any]) -> dict[str, float]:
-    """``{stage: seconds}`` from flat metrics named ``time_<stage>_s`` (other keys ignored)."""
-    return {k[len("time_"):-len("_s")]: float(v) for k, v in metrics.items()
-            if k.startswith("time_") and k.endswith("_s") and len(k) > len("time__s")}
+    """``{stage: seconds}`` from flat metrics named ``time_<stage>_s`` (other keys ignored), in stage order."""
+    return in_stage_order({k[len("time_"):-len("_s")]: float(v) for k, v in metrics.items()
+                           if k.startswith("time_") and k.endswith("_s") and len(k) > len("time__s")})
 
 
 def last_json_line(stdout: str) -> dict[str, Any]:
@@ -108,7 +119,7 @@ def run_job(method: str, overrides: Sequence[str], home: Path, timeout_s: float)
         return JobTiming(method, wall, cpu_s=cpu, ok=False, error=f"no result JSON: {exc}")
     stages = stage_times(result.get("metrics", {}))
     try:
-        stages = {**mlflow_stage_times(home, result["run_id"]), **stages}
+        stages = in_stage_order({**mlflow_stage_times(home, result["run_id"]), **stages})
     except Exception as exc:  # noqa: BLE001 - the result JSON's stages still stand; say what is missing
         print(f"note: {method}: MLflow stage times unreadable ({exc}); result JSON stages only", file=sys.stderr)
     return JobTiming(method, wall, stages, cpu_s=cpu, model_uri=str(result.get("model_uri", "")),

@@ -61,3 +61,8 @@ def test_a_real_job_in_a_private_home(tmp_path):
     assert {"load", "calibrate", "publish"} <= set(job["stages"])
     assert 0 < sum(job["stages"].values()) <= job["wall_s"] and job["cpu_s"] > 0
     assert "| sale | load " in proc.stdout and "CPU cores (os.cpu_count()):" in proc.stdout
+
+
+def test_stages_are_listed_in_the_order_the_recipes_run_them():
+    metrics = {"time_publish_s": 0.1, "time_calibrate_s": 70.0, "time_zeta_s": 1.0, "time_load_s": 3.0, "loss": 2.0}
+    assert list(bench_cli.stage_times(metrics)) == ["load", "calibrate", "publish", "zeta"]

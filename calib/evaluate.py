@@ -294,19 +294,19 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     if not prompts:
         raise UserError("no evaluation prompts: check eval.tasks / eval.lengths / eval.num_prompts")
     method = artifact.method if artifact else "dense"
+    loop = eval_loop(cfg, device, method)  # a bad eval.loop fails before any answer
     run_name = tracking.eval_run_name(cfg.get("artifact"), method, str(cfg.model.name))
     with tracking.start_run(target, run_name, tags={"kind": "eval", "method": method}) as run:
         mlflow.log_params({"artifact": str(cfg.get("artifact")), "model": str(cfg.model.name),
                            "eval.seed": int(cfg.eval.seed), "eval.num_prompts": int(cfg.eval.num_prompts),
                            "eval.max_new_tokens": int(cfg.eval.max_new_tokens),
                            "eval.batch_tokens": int(cfg.eval.get("batch_tokens") or 0),
-                           "eval.loop": eval_loop(cfg, device, artifact.method if artifact else "dense"),
+                           "eval.loop": loop,
                            "eval.top_l": cfg.eval.get("top_l"), "eval.ranking": cfg.eval.get("ranking"),
                            "eval.top_l_layers": str(cfg.eval.get("top_l_layers")), "eval.budget": cfg.eval.get("budget")})
         tracking.log_eval_prompts(cfg.data, prompts, int(cfg.eval.seed))
         t0 = time.perf_counter()
         batch_tokens = int(cfg.eval.get("batch_tokens") or 0)
-        loop = eval_loop(cfg, device, method)
         dense = cached_dense_answers(loaded, prompts, int(cfg.eval.max_new_tokens), batch_tokens, loop)
         timings = {"time_dense_s": time.perf_counter() - t0}
         sparse, settings = None, {}

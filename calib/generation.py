@@ -24,6 +24,20 @@ def stop_token_ids(tokenizer: Any, newline: bool = True) -> set[int]:
     return ids
 
 
+def _check_one_length(batch: Sequence[Sequence[int]]) -> None:
+    if len({len(ids) for ids in batch}) > 1:
+        raise ValueError(f"prompts of different lengths {sorted({len(ids) for ids in batch})}: "
+                         "group them by length (equal_length_batches) or use batched_greedy_generate")
+
+
+def _rows_before_stop(generated: list[torch.Tensor], batch: int) -> list[list[int]]:
+    """Each row's tokens from per-step ``[B]`` tensors holding -1 once that row stopped."""
+    if not generated:
+        return [[] for _ in range(batch)]
+    table = torch.stack(generated, dim=1).tolist()  # [B, steps]
+    return [[t for t in row if t >= 0] for row in table]
+
+
 @torch.inference_mode()
 def greedy_generate(model: Any, input_ids: Sequence[int], max_new_tokens: int, stop_ids: set[int]) -> list[int]:
     """Greedy decoding with a KV cache: one prefill call, then one call per new token."""
@@ -37,9 +51,7 @@ def equal_length_greedy_generate(model: Any, batch: Sequence[Sequence[int]], max
     any attention the model runs (a sparse method's runtime included) sees exactly what it sees for
     one prompt, with a batch dimension. A sequence keeps decoding after its stop token (its later tokens
     are dropped) until every sequence stopped or ``max_new_tokens`` were produced."""
-    if len({len(ids) for ids in batch}) > 1:
-        raise ValueError(f"prompts of different lengths {sorted({len(ids) for ids in batch})}: "
-                         "group them by length (equal_length_batches) or use batched_greedy_generate")
+    _check_one_length(batch)
     device = next(model.parameters()).device
     ids = torch.tensor([list(row) for row in batch], device=device)
     out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
@@ -54,10 +66,7 @@ def equal_length_greedy_generate(model: Any, batch: Sequence[Sequence[int]], max
         generated.append(torch.where(done, -1, token))
         out = model(input_ids=token[:, None], past_key_values=past, use_cache=True)
         past, token = out.past_key_values, out.logits[:, -1].argmax(-1)
-    if not generated:
-        return [[] for _ in batch]
-    table = torch.stack(generated, dim=1).tolist()  # [B, steps], -1 after a sequence stopped
-    return [[t for t in row if t >= 0] for row in table]
+    return _rows_before_stop(generated, len(batch))
 
 
 def static_greedy_generate(model: Any, batch: Sequence[Sequence[int]], max_new_tokens: int, stop_ids: set[int],
@@ -68,8 +77,7 @@ def static_greedy_generate(model: Any, batch: Sequence[Sequence[int]], max_new_t
     ``max_new_tokens`` steps run; each row is cut before its first stop token."""
     from runtime_kernels.generate import StaticGenerator
 
-    if len({len(ids) for ids in batch}) > 1:
-        raise ValueError(f"prompts of different lengths {sorted({len(ids) for ids in batch})}: group them by length")
+    _check_one_length(batch)
     if max_new_tokens < 1:
         return [[] for _ in batch]
     width = len(batch[0])
@@ -133,7 +141,4 @@ def batched_greedy_generate(model: Any, batch: Sequence[Sequence[int]], max_new_
         out = model(input_ids=token[:, None], attention_mask=mask, position_ids=next_pos, past_key_values=past,
                     use_cache=True)
         past, token, next_pos = out.past_key_values, out.logits[:, -1].argmax(-1), next_pos + 1
-    if not generated:
-        return [[] for _ in batch]
-    table = torch.stack(generated, dim=1).tolist()  # [B, steps], -1 after a sequence stopped
-    return [[t for t in row if t >= 0] for row in table]
+    return _rows_before_stop(generated, len(batch))

@@ -39,6 +39,15 @@ ROOT = Path(__file__).resolve().parents[1]
 METHODS = ("saap", "sale", "sampleattention", "santa")
 
 
+def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``(options, overrides)``: the arguments before ``--`` and the calib overrides after it."""
+    argv = list(argv)
+    if "--" not in argv:
+        return argv, []
+    cut = argv.index("--")
+    return argv[:cut], argv[cut + 1:]
+
+
 def parse_sets(items: list[str]) -> dict[str, list[str]]:
     """``["saap:method.prompts=8", ...]`` -> ``{"saap": ["method.prompts=8"], ...}``."""
     out: dict[str, list[str]] = {}
@@ -144,9 +153,7 @@ def format_rows(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    common = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[: argv.index("--")] if "--" in argv else argv
+    argv, common = split_overrides(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated (default: all four)")
     parser.add_argument("--model", default="llama31", help="a conf/model name (default llama31)")

@@ -27,7 +27,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_calibration_scale import METHODS, ROOT, calib_env, parse_sets, run_method  # noqa: E402
+from bench_calibration_scale import (METHODS, ROOT, calib_env, parse_sets, run_method,  # noqa: E402
+                                     split_overrides)
 
 STARVED_BAND = (0.3, 0.7)
 
@@ -122,9 +123,7 @@ def summary_table(rows: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    common = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[: argv.index("--")] if "--" in argv else argv
+    argv, common = split_overrides(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated (default: all four)")
     parser.add_argument("--model", default="smollm2")

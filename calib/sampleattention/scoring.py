@@ -5,8 +5,13 @@ one fixed row into the model (``runtime_kernels.hf.attach``) and answering the b
 task scores (``method.score``), both in ``[0, 1]`` per prompt and averaged over the prompts:
 
 * ``answer_prob`` (default): the gold answer's per-token geometric-mean probability under teacher
-  forcing, ``exp(mean_t log p(y_t | prompt, y_<t))`` over the answer tokens and the end of the answer
-  (the summed probability of the stop tokens: EOS or newline, as greedy decoding stops). Only the
+  forcing, ``exp(mean_t log p(y_t | prompt, y_<t))`` over the answer tokens and, for tasks scored by
+  exact match, the end of the answer (the summed probability of the stop tokens: EOS or newline, as
+  greedy decoding stops). Tasks scored by ``contains`` (a model that answers in a sentence, such as
+  SmolLM2: ``… is 1841451. This is the number …``) get no stop term: their reply goes on after the
+  answer, so the stop's probability is ~1e-6 whatever the attention, and as one of ~8 averaged terms it
+  held the dense score near 0.1 and buried the answer tokens' change under its noise (the 8k bucket of
+  SmolLM2 then passed at its sparsest point and lost 17 points held out). Only the
   prompt's prefill runs SampleAttention; the answer tokens then attend densely to the sparse-prefilled
   KV cache, exactly as in greedy generation where every decode step is dense. It is continuous: a
   0.99 x dense threshold on it bounds the *degradation* of the answers, where exact match on a few
@@ -99,8 +104,8 @@ def teacher_forced_score(model: Any, prompt_ids: Sequence[int], answer_ids: Sequ
                          prefill: SampleAttentionPrefill | None) -> tuple[float, bool]:
     """``(answer probability, tf_exact)`` of one prompt; ``prefill`` (or dense when None) runs the prompt.
 
-    Returns the geometric mean over ``len(answer_ids) + 1`` terms: each answer token's probability and
-    the summed probability of ``stop_ids`` after the answer.
+    Returns the geometric mean over each answer token's probability and, when ``stop_ids`` is not
+    empty, the summed probability of ``stop_ids`` after the answer (``len(answer_ids) + 1`` terms).
     """
     device = next(model.parameters()).device
     if prefill is not None:
@@ -118,12 +123,14 @@ def teacher_forced_score(model: Any, prompt_ids: Sequence[int], answer_ids: Sequ
     logp = torch.log_softmax(torch.cat(logits), dim=-1)  # [A + 1, V]
     targets = torch.tensor(list(answer_ids), device=logp.device, dtype=torch.long)
     token_lp = logp[torch.arange(len(answer_ids), device=logp.device), targets]  # [A]
+    argmax = logp.argmax(-1)
+    exact = bool((argmax[:-1] == targets).all())
+    if not stop_ids:  # the reply goes on after the answer: no stop term
+        return float(token_lp.mean().exp()), exact
     stops = torch.tensor(sorted(stop_ids), device=logp.device, dtype=torch.long)
     stop_lp = torch.logsumexp(logp[-1, stops], dim=0)
     terms = torch.cat([token_lp, stop_lp[None]])
-    argmax = logp.argmax(-1)
-    exact = bool((argmax[:-1] == targets).all()) and int(argmax[-1]) in stop_ids
-    return float(terms.mean().exp()), exact
+    return float(terms.mean().exp()), exact and int(argmax[-1]) in stop_ids
 
 
 @dataclass
@@ -159,7 +166,8 @@ class BucketEvaluator:
     def _score_prompt(self, index: int, rt: SampleAttentionPrefill | None) -> PromptScore:
         p = self.prompts[index]
         if self.score == "answer_prob":
-            value, exact = teacher_forced_score(self.loaded.model, p.input_ids, self._answers[index], self._stops, rt)
+            stops = self._stops if getattr(p, "scoring", "exact_match") == "exact_match" else set()
+            value, exact = teacher_forced_score(self.loaded.model, p.input_ids, self._answers[index], stops, rt)
         else:
             value, exact = self._generate(p, rt)
         stats = rt.pop_stats() if rt is not None else {}

@@ -206,6 +206,30 @@ def test_dense_score_matches_an_independent_teacher_forced_pass(run, loaded, mod
         assert bucket["dense_score"] == pytest.approx(want, rel=1e-4)
 
 
+def test_contains_scored_prompts_get_no_stop_term(loaded, model_dir: Path) -> None:
+    """A model that answers in a sentence (``contains`` scoring) is scored on the answer tokens alone:
+    the geometric mean of their probabilities from one independent float64 forward, no stop term; an
+    exact-match prompt of the same text keeps the stop term (a different, lower score here)."""
+    from dataclasses import replace
+
+    from calib.config import compose
+    from calib.sampleattention.recipe import _profiling_prompts
+
+    cfg = compose(overrides(model_dir))
+    p = _profiling_prompts(cfg, loaded.tokenizer)[0]
+    ans = answer_token_ids(loaded.tokenizer, p.text, p.answer)
+    ids = torch.tensor([list(p.input_ids) + ans])
+    with torch.no_grad():
+        logp = torch.log_softmax(loaded.model(input_ids=ids).logits[0, len(p.input_ids) - 1:].double(), -1)
+    want = math.exp(sum(float(logp[i, t]) for i, t in enumerate(ans)) / len(ans))
+    contains = replace(p, scoring="contains")
+    exact = replace(p, scoring="exact_match")
+    ev = BucketEvaluator(loaded, [contains, exact], blk=32)
+    got_contains, got_exact = ev._score_prompt(0, None), ev._score_prompt(1, None)
+    assert got_contains.score == pytest.approx(want, rel=1e-4)
+    assert got_exact.score != pytest.approx(want, rel=1e-3)
+
+
 def test_hf_apply_uses_the_tuned_rows(run, loaded) -> None:
     from runtime_kernels import hf
 

@@ -80,16 +80,23 @@ PREFILL_METHODS = ("sale", "sampleattention")  # their decode steps are dense at
 
 
 def eval_loop(cfg: Any, device: Any, method: str) -> str:
-    """``eval.loop``: ``eager``, ``static``, or ``auto`` = ``static`` on CUDA for dense and the prefill
-    methods (their stats come from the eager prefill; the decode steps are dense and graph-captured), else
-    ``eager`` (SAAP's and SANTA's per-prompt stats are counted by their eager decode calls). Dense and
-    sparse answers of one eval go through the same loop, so the paired difference is the method's."""
+    """``eval.loop``: ``eager``, ``static``, or ``auto`` = ``static`` on CUDA for dense, the prefill methods
+    (their stats come from the eager prefill; the decode steps are dense and graph-captured) and SAAP
+    (its selectivity is summed on the device inside the graphs, ``SaapDecode._record``), else ``eager``
+    (SANTA's per-prompt stats are counted by its eager decode calls). SAAP's ``eval.ranking=density``
+    decodes in the PyTorch reference, which sizes its selection on the host: no CUDA graph can capture
+    it, so ``auto`` is ``eager`` there and ``static`` on CUDA is refused. Dense and sparse answers of one
+    eval go through the same loop, so the paired difference is the method's."""
     loop = str(cfg.eval.get("loop") or "auto")
     if loop not in ("auto", "eager", "static"):
         raise UserError(f"eval.loop must be auto, eager or static (got {loop!r})")
+    on_cuda = getattr(device, "type", str(device)) == "cuda"
+    host_ranked = method == "saap" and str(cfg.eval.get("ranking") or "mass") != "mass"
     if loop == "auto":
-        on_cuda = getattr(device, "type", str(device)) == "cuda"
-        return "static" if on_cuda and method in ("dense", *PREFILL_METHODS) else "eager"
+        return "static" if on_cuda and method in ("dense", "saap", *PREFILL_METHODS) and not host_ranked else "eager"
+    if loop == "static" and on_cuda and host_ranked:
+        raise UserError("eval.ranking=density runs SAAP's PyTorch reference, which CUDA graphs cannot capture: "
+                        "use eval.loop=eager (or auto)")
     return loop
 
 
@@ -196,11 +203,13 @@ def runtime_settings(runtime: Any) -> dict[str, Any]:
 
 
 def with_statistics(options: dict[str, dict[str, Any]], method: str) -> dict[str, dict[str, Any]]:
-    """``options`` plus what eval needs that serving does not: SAAP's selectivity count (``hf.apply``
-    serves without it: it ranks the buckets a second time per step)."""
+    """``options`` plus what eval needs that serving does not, for SAAP: the selectivity count
+    (``hf.apply`` serves without it: it ranks the buckets a second time per step), and SAAP at every
+    static-loop step (``serve_min_kv_ratio=0``: serving runs a step dense where the cache is too short
+    for SAAP to pay off, which on a 135M model at 1k tokens is every step; eval measures the method)."""
     if method != "saap":
         return options
-    return {**options, "saap": {**options.get("saap", {}), "stats": True}}
+    return {**options, "saap": {**options.get("saap", {}), "stats": True, "serve_min_kv_ratio": 0.0}}
 
 
 def runtime_options(cfg: Any, method: str) -> dict[str, dict[str, Any]]:

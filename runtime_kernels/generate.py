@@ -205,9 +205,12 @@ class StaticGenerator:
             hook(self.cache, valid, view)
 
     def _capture(self, view: int) -> float:
-        """Capture :meth:`_step` for ``view``; returns the host milliseconds it took."""
+        """Capture :meth:`_step` for ``view``; returns the host milliseconds it took. The decode runtime's
+        statistics, where it keeps them (``stats_checkpoint``/``stats_restore``), skip the warm-up steps."""
         t0 = time.perf_counter()
         token, pos = self.token.clone(), self.pos.clone()
+        runtime = getattr(self._state(), "decode", None)
+        stats = runtime.stats_checkpoint() if hasattr(runtime, "stats_checkpoint") else None
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side), self._decoding(view):
@@ -216,6 +219,8 @@ class StaticGenerator:
                 self.token.copy_(token)
                 self.pos.copy_(pos)
         torch.cuda.current_stream(self.device).wait_stream(side)
+        if hasattr(runtime, "stats_restore"):
+            runtime.stats_restore(stats)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool), self._decoding(view):
             self._step()

@@ -14,7 +14,10 @@ sampling in prefill and decode) and
 * prefill: ``prefill(layer, q, k, v, scale, ctx) -> out | None`` with ``q: [B, Hq, T, D]``,
   ``k, v: [B, Hkv, T, D]`` (RoPE'd), returning ``[B, Hq, T, D]`` (``None`` = run dense);
 * decode: ``observe_prefill(layer, q, k, v, ctx)`` (build per-layer state from the prompt's cache) and
-  ``decode(layer, q, k, v, scale, ctx) -> out | None`` with ``q: [B, Hq, 1, D]`` and the full cache.
+  ``decode(layer, q, k, v, scale, ctx) -> out | None`` with ``q: [B, Hq, 1, D]`` and the full cache;
+* optionally ``pop_stats() -> dict`` (method statistics since the last call, which ``calib eval``
+  reports) and ``stats_checkpoint() -> object`` / ``stats_restore(object)``, with which the static loop
+  keeps its uncaptured warm-up steps out of those statistics.
 
 ``ctx`` is an :class:`AttentionCall` carrying the module, the position ids and the model's rotary
 embedding (for de-RoPE). Under :class:`runtime_kernels.generate.StaticGenerator` (a preallocated cache,

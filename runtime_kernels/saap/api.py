@@ -124,6 +124,9 @@ class AttentionPositions:
     position_ids: torch.Tensor | None = None
 
 
+SERVE_MIN_KV_RATIO = 3.0  # SaapDecode.pays_off: a static step runs SAAP where K + V bytes >= this x classifier's
+
+
 class SaapDecode:
     """SAAP as the decode runtime of :func:`runtime_kernels.hf.apply` (``phase = "decode"``).
 
@@ -140,10 +143,16 @@ class SaapDecode:
     ``stats=True`` (the default; what ``calib eval`` reports) also ranks the buckets once more per step
     in PyTorch to count what the step visited, so :meth:`pop_stats` returns the mean ``selectivity``
     (visited bucket keys / all bucket keys, the paper's Table 5: keys outside the dense region) and
-    ``selectivity_with_window`` (visited keys incl. sink and window / all keys) over every (step,
-    SAAP layer, batch row, KV head) since the last call. The counts stay on the device until then (no
-    host sync per step); the extra ranking doubles the classifier's cost, so serving sets
-    ``stats=False``.
+    ``selectivity_with_window`` (visited keys incl. sink and window / all valid keys) over every (step,
+    SAAP layer, batch row, KV head) since the last call. The extra ranking doubles the classifier's
+    cost, so serving sets ``stats=False``.
+
+    The counts are summed on the device into one buffer, ``[selectivity, selectivity_with_window,
+    count]`` float64, allocated at the first step and then only added to in place (no host sync, copy
+    or allocation per step), so the static loop's CUDA graphs count their steps too: a graph adds to
+    the buffer that existed when it was captured, at every replay. :meth:`pop_stats` therefore zeroes
+    it in place, and :meth:`stats_checkpoint` / :meth:`stats_restore` let the loop drop its uncaptured
+    warm-up steps.
     """
 
     method = "saap"
@@ -151,7 +160,7 @@ class SaapDecode:
 
     def __init__(self, layers: list[SaapLayerParams], top_l: int, *, impl: str = "auto", stats: bool = True,
                  ranking: str = "mass", top_l_layers: dict[int, int] | None = None,
-                 serve_min_kv_ratio: float = 3.0) -> None:
+                 serve_min_kv_ratio: float = SERVE_MIN_KV_RATIO) -> None:
         if ranking not in RANKINGS:
             raise ArtifactError(f"SAAP ranking must be one of {RANKINGS}, got {ranking!r}")
         per_layer = {int(k): int(v) for k, v in (top_l_layers or {}).items()}
@@ -176,8 +185,15 @@ class SaapDecode:
         """ℓ of layer ``layer``: its ``top_l_layers`` entry, else ``top_l``."""
         return self.top_l_layers.get(layer, self.top_l)
 
-    def _record(self, layer: int, q_de: torch.Tensor, idx: BucketIndex, t: int) -> None:
-        """Add this step's visited fractions for layer ``layer`` (``q_de [B, Hq, D]``, ``t`` keys)."""
+    def _record(self, layer: int, q_de: torch.Tensor, idx: BucketIndex, t: int | torch.Tensor) -> None:
+        """Add this step's visited fractions for layer ``layer`` (``q_de [B, Hq, D]``) to the sums, in place.
+
+        ``t``: the valid keys, an int (eager) or ``cache_len [B]`` on the device (a static-cache step,
+        whose view ``k`` is longer). A static step's index lags the cache (:meth:`advance`): the keys in
+        ``[idx.searchable_hi, t)`` are attended densely with the window, and count as window keys here.
+        Mass ranking syncs nothing with the host, so a CUDA graph captures this (density ranking sizes
+        its selection on the host, as its attention does: :func:`reference.select_buckets`).
+        """
         counts = idx.bucket_count.long()  # [B, Hkv, C]: keys in each bucket's list
         g = q_de.shape[1] // counts.shape[1]
         buckets = select_buckets(classify_queries(q_de, self._params(layer, q_de.device)), counts, g,
@@ -185,27 +201,53 @@ class SaapDecode:
         visited = torch.where(buckets >= 0, counts.gather(-1, buckets.clamp(min=0)), 0).sum(-1).double()  # [B, Hkv]
         candidates = counts.sum(-1).double()
         sel = torch.where(candidates > 0, visited / candidates.clamp(min=1), torch.zeros_like(visited))
-        with_window = (visited + (t - candidates)) / t
-        step = torch.stack([sel.sum(), with_window.sum(), torch.tensor(float(sel.numel()), device=sel.device,
-                                                                          dtype=torch.float64)])
-        self._sums = step if self._sums is None else self._sums + step.to(self._sums.device)
+        valid = t.double()[:, None] if isinstance(t, torch.Tensor) else float(t)  # [B, 1] or a number
+        with_window = (visited + (valid - candidates)) / valid  # [B, Hkv]
+        if self._sums is None:  # the first step: eager, or the static loop's uncaptured warm-up
+            with torch.inference_mode(False):  # a normal tensor: pop_stats zeroes it outside inference mode
+                self._sums = torch.zeros(3, dtype=torch.float64, device=q_de.device)
+        self._sums[:2].add_(torch.stack([sel.sum(), with_window.sum()]).to(self._sums.device))
+        self._sums[2].add_(sel.numel())  # a Python number: no host-to-device copy
 
     def pop_stats(self) -> dict[str, float]:
-        """Mean selectivities since the last call (class docstring); ``{}`` when no SAAP step ran."""
-        sums, self._sums = self._sums, None
-        if sums is None:
+        """Mean selectivities since the last call (class docstring); ``{}`` when no SAAP step ran since.
+
+        Reads the sums (one host sync) and zeroes them in place, never drops them: a CUDA graph captured
+        earlier keeps adding to this buffer at each replay."""
+        if self._sums is None:
             return {}
-        sel, with_window, n = sums.tolist()
+        sel, with_window, n = self._sums.tolist()
+        self._sums.zero_()
+        if n == 0:
+            return {}
         return {"selectivity": sel / n, "selectivity_with_window": with_window / n}
+
+    def stats_checkpoint(self) -> torch.Tensor | None:
+        """A copy of the sums (``None`` before the first step) for :meth:`stats_restore`: the static loop
+        runs two uncaptured warm-up steps before each capture, which must not count."""
+        return None if self._sums is None else self._sums.clone()
+
+    def stats_restore(self, saved: torch.Tensor | None) -> None:
+        """Put back the sums of :meth:`stats_checkpoint` (zeros for ``None``), in place: the buffer stays
+        the one the next captured graph adds to."""
+        if self._sums is None:
+            return
+        if saved is None:
+            self._sums.zero_()
+        else:
+            self._sums.copy_(saved)
 
     @classmethod
     def from_artifact(cls, artifact, model, *, top_l: int | None = None, ranking: str = "mass",
-                      top_l_layers: dict[int, int] | None = None, stats: bool = False) -> "SaapDecode":
+                      top_l_layers: dict[int, int] | None = None, stats: bool = False,
+                      serve_min_kv_ratio: float = SERVE_MIN_KV_RATIO) -> "SaapDecode":
         """The runtime of a ``saap`` artifact; ``top_l`` overrides the artifact's ℓ (an ℓ sweep),
         ``top_l_layers`` (``{layer: ℓ}``) the ℓ of some layers (default: the artifact's optional
         ``top_l_layers`` hyper-parameter), ``ranking`` picks mass or density bucket selection
         (:func:`reference.select_buckets`). ``stats`` is off for serving (``hf.apply``'s default): the
-        selectivity count ranks the buckets a second time per step; ``calib eval`` turns it on."""
+        selectivity count ranks the buckets a second time per step; ``calib eval`` turns it on.
+        ``serve_min_kv_ratio``: :meth:`pays_off`'s rule for static-cache steps; ``calib eval`` sets 0
+        (SAAP at every length)."""
         hp = artifact.manifest.hyperparameters
         n_layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
         if n_layers is None:
@@ -220,7 +262,7 @@ class SaapDecode:
         if top_l_layers is None:
             top_l_layers = {int(k): int(v) for k, v in (hp.get("top_l_layers") or {}).items()}
         return cls(layers, int(hp["top_l"] if top_l is None else top_l), ranking=ranking, top_l_layers=top_l_layers,
-                   stats=stats)
+                   stats=stats, serve_min_kv_ratio=serve_min_kv_ratio)
 
     def _params(self, layer: int, device: torch.device, dtype: torch.dtype = torch.float32) -> SaapLayerParams:
         """Layer ``layer``'s tensors on ``device``, the classifier weights ``w1, w2`` in the serving dtype
@@ -251,7 +293,8 @@ class SaapDecode:
         weight bytes (the cost SAAP adds whatever it skips). Measured end to end on Llama-3.1-8B shapes:
         SAAP loses at a ratio of 1.8 (32k, B=1: 0.98x dense) and wins at 7 (128k, B=1: 1.33x) and 14
         (32k, B=8: 1.68x); 3 sits between. A host decision from shapes (no sync), the same for every
-        step of a CUDA graph; eager calls (``calib eval``) always run SAAP."""
+        step of a CUDA graph; eager calls always run SAAP, and ``calib eval`` sets the ratio to 0 so that
+        its static loop does too (it measures the method at every length)."""
         p = self.layers[layer]
         if p.dense or p.w1 is None:
             return False
@@ -338,7 +381,8 @@ class SaapDecode:
         """``q [B, Hq, 1, D]``, ``k, v [B, Hkv, T, D]`` (the cache, new token last) -> ``[B, Hq, 1, D]`` or None.
 
         With ``ctx.cache_len [B]`` (a static-cache step) ``k, v`` are views longer than the valid keys,
-        and a step where SAAP cannot win (:meth:`pays_off`) runs dense (None: the loop's flash-decoding)."""
+        and a step where SAAP cannot win (:meth:`pays_off`) runs dense (None: the loop's flash-decoding).
+        ``stats``: the step's selectivity is added on the device, eager or static (:meth:`_record`)."""
         if getattr(ctx, "cache_len", None) is not None and not self.pays_off(layer, k):
             return None
         step = self.advance(layer, q, k, ctx)
@@ -351,6 +395,6 @@ class SaapDecode:
         out = saap_decode_attention(q[:, :, 0], k, v, idx, params, top_l=self.layer_top_l(layer),
                                     q_derope=q_de.to(params.w1.dtype), scale=scale, impl=self.impl,
                                     ranking=self.ranking, cache_len=cache_len)
-        if self.stats and cache_len is None:  # statistics are an eager (calib eval) feature
-            self._record(layer, q_de, idx, t)
+        if self.stats:
+            self._record(layer, q_de, idx, t if cache_len is None else cache_len)
         return out.unsqueeze(2)

@@ -34,10 +34,10 @@ def _prompt(b: int, t: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(96, (b, t), generator=torch.Generator().manual_seed(seed))
 
 
-def _saap(top_l: int, recent: int = 8) -> SaapDecode:
+def _saap(top_l: int, recent: int = 8, **options) -> SaapDecode:
     layers = [SaapLayerParams(sink=1, recent=recent, dense=True)] + [
         _params(HQ, HKV, D, C, 8, 1, recent, seed=i) for i in range(1, LAYERS)]
-    return SaapDecode(layers, top_l=top_l, stats=False)
+    return SaapDecode(layers, top_l=top_l, **{"stats": False, **options})
 
 
 def test_round_up_and_cache_views():

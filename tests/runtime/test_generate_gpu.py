@@ -32,7 +32,7 @@ def _prompt(b: int, t: int, vocab: int) -> torch.Tensor:
     return torch.randint(4, vocab, (b, t), generator=torch.Generator().manual_seed(5)).cuda()
 
 
-def _saap(model, top_l: int):
+def _saap(model, top_l: int, **options):
     from runtime_kernels.saap import SaapDecode, SaapLayerParams
 
     cfg = model.config
@@ -44,7 +44,7 @@ def _saap(model, top_l: int):
                         bn_mean=r(hq, hd) * 0.1, bn_var=torch.rand(hq, hd, generator=g) + 0.5, bn_weight=r(hq, hd),
                         bn_bias=r(hq, hd) * 0.1, w2=r(hq, hd, c) * 0.3, b2=r(hq, c) * 0.1)
         for _ in range(1, cfg.num_hidden_layers)]
-    return SaapDecode(layers, top_l=top_l, stats=False)
+    return SaapDecode(layers, top_l=top_l, **{"stats": False, **options})
 
 
 def _runtimes(model, name: str):
@@ -83,3 +83,26 @@ def test_graphed_static_loop_generates_the_eager_tokens(tiny, name: str, b: int,
         hf.remove(tiny)
     assert times.captures >= 2 and len(times.step_ms) >= 30  # several views: the hooks and recaptures ran
     assert torch.equal(got, want)
+
+
+def test_graphed_saap_statistics_equal_the_loop_without_graphs(tiny):
+    """SAAP's selectivity sums, added on the device inside the graphs (every replay into the buffer of
+    the capture, warm-up steps dropped, several views), equal the same loop run without graphs: the same
+    tokens, the same sums and step count."""
+    ids = _prompt(2, 520, tiny.config.vocab_size)
+    runs = {}
+    for graphs in (False, True):
+        rt = _saap(tiny, top_l=2, stats=True, serve_min_kv_ratio=0.0)  # calib eval's options
+        hf.attach(tiny, decode=rt)
+        try:
+            times = StepTimes()
+            tokens = StaticGenerator(tiny, batch=2, max_len=520 + 48, bucket=16, graphs=graphs).generate(ids, 40, times)
+            runs[graphs] = tokens, rt.stats_checkpoint(), rt.pop_stats(), times.captures
+        finally:
+            hf.remove(tiny)
+    (want, want_sums, want_means, _), (got, got_sums, got_means, captures) = runs[False], runs[True]
+    assert captures >= 2 and torch.equal(got, want)
+    assert float(got_sums[2]) == float(want_sums[2]) == 40 * (tiny.config.num_hidden_layers - 1) * 2 * \
+        tiny.config.num_key_value_heads  # steps x SAAP layers x rows x KV heads
+    torch.testing.assert_close(got_sums, want_sums, atol=1e-9, rtol=0)
+    assert got_means == pytest.approx(want_means, abs=1e-9, rel=0) and 0 < got_means["selectivity"] < 1

@@ -208,6 +208,36 @@ def test_eval_top_l_is_a_saap_option():
             runtime_options(OmegaConf.create({"eval": {"top_l_layers": bad}}), "saap")
 
 
+def test_eval_runtime_counts_saap_in_the_static_loop(result, loaded):
+    """``calib eval``'s SAAP runtime (``with_statistics``: counted, SAAP at every length) in the static
+    loop (CPU: no graphs): every bucket visited answers as the eager loop does, selectivity 1 in both;
+    one bucket counts a selectivity strictly inside (0, 1) for every prompt."""
+    from types import SimpleNamespace
+
+    from calib.evaluate import answer_prompts, with_statistics
+    from runtime_kernels import hf
+
+    gen = torch.Generator().manual_seed(11)
+    prompts = [SimpleNamespace(task="t", length=n, answer="", scoring="contains",
+                               input_ids=torch.randint(20, 200, (n,), generator=gen).tolist()) for n in (150, 150, 200)]
+    answers = {}
+    for top_l in (C, 1):
+        options = with_statistics({"saap": {"top_l": top_l}}, "saap")
+        state = hf.apply(loaded.model, result["artifact_dir"], options=options)
+        assert state.decode.stats and state.decode.serve_min_kv_ratio == 0.0
+        try:
+            answers[top_l] = {loop: answer_prompts(loaded, prompts, 5, state, batch_tokens=1000, loop=loop)
+                              for loop in ("eager", "static")}
+        finally:
+            hf.remove(loaded.model)
+    every = answers[C]
+    assert [r.prediction for r in every["static"]] == [r.prediction for r in every["eager"]]
+    for r in every["static"] + every["eager"]:
+        assert r.stats == pytest.approx({"selectivity": 1.0, "selectivity_with_window": 1.0})
+    for r in answers[1]["static"]:
+        assert 0.0 < r.stats["selectivity"] < r.stats["selectivity_with_window"] < 1.0
+
+
 def test_density_ranking_runs_through_hf(result, loaded):
     """``options={"saap": {"ranking": "density"}}`` reaches the runtime and its selectivity stats."""
     from runtime_kernels import hf

@@ -50,7 +50,7 @@ def round_up(n: int, multiple: int) -> int:
 
 
 class StaticKVCache(_HFCache):
-    """Preallocated keys and values ``[B, Hkv, max_len, D]`` per layer, written in place.
+    """Preallocated keys and values ``[B, Hkv, max_len + 1, D]`` per layer, written in place.
 
     The model's attention layers call :meth:`update`, which copies the new ``[B, Hkv, n, D]`` keys and
     values to the positions in :attr:`write_pos` (a device tensor the generator sets) and returns the
@@ -68,7 +68,10 @@ class StaticKVCache(_HFCache):
                  device: torch.device | str, dtype: torch.dtype) -> None:
         # Cache.__init__ is not called on purpose: its per-layer classes change between transformers
         # releases; this class holds its own buffers and answers the calls the model makes.
-        shape = (batch, num_kv_heads, max_len, head_dim)
+        # one row past max_len, never written or read: a view [:, :, :view] is then never the whole
+        # buffer, so its strides relate to its length alike at every view (a compiled model's SDPA
+        # guards on that relation and would recompile at the view that reaches the end)
+        shape = (batch, num_kv_heads, max_len + 1, head_dim)
         self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
         self.max_len = int(max_len)
@@ -87,6 +90,10 @@ class StaticKVCache(_HFCache):
         return cls(cfg.num_hidden_layers, batch, cfg.num_key_value_heads, head_dim, max_len, p.device, p.dtype)
 
     # -------------------------------------------------------------------- what the model calls
+    # Never traced (a graph break under torch.compile): calib attention breaks the graph in every
+    # layer, so each layer's attention frame would trace this alone, and ``self.keys[layer_idx]`` would
+    # pin the frame to one layer: a compile per layer up to dynamo's recompile limit, then eager.
+    @torch.compiler.disable
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``key_states, value_states [B, Hkv, n, D]`` at :attr:`write_pos`; return the views."""

@@ -26,11 +26,42 @@ How a step stays capturable.
 Prefill runs eagerly (no graph), writing the prompt's keys into the cache; prefill methods see ``k, v``
 of exactly the prompt length, as in the eager path. All sequences of a batch have the same length
 (no padding): batch prompts of equal token counts.
+
+Compiled decode steps (``StaticGenerator(..., compile=True)``). A graph removes host time, not GPU
+kernels: the model's own small kernels (RMSNorm as ~7 element-wise kernels, rotary embedding ~10 per
+layer, residual adds, SiLU * up) are the same for dense and every method and take about a third of a
+Llama-3.1-8B-shaped decode step at 128k, B = 1, which hides what a sparse method saves. With
+``compile=True`` each decode step's ``model(...)`` call runs through ``torch.compile`` (inductor, default
+mode: no inductor CUDA graphs, the generator captures its own graph around the step), which fuses them.
+
+* Compiled: the whole ``model(...)`` call (embedding, rotary cos/sin, norms, projections, rotary
+  application, residuals, MLP, final norm, LM head; matmuls stay cuBLAS calls). Not compiled: prefill,
+  the step's mask and argmax, and two graph breaks per layer, :meth:`StaticKVCache.update` and the
+  attention function ``runtime_kernels.hf`` registers (``torch.compiler.disable``): they run eagerly
+  inside the captured graph (our Triton kernels, Python state such as SAAP's index). A model without
+  calib attention runs transformers' SDPA inside the compiled code.
+* The whole call rather than each decoder layer: per layer compiles no fewer frames (dynamo compiles a
+  code region once whatever the number of layers) and leaves the top-level kernels eager.
+* Compile count, bounded whatever the number of layers and views: each attention layer's ``layer_idx``
+  (an int attribute dynamo would guard on: one compile per layer up to its recompile limit of 8, then a
+  silent fallback to eager) becomes a dynamic input (``allow_unspec_int_on_nn_module`` during the call);
+  the view length (the mask's last dim, the ``k, v`` views) becomes dynamic through dynamo's automatic
+  dynamic shapes at the second view. Frames compile at the first two view lengths, never after
+  (:attr:`StepTimes.compiles`); a new batch size or model configuration compiles again, while frames
+  compiled for one generator serve every later one in the process.
+* Compilation happens in :meth:`StaticGenerator._warm_up`, on a side stream before each capture (inductor
+  benchmarks its kernels on first use; that syncs and must not happen inside capture), or in the first
+  step at a view without graphs. The compiled code allocates through the caching allocator (the graph
+  pool under capture) and reads sizes from tensor metadata: no host sync, no ``.item()``.
+* Cost: compile time at the first two views, tens of host seconds per process (inductor's on-disk cache
+  shortens later ones), reported in :attr:`StepTimes.compile_ms` and by
+  ``scripts/bench_generate.py --compile``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -50,7 +81,7 @@ def round_up(n: int, multiple: int) -> int:
 
 
 class StaticKVCache(_HFCache):
-    """Preallocated keys and values ``[B, Hkv, max_len, D]`` per layer, written in place.
+    """Preallocated keys and values ``[B, Hkv, max_len + 1, D]`` per layer, written in place.
 
     The model's attention layers call :meth:`update`, which copies the new ``[B, Hkv, n, D]`` keys and
     values to the positions in :attr:`write_pos` (a device tensor the generator sets) and returns the
@@ -68,7 +99,10 @@ class StaticKVCache(_HFCache):
                  device: torch.device | str, dtype: torch.dtype) -> None:
         # Cache.__init__ is not called on purpose: its per-layer classes change between transformers
         # releases; this class holds its own buffers and answers the calls the model makes.
-        shape = (batch, num_kv_heads, max_len, head_dim)
+        # one row past max_len, never written or read: a view [:, :, :view] is then never the whole
+        # buffer, so its strides relate to its length alike at every view (a compiled model's SDPA
+        # guards on that relation and would recompile at the view that reaches the end)
+        shape = (batch, num_kv_heads, max_len + 1, head_dim)
         self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
         self.max_len = int(max_len)
@@ -87,6 +121,10 @@ class StaticKVCache(_HFCache):
         return cls(cfg.num_hidden_layers, batch, cfg.num_key_value_heads, head_dim, max_len, p.device, p.dtype)
 
     # -------------------------------------------------------------------- what the model calls
+    # Never traced (a graph break under torch.compile): calib attention breaks the graph in every
+    # layer, so each layer's attention frame would trace this alone, and ``self.keys[layer_idx]`` would
+    # pin the frame to one layer: a compile per layer up to dynamo's recompile limit, then eager.
+    @torch.compiler.disable
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``key_states, value_states [B, Hkv, n, D]`` at :attr:`write_pos`; return the views."""
@@ -132,7 +170,34 @@ class StepTimes:
     step_ms: list[float] = field(default_factory=list)  # device time per decode step (graph replays only)
     host_ms: list[float] = field(default_factory=list)  # host time to issue each step
     captures: int = 0  # graphs captured
-    capture_ms: float = 0.0  # host time spent capturing (not in step_ms)
+    capture_ms: float = 0.0  # host time spent warming up and capturing (not in step_ms nor compile_ms)
+    compiles: int = 0  # frames torch.compile compiled (compiled decoding: the first two view lengths)
+    compile_ms: float = 0.0  # host time of the warm-ups (or steps, without graphs) that compiled
+
+    def add_compiles(self, frames_before: int, ms: float) -> bool:
+        """Count the frames compiled since ``frames_before`` (:func:`frames_compiled`) and, if any, the
+        ``ms`` of host time they were compiled in; returns whether there were any."""
+        n = frames_compiled() - frames_before
+        self.compiles += n
+        self.compile_ms += ms if n else 0.0
+        return n > 0
+
+
+def frames_compiled() -> int:
+    """Frames torch.compile (dynamo) has tried to compile in this process: it counts each compile and
+    recompile (0 before dynamo is first imported)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return int(utils.counters["frames"]["total"]) if utils is not None else 0
+
+
+def _layer_index_unspecialized() -> contextlib.AbstractContextManager[Any]:
+    """Dynamo config under which int attributes of modules, such as each attention layer's
+    ``layer_idx`` (passed to the cache), become dynamic inputs on recompile instead of one constant,
+    and one compile, per layer (module docstring)."""
+    config = torch._dynamo.config  # imported by torch.compile, which built the compiled model
+    if not hasattr(config, "allow_unspec_int_on_nn_module"):  # pragma: no cover - torch 2.11-2.13 have it
+        return contextlib.nullcontext()
+    return config.patch(allow_unspec_int_on_nn_module=True)
 
 
 class StaticGenerator:
@@ -142,11 +207,18 @@ class StaticGenerator:
     tested against). With calib methods attached (``runtime_kernels.hf.apply`` before or after
     construction) the decode runtime sees ``ctx.cache_len``; dense layers and models run SDPA (or the
     model's attention) on the masked view.
+
+    ``compile=True`` runs each decode step's model call through ``torch.compile`` (module docstring:
+    what is fused, what stays eager, the bounded compile count); it costs compile time at the first two
+    view lengths, so it pays off for long generations and benchmarks, not for a few tokens.
     """
 
     def __init__(self, model: Any, *, batch: int, max_len: int, graphs: bool | None = None,
-                 bucket: int = DEFAULT_BUCKET) -> None:
+                 bucket: int = DEFAULT_BUCKET, compile: bool = False) -> None:
         self.model = model
+        # decode steps only: prefill calls self.model, eagerly
+        self._decode_model = torch.compile(model) if compile else model
+        self.compile = bool(compile)
         self.cache = StaticKVCache.for_model(model, batch, round_up(max_len, bucket))
         self.device = self.cache.keys[0].device
         self.graphs = (self.device.type == "cuda") if graphs is None else bool(graphs)
@@ -179,9 +251,10 @@ class StaticGenerator:
                 state.static_len = None
 
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
-                         cache_position=position_ids[0], use_cache=True, logits_to_keep=1,
-                         **{self._cache_arg: self.cache})
+        with _layer_index_unspecialized() if self.compile else contextlib.nullcontext():
+            out = self._decode_model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                                     cache_position=position_ids[0], use_cache=True, logits_to_keep=1,
+                                     **{self._cache_arg: self.cache})
         return out.logits[:, -1]  # [B, V]
 
     def _step(self) -> None:
@@ -204,23 +277,27 @@ class StaticGenerator:
             valid = int(self.pos.item()) + 1  # the host knows it anyway: one sync per view length
             hook(self.cache, valid, view)
 
-    def _capture(self, view: int) -> float:
-        """Capture :meth:`_step` for ``view``; returns the host milliseconds it took. The decode runtime's
-        statistics, where it keeps them (``stats_checkpoint``/``stats_restore``), skip the warm-up steps."""
-        t0 = time.perf_counter()
+    def _warm_up(self, view: int) -> None:
+        """Two steps on a side stream, undone: Triton autotuning, lazy init and torch.compile's
+        compilation happen here, never inside capture. The decode runtime's statistics, where it keeps
+        them (``stats_checkpoint``/``stats_restore``), skip these steps."""
         token, pos = self.token.clone(), self.pos.clone()
         runtime = getattr(self._state(), "decode", None)
         stats = runtime.stats_checkpoint() if hasattr(runtime, "stats_checkpoint") else None
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side), self._decoding(view):
-            for _ in range(2):  # warm up: Triton autotune / lazy init must not happen inside capture
+            for _ in range(2):
                 self._step()
                 self.token.copy_(token)
                 self.pos.copy_(pos)
         torch.cuda.current_stream(self.device).wait_stream(side)
         if hasattr(runtime, "stats_restore"):
             runtime.stats_restore(stats)
+
+    def _capture(self, view: int) -> None:
+        """Capture :meth:`_step` for ``view`` (after :meth:`_warm_up`)."""
+        token, pos = self.token.clone(), self.pos.clone()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool), self._decoding(view):
             self._step()
@@ -228,7 +305,19 @@ class StaticGenerator:
         self.pos.copy_(pos)
         # the previous graph goes only now: a pool whose last graph is gone cannot take a new capture
         self._graph, self._graph_view = graph, view
-        return (time.perf_counter() - t0) * 1e3
+
+    def _new_graph(self, view: int, times: StepTimes | None) -> None:
+        """Bring the cache and methods to ``view`` keys, warm up and capture the step's graph."""
+        self._before_view(view)
+        frames, t0 = frames_compiled(), time.perf_counter()
+        self._warm_up(view)
+        t1 = time.perf_counter()
+        self._capture(view)
+        if times is not None:
+            warm_ms = (t1 - t0) * 1e3
+            compiled = times.add_compiles(frames, warm_ms)
+            times.captures += 1
+            times.capture_ms += (time.perf_counter() - t1) * 1e3 + (0.0 if compiled else warm_ms)
 
     # ---------------------------------------------------------------------------------- public
     @torch.inference_mode()
@@ -270,17 +359,17 @@ class StaticGenerator:
             out[:, i:i + 1].copy_(self.token)
             if self.graphs:
                 if view != self._graph_view:
-                    self._before_view(view)
-                    ms = self._capture(view)
-                    if times is not None:
-                        times.captures += 1
-                        times.capture_ms += ms
+                    self._new_graph(view, times)
                 self._replay(times)
-            else:
-                if view != self.cache.view:
-                    self._before_view(view)
-                with self._decoding(view):
-                    self._step()
+                continue
+            first_at_view = view != self.cache.view
+            if first_at_view:
+                self._before_view(view)
+            frames, t0 = frames_compiled(), time.perf_counter()
+            with self._decoding(view):
+                self._step()
+            if first_at_view and times is not None:
+                times.add_compiles(frames, (time.perf_counter() - t0) * 1e3)
         return out
 
     def _replay(self, times: StepTimes | None) -> None:

@@ -29,6 +29,7 @@ eager path, where ``k.shape[2]`` is the length).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import os
@@ -201,7 +202,18 @@ def _set_impl(model: Any, name: str) -> None:
 def _register() -> None:
     from transformers import AttentionInterface
 
-    AttentionInterface.register(ATTN_NAME, calib_attention_forward)
+    AttentionInterface.register(ATTN_NAME, _untraced_attention_forward())
+
+
+@functools.cache
+def _untraced_attention_forward() -> Callable[..., tuple[torch.Tensor, None]]:
+    """:func:`calib_attention_forward` as the model calls it: never traced by ``torch.compile`` (a
+    graph break; it runs eagerly inside a compiled model). The method runtimes hold Python state (SAAP's
+    index, the call counters) and launch Triton kernels whose arguments a trace would freeze. One
+    wrapper for the process, so compiled code guarding on the registered function stays valid across
+    ``attach`` calls; wrapped here rather than at import because ``torch.compiler.disable`` imports
+    dynamo (a second of import time) and only a model's forward reaches this."""
+    return torch.compiler.disable(calib_attention_forward)
 
 
 def _dense(state: CalibAttention) -> Callable[..., Any]:

@@ -3,6 +3,7 @@
     python scripts/bench_generate.py                          # the grid below, one process per cell
     python scripts/bench_generate.py --points 32768x1 --methods dense,saap
     python scripts/bench_generate.py --smoke                  # CPU, a 2-layer model: checks the script
+    python scripts/bench_generate.py --compile both --points 131072x1 --methods dense-flash,saap
 
 The model is Llama-3.1-8B's architecture (``conf/model/llama31.yaml``) with random bf16 weights (seeded;
 no weights are read), on one GPU. Every cell runs in its own process (a first configuration in a process
@@ -24,6 +25,10 @@ CUDA graph per decode step, the same loop for dense and for every method, so the
   before the block-sparse attention; ``--density 0`` keeps the selection's own mask. The density the
   selection produced is printed either way. Decode methods' cost does not depend on the weights.
 * ``hf-generate``: transformers' ``model.generate()`` with its default cache, dense, for context.
+* ``--compile``: decode steps through ``StaticGenerator(compile=True)`` (the model's non-attention
+  kernels fused by torch.compile inside the same graph); ``--compile both`` runs every cell both ways.
+  A compiled row's ratio is to the faster compiled dense path, and ``x uncompiled`` compares it with the
+  same method's uncompiled row; its note gives the host time spent compiling (not in ms/token).
 
 The table (stdout, last) gives ms/token, host ms/step, TTFT and each method's ratio to dense at the same
 point, plus the copy rate measured on the card and the KV-read floor. ``--json PATH`` writes every row.
@@ -73,6 +78,9 @@ class Row:
     copy_tbps: float | None = None
     kv_floor_ms: float | None = None  # dense K+V bytes of one step / the measured copy rate
     device: str = ""
+    compiled: bool = False  # decode steps through torch.compile (--compile)
+    compiles: int = 0  # frames torch.compile compiled during the cell's decode
+    compile_s: float | None = None  # host time those compiles took
     notes: list[str] = field(default_factory=list)  # failures
     notes_info: str = ""  # what the cell measured beside the times
 
@@ -244,14 +252,14 @@ def replicate_prefill(gen, prompt: torch.Tensor) -> None:
     token[1:].copy_(token[:1])
 
 
-def run_cell(method: str, t: int, b: int, args: argparse.Namespace) -> Row:
+def run_cell(method: str, t: int, b: int, compiled: bool, args: argparse.Namespace) -> Row:
     from runtime_kernels import hf
     from runtime_kernels.generate import FlashDecode, StaticGenerator, StepTimes
     from runtime_kernels.santa.api import SantaDecode
 
     cuda = not args.smoke
     device = "cuda" if cuda else "cpu"
-    row = Row(method, t, b, device=torch.cuda.get_device_name() if cuda else "cpu")
+    row = Row(method, t, b, device=torch.cuda.get_device_name() if cuda else "cpu", compiled=compiled)
     if cuda:
         row.copy_tbps = copy_rate_tbps()
     model = smoke_model(device) if args.smoke else llama31_model(args.layers, device)
@@ -269,7 +277,7 @@ def run_cell(method: str, t: int, b: int, args: argparse.Namespace) -> Row:
         planted.install()
         hf.attach(model, prefill=prefill_runtime(prefill_name, cfg.num_hidden_layers, cfg.num_attention_heads))
         row.planted = args.density or None
-    gen = StaticGenerator(model, batch=b, max_len=t + args.steps + 8, graphs=cuda)
+    gen = StaticGenerator(model, batch=b, max_len=t + args.steps + 8, graphs=cuda, compile=compiled)
     if b == 1:
         gen.prefill(prompt)  # warm-up: compilation, autotuning, allocator
         _, row.ttft_ms = _timed(lambda: gen.prefill(prompt), cuda)
@@ -301,6 +309,8 @@ def run_cell(method: str, t: int, b: int, args: argparse.Namespace) -> Row:
         row.ms_per_token = statistics.median(times.step_ms)
         row.host_ms = statistics.median(times.host_ms)
     row.steps, row.captures = len(times.step_ms), times.captures
+    if compiled:
+        row.compiles, row.compile_s = times.compiles, times.compile_ms / 1e3
     return row
 
 
@@ -329,21 +339,25 @@ def hf_generate_cell(model, prompt, args, row: Row) -> Row:
 
 
 # ------------------------------------------------------------------------------------------- driver
-def cells(args: argparse.Namespace) -> list[tuple[str, int, int]]:
+def cells(args: argparse.Namespace) -> list[tuple[str, int, int, bool]]:
+    """(method, T, B, compiled) per cell; ``hf-generate`` runs uncompiled only (its own loop)."""
+    modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.compile]
     out = []
     for point in args.points.split(","):
         t, b = (int(x) for x in point.split("x"))
-        for m in args.methods.split(","):
-            if b > 1 and m not in DECODE_ONLY_AT_BATCH:
-                continue
-            out.append((m, t, b))
+        for compiled in modes:
+            for m in args.methods.split(","):
+                if (b > 1 and m not in DECODE_ONLY_AT_BATCH) or (compiled and m == "hf-generate"):
+                    continue
+                out.append((m, t, b, compiled))
     return out
 
 
-def run_child(method: str, t: int, b: int, args: argparse.Namespace) -> Row:
+def run_child(method: str, t: int, b: int, compiled: bool, args: argparse.Namespace) -> Row:
     """Run one cell in a fresh process; its Row comes back as JSON on the last stdout line."""
     cmd = [sys.executable, __file__, "--one", f"{method}@{t}x{b}", "--steps", str(args.steps),
-           "--density", str(args.density)] + (["--layers", str(args.layers)] if args.layers else [])
+           "--density", str(args.density), "--compile", "on" if compiled else "off"]
+    cmd += ["--layers", str(args.layers)] if args.layers else []
     cmd += ["--smoke"] if args.smoke else []
     cmd += ["--profile"] if args.profile else []
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -351,7 +365,7 @@ def run_child(method: str, t: int, b: int, args: argparse.Namespace) -> Row:
         sys.stderr.write(proc.stderr)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        row = Row(method, t, b, notes=["failed: " + " | ".join(tail)])
+        row = Row(method, t, b, compiled=compiled, notes=["failed: " + " | ".join(tail)])
         print(f"{method} {t}x{b}: FAILED {tail}", file=sys.stderr)
         return row
     return Row(**json.loads(proc.stdout.strip().splitlines()[-1]))
@@ -361,30 +375,44 @@ def _f(x: float | None, spec: str = ".2f") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def _best_dense(rows: list[Row]) -> dict[tuple[int, int], Row]:
-    """Per point, the faster of the two dense decode paths (SDPA on the masked view, flash-decoding)."""
-    best: dict[tuple[int, int], Row] = {}
+def _best_dense(rows: list[Row]) -> dict[tuple[int, int, bool], Row]:
+    """Per point and loop (compiled or not), the faster of the two dense decode paths (SDPA on the
+    masked view, flash-decoding)."""
+    best: dict[tuple[int, int, bool], Row] = {}
     for r in rows:
         if r.method in ("dense", "dense-flash") and r.ms_per_token:
-            cur = best.get((r.length, r.batch))
+            cur = best.get((r.length, r.batch, r.compiled))
             if cur is None or r.ms_per_token < cur.ms_per_token:
-                best[(r.length, r.batch)] = r
+                best[(r.length, r.batch, r.compiled)] = r
     return best
 
 
+def _notes(r: Row) -> str:
+    parts = r.notes + ([r.notes_info] if r.notes_info else [])
+    if r.compile_s is not None:
+        parts.append(f"compiled {r.compiles} frames in {r.compile_s:.0f} s host")
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
 def print_table(rows: list[Row]) -> None:
-    """Ratios: decode against the faster dense path at the point, TTFT against dense (SDPA) prefill."""
+    """Ratios: decode against the faster dense path at the point in the same loop, compiled against
+    the same method uncompiled, TTFT against dense (SDPA) prefill (prefill is never compiled)."""
     dense = _best_dense(rows)
-    sdpa = {(r.length, r.batch): r for r in rows if r.method == "dense"}
-    print("| T | B | method | ms/token | x dense | host ms/step | TTFT ms | x dense | KV floor ms | selected density |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    # prefill is never compiled: either dense row's TTFT will do, the uncompiled one where both ran
+    sdpa = {(r.length, r.batch): r for r in sorted(rows, key=lambda r: -r.compiled) if r.method == "dense"}
+    plain = {(r.method, r.length, r.batch): r for r in rows if not r.compiled}
+    print("| T | B | method | compiled | ms/token | x dense | x uncompiled | host ms/step | TTFT ms | x dense "
+          "| KV floor ms | selected density |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        d, s = dense.get((r.length, r.batch)), sdpa.get((r.length, r.batch))
+        d, s = dense.get((r.length, r.batch, r.compiled)), sdpa.get((r.length, r.batch))
+        u = plain.get((r.method, r.length, r.batch)) if r.compiled else None
         dec = d.ms_per_token / r.ms_per_token if d and r.ms_per_token else None
+        gain = u.ms_per_token / r.ms_per_token if u and u.ms_per_token and r.ms_per_token else None
         ttft = s.ttft_ms / r.ttft_ms if s and s.ttft_ms and r.ttft_ms else None
-        note = f" ({'; '.join(r.notes + ([r.notes_info] if r.notes_info else []))})" if r.notes or r.notes_info else ""
-        print(f"| {r.length} | {r.batch} | {r.method}{note} | {_f(r.ms_per_token)} | {_f(dec)} | {_f(r.host_ms, '.3f')} "
-              f"| {_f(r.ttft_ms, '.0f')} | {_f(ttft)} | {_f(r.kv_floor_ms)} | {_f(r.density, '.3f')} |")
+        print(f"| {r.length} | {r.batch} | {r.method}{_notes(r)} | {'yes' if r.compiled else 'no'} "
+              f"| {_f(r.ms_per_token)} | {_f(dec)} | {_f(gain)} | {_f(r.host_ms, '.3f')} | {_f(r.ttft_ms, '.0f')} "
+              f"| {_f(ttft)} | {_f(r.kv_floor_ms)} | {_f(r.density, '.3f')} |")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -397,6 +425,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--json", type=Path, default=None, help="write every row here")
     ap.add_argument("--profile", action="store_true", help="print each cell's kernel times (stderr)")
     ap.add_argument("--smoke", action="store_true", help="CPU, a 2-layer model, short prompts: checks the script")
+    ap.add_argument("--compile", nargs="?", const="on", default="off", choices=("off", "on", "both"),
+                    help="decode steps through torch.compile (bare flag: on); both: every cell both ways")
     ap.add_argument("--table", type=Path, nargs="+", default=None, help="print the table of saved --json files")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # method@TxB: run one cell in this process
     args = ap.parse_args(argv)
@@ -414,15 +444,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.one:
         method, point = args.one.split("@")
         t, b = (int(x) for x in point.split("x"))
-        print(json.dumps(asdict(run_cell(method, t, b, args))))
+        print(json.dumps(asdict(run_cell(method, t, b, args.compile == "on", args))))
         return 0
     print(f"# bench_generate {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, torch "
           f"{torch.__version__}", file=sys.stderr)
     rows = []
-    for method, t, b in cells(args):
-        rows.append(run_child(method, t, b, args))
+    for method, t, b, compiled in cells(args):
+        rows.append(run_child(method, t, b, compiled, args))
         r = rows[-1]
-        print(f"{method} {t}x{b}: {_f(r.ms_per_token)} ms/token, TTFT {_f(r.ttft_ms, '.0f')} ms", file=sys.stderr)
+        compile_note = f", compiled {r.compiles} frames in {_f(r.compile_s, '.1f')} s host" if compiled else ""
+        print(f"{method} {t}x{b}: {_f(r.ms_per_token)} ms/token, TTFT {_f(r.ttft_ms, '.0f')} ms{compile_note}",
+              file=sys.stderr)
         if args.json:
             args.json.write_text(json.dumps([asdict(x) for x in rows], indent=1))
     devices = sorted({r.device for r in rows if r.device})

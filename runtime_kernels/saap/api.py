@@ -366,7 +366,7 @@ class SaapDecode:
 
     def before_graph(self, cache, valid: int, view: int) -> None:
         """Static-cache hook (:class:`runtime_kernels.generate.StaticGenerator`), outside any graph: every
-        layer's index absorbs the keys of ``cache`` (``keys[layer] [B, Hkv, max_len, D]``, ``valid``
+        layer's index absorbs the keys of ``cache`` (``keys[layer] [B, Hkv, max_len + 1, D]``, ``valid``
         written) that arrived since it was last brought up to date, but the newest one, which the next
         step writes."""
         for layer, idx in self.index.items():

@@ -106,3 +106,27 @@ def test_graphed_saap_statistics_equal_the_loop_without_graphs(tiny):
         tiny.config.num_key_value_heads  # steps x SAAP layers x rows x KV heads
     torch.testing.assert_close(got_sums, want_sums, atol=1e-9, rtol=0)
     assert got_means == pytest.approx(want_means, abs=1e-9, rel=0) and 0 < got_means["selectivity"] < 1
+
+
+@pytest.mark.parametrize("name", ["dense", "saap", "santa-prop"])
+@pytest.mark.parametrize("b,t", [(1, 700), (2, 520)], ids=["B1-T700", "B2-T520"])
+def test_compiled_graphed_static_loop_generates_the_eager_tokens(tiny, name: str, b: int, t: int):
+    """torch.compile'd decode steps inside the CUDA graphs: the eager tokens. Compilation happens in the
+    warm-ups before capture (a capture that compiled would fail) at the first two view lengths, none
+    after (earlier cases of this module compiled most frames already: the count is only checked later)."""
+    ids = _prompt(b, t, tiny.config.vocab_size)
+    _, decode = _runtimes(tiny, name)
+    if decode:
+        hf.attach(tiny, decode=decode)
+    try:
+        want = eager_generate(tiny, ids, 40)
+        _, decode = _runtimes(tiny, name)  # fresh state (SAAP's index)
+        if decode:
+            hf.attach(tiny, decode=decode)
+        first, later = StepTimes(), StepTimes()
+        gen = StaticGenerator(tiny, batch=b, max_len=t + 48, bucket=16, compile=True)
+        got = torch.cat([gen.generate(ids, 24, first), gen.decode(16, later)], 1)  # 24 steps cross 2+ views
+    finally:
+        hf.remove(tiny)
+    assert first.captures >= 2 and later.captures >= 1 and later.compiles == 0
+    assert torch.equal(got, want)

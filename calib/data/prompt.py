@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from calib.errors import UserError
 
@@ -83,3 +84,24 @@ class PromptFormatter:
                 start += 1
             ids = [self.bos_id] + ids[start:]
         return ids
+
+
+_OPENERS = "\"'([{"  # an answer right after one of these follows it with no space (kv_retrieval's `"key": "`)
+
+
+def answer_token_ids(tokenizer: Any, prompt: Any) -> list[int]:
+    """``prompt.answer`` (the gold answer) as the tokens the model emits after ``prompt.input_ids``.
+
+    The synthetic tasks' completions are the answer after one space (``" 1234567"`` after "... is",
+    also a chat model's reply prefix ``… The special magic number for lana is``), or with no separator
+    when the prompt already ends with whitespace or an opening quote/bracket (the kv_retrieval prefix
+    ``"key": "``); ``scripts/train_tiny.py`` tokenizes exactly that completion alone (no BOS), and
+    greedy decoding appends tokens one by one, so this is what the model sees. Glued to the prompt's
+    last word (``is8914861``), the digits would be a continuation no model writes. Empty answers give
+    no tokens. SAAP's teacher-forced targets and SampleAttention's answer probability both use it.
+    """
+    answer, text = str(prompt.answer), str(prompt.text)
+    if not answer:
+        return []
+    sep = "" if not text or text[-1].isspace() or text[-1] in _OPENERS else " "
+    return list(tokenizer(sep + answer, add_special_tokens=False)["input_ids"])

@@ -88,6 +88,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from calib.config import layer_map, require
+from calib.data.prompt import answer_token_ids  # noqa: F401 (public here too: the targets' answers)
 from calib.errors import UserError
 from calib.saap.artifact import hyperparameters, method_output  # noqa: F401 (hyperparameters: public here too)
 from calib.saap.kmeans_stage import kmeans_layer
@@ -333,25 +334,6 @@ def derope_capture(model: Any, cap: Any) -> tuple[torch.Tensor, torch.Tensor]:
     cos, sin = rotary_cos_sin(model, cap.positions)
     cos, sin = cos.to(cap.q_post.device), sin.to(cap.q_post.device)
     return derope(cap.q_post, cos, sin, torch.float32), derope(cap.k_post, cos, sin, torch.float32)
-
-
-_OPENERS = "\"'([{"
-
-
-def answer_token_ids(tokenizer: Any, prompt: Any) -> list[int]:
-    """``prompt.answer`` (the gold answer) as the tokens the model emits after ``prompt.input_ids``.
-
-    The synthetic tasks' completions are the answer after one space (``" 1234567"`` after "... is"),
-    or with no separator when the prompt already ends with whitespace or an opening quote/bracket (the
-    kv_retrieval prefix ``"key": "``); ``scripts/train_tiny.py`` tokenizes exactly that completion
-    alone (no BOS), and greedy decoding appends tokens one by one, so this is what the model sees.
-    Empty answers give no tokens.
-    """
-    answer, text = str(prompt.answer), str(prompt.text)
-    if not answer:
-        return []
-    sep = "" if not text or text[-1].isspace() or text[-1] in _OPENERS else " "
-    return list(tokenizer(sep + answer, add_special_tokens=False)["input_ids"])
 
 
 def calibration_sequences(tokenizer: Any, prompts: Sequence[Any], teacher_forced_answer: bool

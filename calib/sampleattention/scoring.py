@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from calib.data.prompt import answer_token_ids
 from calib.sampleattention.tuning import GridPoint, PointResult
 from runtime_kernels import hf
 from runtime_kernels.sampleattention.api import SampleAttentionPrefill
@@ -84,19 +85,6 @@ class PointEval:
                 "exact": float(sum(s.exact for s in self.scores) / max(1, len(self.scores))),
                 "sparsity": self.sparsity, "cra": self._mean("cra"), "cra_min": self._mean("cra_min"),
                 "time_s": self._mean("attn_time_s")}
-
-
-def answer_token_ids(tokenizer: Any, text: str, answer: str) -> list[int]:
-    """Token ids of ``answer`` as a continuation of ``text``.
-
-    ``ids(text + answer)`` minus the ids of ``text`` when the latter is a prefix of the former (the
-    continuation as the tokenizer merges it), else the ids of ``answer`` alone.
-    """
-    full = list(tokenizer(text + answer, add_special_tokens=False)["input_ids"])
-    head = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    if len(full) > len(head) and full[: len(head)] == head:
-        return full[len(head):]
-    return list(tokenizer(answer, add_special_tokens=False)["input_ids"])
 
 
 @torch.inference_mode()
@@ -161,7 +149,7 @@ class BucketEvaluator:
             raise ValueError(f"score={self.score!r}; use one of {SCORES}")
         tok = self.loaded.tokenizer
         self._stops = stop_token_ids(tok)
-        self._answers = [answer_token_ids(tok, p.text, p.answer) for p in self.prompts]
+        self._answers = [answer_token_ids(tok, p) for p in self.prompts]
 
     def _score_prompt(self, index: int, rt: SampleAttentionPrefill | None) -> PromptScore:
         p = self.prompts[index]

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from calib.errors import UserError
-from calib.sampleattention.scoring import BucketEvaluator, PromptScore, answer_token_ids
+from calib.data.prompt import answer_token_ids
+from calib.sampleattention.scoring import BucketEvaluator, PromptScore
 from calib.sampleattention.tuning import GridPoint
 from runtime_kernels.artifact import load_artifact
 from runtime_kernels.sampleattention.api import SampleAttentionPrefill, bucket_table_tensor
@@ -195,7 +196,7 @@ def test_dense_score_matches_an_independent_teacher_forced_pass(run, loaded, mod
     stops = sorted(stop_token_ids(loaded.tokenizer))
     per_length: dict[int, list[float]] = {}
     for p in prompts:
-        ans = answer_token_ids(loaded.tokenizer, p.text, p.answer)
+        ans = answer_token_ids(loaded.tokenizer, p)
         ids = torch.tensor([list(p.input_ids) + ans])
         with torch.no_grad():
             logp = torch.log_softmax(loaded.model(input_ids=ids).logits[0, len(p.input_ids) - 1:].double(), -1)
@@ -217,7 +218,7 @@ def test_contains_scored_prompts_get_no_stop_term(loaded, model_dir: Path) -> No
 
     cfg = compose(overrides(model_dir))
     p = _profiling_prompts(cfg, loaded.tokenizer)[0]
-    ans = answer_token_ids(loaded.tokenizer, p.text, p.answer)
+    ans = answer_token_ids(loaded.tokenizer, p)
     ids = torch.tensor([list(p.input_ids) + ans])
     with torch.no_grad():
         logp = torch.log_softmax(loaded.model(input_ids=ids).logits[0, len(p.input_ids) - 1:].double(), -1)
@@ -284,10 +285,23 @@ def test_early_stop_reports_an_upper_bound_below_the_threshold_and_full_rescores
     assert full.score == pytest.approx((0.9 + 0.3 + 0.95 + 0.97) / 4) and full.sparsity == 0.5
 
 
-def test_answer_token_ids_continue_the_prompt(loaded) -> None:
-    tok = loaded.tokenizer
-    ids = answer_token_ids(tok, "Question: what is the key?\nAnswer: ", "1234567")
-    assert tok.decode(ids) == "1234567" and len(ids) == 7  # one token per digit in the tiny tokenizer
+def test_answer_token_ids_follow_the_prompt_as_the_model_writes_them() -> None:
+    """The answer after one space, unless the prompt ends in whitespace or an opening quote: a chat
+    model's answer prefix ends in a word (``… for lana is``) and its reply is `` 1234567``. A
+    character-level stand-in tokenizer (every character one id) makes the separator visible."""
+    from types import SimpleNamespace
+
+    def chars(text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
+        return {"input_ids": [ord(c) for c in text]}
+
+    def ids(text: str, answer: str = "1234567") -> list[int]:
+        return answer_token_ids(chars, SimpleNamespace(text=text, answer=answer))
+
+    digits = [ord(c) for c in "1234567"]
+    assert ids("The special magic number for lana is") == [ord(" ")] + digits
+    assert ids("Question: what is the key?\nAnswer: ") == digits
+    assert ids('The value of "key": "') == digits
+    assert ids("anything", answer="") == []
 
 
 def test_calib_eval_reports_sparsity_and_cra_per_task_and_length(run, model_dir: Path, home: Path) -> None:

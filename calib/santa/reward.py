@@ -10,7 +10,9 @@ and decode as in the paper's GSM8K runs (``method.reward.phases``). Questions co
 * ``data=hf`` (GSM8K for llama31) or ``data=jsonl``: the calibration split / held-out split of the
   source (``purpose="calibration"`` / ``"evaluation"``), ``method.reward.pool`` rows.
 
-Each question is answered greedily (``calib.evaluate.greedy_generate``); the number of new tokens is
+Each question is answered greedily, questions of one token count together up to ``eval.batch_tokens``
+prompt tokens per batch, each batch row sampled under its own seed (so a question's answer does not
+depend on its batch: :class:`runtime_kernels.santa.draws.SamplingSeeds`). The number of new tokens is
 ``method.reward.max_new_tokens`` or, when null, the answer's token count + 2 (an exact-match answer
 cannot be longer; the +2 lets the model emit a closing quote and its stop token) capped by
 ``eval.max_new_tokens`` — or ``eval.max_new_tokens`` itself for a task scored by ``contains``, whose
@@ -42,6 +44,7 @@ class RewardSettings:
     questions: int  # per episode
     max_new_tokens: int | None  # None: answer tokens + 2, capped by cap_new_tokens
     cap_new_tokens: int
+    batch_tokens: int = 0  # questions of one length answered together, up to this many prompt tokens
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> "RewardSettings":
@@ -49,7 +52,8 @@ class RewardSettings:
         fixed = reward.get("max_new_tokens")
         return cls(estimator=str(m.estimator), tiling=str(m.tiling), tile=int(m.tile),
                    phases=tuple(str(p) for p in reward.phases), questions=int(cfg.rl.questions_per_episode),
-                   max_new_tokens=None if fixed is None else int(fixed), cap_new_tokens=int(cfg.eval.max_new_tokens))
+                   max_new_tokens=None if fixed is None else int(fixed), cap_new_tokens=int(cfg.eval.max_new_tokens),
+                   batch_tokens=int(cfg.eval.get("batch_tokens") or 0))
 
 
 def reward_length(cfg: Any) -> int:
@@ -122,39 +126,49 @@ def question_seeds(seed: int, count: int) -> list[int]:
 @torch.inference_mode()
 def answer_correct(loaded: Any, prompts: Sequence[Any], max_new: Sequence[int], runtime: Any | None,
                    seeds: Sequence[int] | None = None, desc: str = "santa",
-                   progress: Callable[[int], None] | None = None) -> np.ndarray:
+                   progress: Callable[[int], None] | None = None, batch_tokens: int = 0) -> np.ndarray:
     """Greedy answers with ``runtime`` attached (None: dense); ``[len(prompts)]`` bool, each scored by its
     task's rule (``data.scoring``: exact match, or the answer contained in the reply).
 
-    ``seeds``: the runtime is reseeded with ``seeds[i]`` before question ``i`` (its sampling then does
-    not depend on which other questions ran before it).
+    ``batch_tokens > 0``: questions of one token count, scoring rule and decoding budget are answered
+    together, up to that many prompt tokens per batch (:func:`calib.generation.equal_length_batches`;
+    no padding, so every attention call sees what it sees for one question). ``seeds``: the runtime is
+    reseeded with ``seeds[i]`` for question ``i``, one seed per batch row, so its sampling does not
+    depend on which other questions ran before it or beside it (up to the floating-point effects of
+    batched matrix products).
     """
     from tqdm.auto import tqdm
 
     from calib.data import is_correct
-    from calib.generation import greedy_generate, stop_token_ids
+    from calib.generation import equal_length_batches, equal_length_greedy_generate, stop_token_ids
     from runtime_kernels import hf
 
     # an exact-match answer ends at the first newline; a contained one may come after a line break
     stops = {rule: stop_token_ids(loaded.tokenizer, newline=rule == "exact_match") for rule in ("exact_match", "contains")}
+    rules = [getattr(p, "scoring", "exact_match") for p in prompts]
+    batches = equal_length_batches([len(p.input_ids) for p in prompts], batch_tokens,
+                                   [(rule, int(n)) for rule, n in zip(rules, max_new)])
+    correct = np.zeros(len(prompts), dtype=bool)
     if runtime is not None:
         hf.attach(loaded.model, prefill=runtime if runtime.phase == "both" else None, decode=runtime)
     try:
-        correct = []
-        for i, (p, n) in enumerate(tqdm(list(zip(prompts, max_new)), desc=f"score {desc}", unit="question",
-                                        leave=False, disable=progress is not None or len(prompts) < 64 or None)):
-            if runtime is not None and seeds is not None:
-                runtime.reseed(int(seeds[i]))
-            stop = stops[getattr(p, "scoring", "exact_match")]
-            text = loaded.tokenizer.decode(greedy_generate(loaded.model, p.input_ids, n, stop),
-                                           skip_special_tokens=True)
-            correct.append(is_correct(text, p))
-            if progress is not None:
-                progress(1)
+        with tqdm(total=len(prompts), desc=f"score {desc}", unit="question", leave=False,
+                  disable=progress is not None or len(prompts) < 64 or None) as bar:
+            for batch in batches:
+                if runtime is not None and seeds is not None:
+                    runtime.reseed([int(seeds[i]) for i in batch])
+                first = batch[0]
+                rows = equal_length_greedy_generate(loaded.model, [prompts[i].input_ids for i in batch],
+                                                    int(max_new[first]), stops[rules[first]])
+                for i, row in zip(batch, rows):
+                    correct[i] = is_correct(loaded.tokenizer.decode(row, skip_special_tokens=True), prompts[i])
+                    if progress is not None:
+                        progress(1)
+                bar.update(len(batch))
     finally:
         if runtime is not None:
             hf.remove(loaded.model)
-    return np.asarray(correct, dtype=bool)
+    return correct
 
 
 def score_schedule(loaded: Any, prompts: Sequence[Any], budgets: Sequence[int] | None, settings: RewardSettings,
@@ -166,7 +180,8 @@ def score_schedule(loaded: Any, prompts: Sequence[Any], budgets: Sequence[int] |
     runtime = None if budgets is None else make_runtime(budgets, settings)
     desc = "dense" if budgets is None else "S=" + ",".join(str(int(b)) for b in budgets)
     extra = {"progress": progress} if progress is not None else {}
-    return answer_correct(loaded, prompts, max_new, runtime, seeds=seeds, desc=desc, **extra)
+    return answer_correct(loaded, prompts, max_new, runtime, seeds=seeds, desc=desc,
+                          batch_tokens=settings.batch_tokens, **extra)
 
 
 def make_evaluator(cfg: Any, loaded: Any, prompts: Sequence[Any]) -> Evaluate:

@@ -35,12 +35,12 @@ from __future__ import annotations
 import functools
 import importlib
 from types import ModuleType
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 from runtime_kernels.santa import reference
-from runtime_kernels.santa.draws import keyed_uniforms
+from runtime_kernels.santa.draws import SamplingSeeds, keyed_uniforms
 from runtime_kernels.santa.reference import ESTIMATORS, TILINGS
 
 BACKENDS = ("auto", "reference", "triton")
@@ -416,7 +416,7 @@ class SantaDecode:
     (``seed``, layer, query position, row, head, tile) (:mod:`runtime_kernels.santa.draws`): the same
     in the eager and the CUDA-graph path, fresh at every position; prefill sampling draws from one
     ``torch.Generator`` per device seeded by ``seed``. ``seed=None`` picks a random seed; :meth:`reseed`
-    restarts both. A batch with a padding mask runs dense (like every decode method here).
+    restarts both, and with one seed per batch row makes each row sample what it would alone. A batch with a padding mask runs dense (like every decode method here).
 
     ``pop_stats()``: ``mean_samples`` (mean S over sampled attention calls), ``sample_fraction``
     (mean samples drawn per query row / keys it may read, capped at 1) and ``sampled_calls``.
@@ -439,7 +439,6 @@ class SantaDecode:
         self.estimator, self.tiling, self.tile, self.backend = estimator, tiling, int(tile), backend
         self.phases = _phases(phases)
         self.phase = "both" if "prefill" in self.phases else "decode"
-        self._generators: dict[str, torch.Generator] = {}
         self.reseed(seed)
         self._stats = [0.0, 0.0, 0]  # sum of S, sum of sample fractions, calls
 
@@ -471,25 +470,14 @@ class SantaDecode:
         except (TypeError, ValueError) as exc:
             raise ArtifactError(f"{artifact.path}: invalid SANTA settings ({exc})") from None
 
-    def reseed(self, seed: int | None) -> None:
-        """Restart the sampling streams: ``seed`` for every device (None: fresh entropy)."""
+    def reseed(self, seed: int | Sequence[int] | None) -> None:
+        """Restart the sampling streams: ``seed`` for every device (None: fresh entropy), or one seed per
+        batch row (:class:`runtime_kernels.santa.draws.SamplingSeeds`: each row then samples what it
+        would alone under its seed)."""
         self.seed = seed
-        self._generators.clear()
-        self._seed_value = int(seed) if seed is not None else int(torch.randint(0, 2**31, ()).item())
+        self._seeds = SamplingSeeds(seed)
         self._draws: torch.Tensor | None = None
         self._draws_key: tuple | None = None
-
-    def generator(self, device: torch.device) -> torch.Generator:
-        """The generator that draws this runtime's offsets for tensors on ``device``."""
-        key = str(device)
-        if key not in self._generators:
-            gen = torch.Generator(device=device)
-            if self.seed is None:
-                gen.seed()
-            else:
-                gen.manual_seed(int(self.seed))
-            self._generators[key] = gen
-        return self._generators[key]
 
     def budget(self, layer: int) -> int:
         """S of ``layer`` as run: ``max(1, schedule[layer])``."""
@@ -513,8 +501,10 @@ class SantaDecode:
         if "prefill" not in self.phases:
             return None
         s = self.budget(layer)
-        out = santa_attention(q, k, v, s, estimator=self.estimator, causal=True, scale=scale,
-                              generator=self.generator(q.device), backend=self.backend)
+        gens = self._seeds.generators(q.device, q.shape[0])
+        rows = [(q, k, v)] if len(gens) == 1 else [(q[b:b + 1], k[b:b + 1], v[b:b + 1]) for b in range(len(gens))]
+        out = torch.cat([santa_attention(qb, kb, vb, s, estimator=self.estimator, causal=True, scale=scale,
+                                         generator=gen, backend=self.backend) for (qb, kb, vb), gen in zip(rows, gens)])
         t = q.shape[2]
         self._record(s, s, (t + 1) / 2)  # a causal row reads on average (T + 1) / 2 keys
         return out
@@ -560,13 +550,14 @@ class SantaDecode:
         ``host_position`` (eager calls) also keys that cache, so a call out of order recomputes."""
         if self.tiling == "none":
             n = 1 if self.estimator == "sys" else s
-            u = keyed_uniforms(self._seed_value, layer, position, heads, n)[0]
+            u = keyed_uniforms(self._seeds.key(position.device, position.shape[0]), layer, position, heads, n)[0]
             return u if self.estimator == "sys" else u.unsqueeze(2)
         slots = -(-keys // self.tile)
         key = (str(position.device), tuple(position.shape), heads, slots, host_position)
         if layer == 0 or self._draws is None or self._draws_key != key:
             layers = torch.arange(len(self.schedule), device=position.device)
-            self._draws = keyed_uniforms(self._seed_value, layers, position, heads, slots)  # [L, B, H, n]
+            seed = self._seeds.key(position.device, position.shape[0])
+            self._draws = keyed_uniforms(seed, layers, position, heads, slots)  # [L, B, H, n]
             self._draws_key = key
         return self._draws[layer]
     def pop_stats(self) -> dict[str, float]:

@@ -204,3 +204,69 @@ def test_apply_refuses_a_schedule_for_another_depth(model, tmp_path):
     art.tensors["schedule"] = torch.tensor([1, 2, 3])
     with pytest.raises(ArtifactError, match="layers"):
         SantaDecode.from_artifact(art, model)
+
+
+def test_per_row_seeds_draw_what_each_row_draws_alone():
+    """With one seed per batch row, decode offsets key on the row's seed, not its index: row b of a batch
+    of three equals the single-row draw under seed b, for every layer, head and tile."""
+    from runtime_kernels.santa.draws import keyed_uniforms
+
+    seeds, pos = torch.tensor([5, 2**40 + 7, 5]), torch.tensor([300, 17, 301])
+    batch = keyed_uniforms(seeds, torch.arange(3), pos, 4, 6)  # [3 layers, 3 rows, 4 heads, 6 tiles]
+    for b in range(3):
+        alone = keyed_uniforms(int(seeds[b]), torch.arange(3), pos[b:b + 1], 4, 6)
+        assert torch.equal(batch[:, b:b + 1], alone)
+    assert not torch.equal(batch[:, 0], batch[:, 2])  # same seed, next position: fresh offsets
+    with pytest.raises(ValueError, match="one seed per row"):
+        keyed_uniforms(seeds[:2], 0, pos, 4, 6)
+
+
+@pytest.mark.parametrize("tiling", ["prop", "flash", "none"])
+def test_per_row_seeds_make_a_batch_sample_like_its_rows(tiling):
+    """Prefill and decode of a batch reseeded per row equal each row run alone under its seed."""
+    q, k, v = _qkv(b=3, tq=24, tk=24, d=8)
+    qd, kd, vd = _qkv(b=3, tq=1, tk=300, d=8, seed=1)
+    seeds = [11, 12, 13]
+    est = "sys" if tiling != "none" else "iid"
+    batched = SantaDecode([3, 5], phases=["prefill", "decode"], tiling=tiling, tile=64, estimator=est)
+    batched.reseed(seeds)
+    pre = [batched.prefill(layer, q, k, v, 0.3) for layer in (0, 1)]  # two layers: each row's stream goes on
+    dec = batched.decode(1, qd, kd, vd, 0.3)
+    for b, seed in enumerate(seeds):
+        alone = SantaDecode([3, 5], phases=["prefill", "decode"], tiling=tiling, tile=64, estimator=est, seed=seed)
+        for layer in (0, 1):
+            torch.testing.assert_close(pre[layer][b:b + 1], alone.prefill(layer, q[b:b + 1], k[b:b + 1], v[b:b + 1], 0.3),
+                                       rtol=0, atol=1e-6)
+        torch.testing.assert_close(dec[b:b + 1], alone.decode(1, qd[b:b + 1], kd[b:b + 1], vd[b:b + 1], 0.3),
+                                   rtol=0, atol=1e-6)
+    other = SantaDecode([3, 5], phases=["prefill", "decode"], tiling=tiling, tile=64, estimator=est, seed=99)
+    assert not torch.allclose(other.prefill(0, q[:1], k[:1], v[:1], 0.3), pre[0][:1])  # the seed matters
+    with pytest.raises(ValueError, match="3 per-row seeds for a batch of 2"):
+        batched.decode(1, qd[:2], kd[:2], vd[:2], 0.3)
+
+
+def test_per_row_seeds_through_a_model_equal_one_question_at_a_time():
+    """A float64 Llama with S²ANTA in prefill and decode: greedy tokens of three equal-length prompts
+    answered as one batch with per-row seeds equal each prompt answered alone under its seed."""
+    from calib.generation import equal_length_greedy_generate
+    from runtime_kernels import hf
+
+    model = small_llama(seed=2).double()
+    rt = SantaDecode([2, 3], phases=["prefill", "decode"], tiling="flash", tile=16)
+    prompts = [torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(3)]
+    seeds = [101, 202, 303]
+    hf.attach(model, prefill=rt, decode=rt)
+    try:
+        rt.reseed(seeds)
+        together = equal_length_greedy_generate(model, prompts, 12, set())
+        alone = []
+        for p, s in zip(prompts, seeds):
+            rt.reseed(s)
+            alone += equal_length_greedy_generate(model, [p], 12, set())
+        rt.reseed([7, 8, 9])
+        reseeded = equal_length_greedy_generate(model, prompts, 12, set())
+    finally:
+        hf.remove(model)
+    dense = equal_length_greedy_generate(model, prompts, 12, set())
+    assert together == alone
+    assert reseeded != together and together != dense  # sampling is on and depends on the seeds

@@ -24,6 +24,10 @@ CUDA graph per decode step, the same loop for dense and for every method, so the
   of the causal blocks (diagonal blocks always kept; ``random_block_mask`` of ``bench_prefill.py``)
   before the block-sparse attention; ``--density 0`` keeps the selection's own mask. The density the
   selection produced is printed either way. Decode methods' cost does not depend on the weights.
+* ``no-attention``: a decode step whose attention reads no key or value (returns the query): the cost
+  of everything else in the step, the floor of every decode method's step.
+* ``--saap-top-l`` / ``--saap-window``: SAAP's ℓ and dense window (defaults 32 and 2048), to measure what
+  a cheaper setting would buy.
 * ``hf-generate``: transformers' ``model.generate()`` with its default cache, dense, for context.
 * ``--compile``: decode steps through ``StaticGenerator(compile=True)`` (the model's non-attention
   kernels fused by torch.compile inside the same graph); ``--compile both`` runs every cell both ways.
@@ -55,10 +59,10 @@ for _path in (ROOT, ROOT / "scripts"):  # run from a checkout without `pip insta
 import torch  # noqa: E402
 
 POINTS = ("32768x1", "131072x1", "32768x8", "65536x8")
-METHODS = ("dense", "dense-flash", "saap", "santa-prop", "santa-flash", "sale", "sampleattention",
+METHODS = ("dense", "dense-flash", "no-attention", "saap", "santa-prop", "santa-flash", "sale", "sampleattention",
            "sampleattention+saap")
 PREFILL_METHODS = ("sale", "sampleattention")
-DECODE_ONLY_AT_BATCH = ("dense", "dense-flash", "saap", "santa-prop", "santa-flash")  # B > 1: the decode methods
+DECODE_ONLY_AT_BATCH = ("dense", "dense-flash", "no-attention", "saap", "santa-prop", "santa-flash")  # B > 1: the decode methods
 
 
 @dataclass
@@ -288,13 +292,15 @@ def run_cell(method: str, t: int, b: int, compiled: bool, args: argparse.Namespa
         row.density = statistics.mean(planted.selected[-n:])
     decode = None
     if method.endswith("saap"):
-        win = 2048 if not args.smoke else 64
-        decode, share = saap_runtime(model, gen.cache, t, top_l=32 if not args.smoke else 4,
+        win, top_l = (args.saap_window, args.saap_top_l) if not args.smoke else (64, 4)
+        decode, share = saap_runtime(model, gen.cache, t, top_l=top_l,
                                      clusters=1024 if not args.smoke else 16, hidden=1024 if not args.smoke else 32,
                                      window=win)
-        row.notes_info = f"top-l buckets hold <= {share:.1%} of the bucket keys"
+        row.notes_info = f"l = {top_l}, window {win}: top-l buckets hold <= {share:.1%} of the bucket keys"
     elif method == "dense-flash":
         decode = FlashDecode()
+    elif method == "no-attention":
+        decode = NoAttention()
     elif method.startswith("santa"):
         tiling, s = ("prop", 128) if method == "santa-prop" else ("flash", 2048)
         decode = SantaDecode([s] * cfg.num_hidden_layers, tiling=tiling, tile=256, seed=0)
@@ -312,6 +318,21 @@ def run_cell(method: str, t: int, b: int, compiled: bool, args: argparse.Namespa
     if compiled:
         row.compiles, row.compile_s = times.compiles, times.compile_ms / 1e3
     return row
+
+
+class NoAttention:
+    """Decode attention that reads no key or value (it returns the query): what a decode step costs
+    outside attention (weights, norms, MLP, LM head, the cache write), the floor below which no
+    attention method can take a step. A measuring device, never a runtime."""
+
+    method = "none"
+    phase = "decode"
+
+    def observe_prefill(self, layer, q, k, v, ctx) -> None:
+        """Nothing to build."""
+
+    def decode(self, layer, q, k, v, scale, ctx):
+        return q.clone()
 
 
 def print_profile(gen, method: str, steps: int = 2) -> None:
@@ -358,6 +379,7 @@ def run_child(method: str, t: int, b: int, compiled: bool, args: argparse.Namesp
     cmd = [sys.executable, __file__, "--one", f"{method}@{t}x{b}", "--steps", str(args.steps),
            "--density", str(args.density), "--compile", "on" if compiled else "off"]
     cmd += ["--layers", str(args.layers)] if args.layers else []
+    cmd += ["--saap-top-l", str(args.saap_top_l), "--saap-window", str(args.saap_window)]
     cmd += ["--smoke"] if args.smoke else []
     cmd += ["--profile"] if args.profile else []
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -421,6 +443,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {', '.join(METHODS)}, hf-generate")
     ap.add_argument("--steps", type=int, default=24, help="decode steps timed per cell (>= 20)")
     ap.add_argument("--density", type=float, default=0.10, help="planted prefill mask density (0: the selection's)")
+    ap.add_argument("--saap-top-l", type=int, default=32, help="SAAP's buckets per step (l)")
+    ap.add_argument("--saap-window", type=int, default=2048, help="SAAP's dense window (sink + recent keys)")
     ap.add_argument("--layers", type=int, default=None, help="fewer layers than the model's (debugging)")
     ap.add_argument("--json", type=Path, default=None, help="write every row here")
     ap.add_argument("--profile", action="store_true", help="print each cell's kernel times (stderr)")

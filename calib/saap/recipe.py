@@ -1,6 +1,8 @@
 """``python -m calib run +method=saap``: k-means buckets + query classifiers, evaluated (SPEC §5.1).
 
-Stages (each timed with ``ctx.timer``, logged as ``time_<stage>_s``):
+Stages (each timed with ``ctx.timer``, logged as ``time_<stage>_s``; the per-layer stages k-means,
+targets and classifiers also as ``compute_<stage>_s``, their layers' compute time summed over this run
+and any killed run it resumed, :mod:`calib.checkpoint`):
 
 1. ``load`` — the model and the prompts. Calibration: ``method.prompts`` prompts from ``data`` with
    ``data.seed``, (length, task) pairs taken in turn over ``method.calib_lengths`` (null: the data
@@ -533,6 +535,8 @@ def calibrate(cfg: DictConfig, ctx: Any) -> Any:
         "classifier_loss_first": float(torch.stack([c[: max(1, len(c) // 20)].mean() for c in curves.values()]).mean()),
         "classifier_loss_last": float(torch.stack([c[-max(1, len(c) // 20):].mean() for c in curves.values()]).mean()),
         **{f"time_{k}_s": v for k, v in ctx.timer.seconds.items()},
+        # what each checkpointed stage cost, its layers computed by this run or a killed one it resumed
+        **{f"compute_{k}_s": v for k, v in ckpt.seconds.items()},
     })
     payload = {"eval_table": report.json_safe(table), "recall_per_layer": report.json_safe(per_layer),
                "recall_by_query_range": report.json_safe(by_range),

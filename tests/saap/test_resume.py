@@ -48,9 +48,26 @@ def test_layer_computes_once_then_loads(tmp_path):
         return {"w": torch.arange(6.0).reshape(2, 3), "flag": torch.tensor([True, False])}
 
     first = ckpt.layer("kmeans", 2, compute)
-    again = StageCheckpoints(tmp_path / "c").layer("kmeans", 2, compute)
+    reopened = StageCheckpoints(tmp_path / "c")
+    again = reopened.layer("kmeans", 2, compute)
     assert len(calls) == 1 and torch.equal(first["w"], again["w"]) and again["flag"].tolist() == [True, False]
+    assert sorted(again) == ["flag", "w"]  # the recorded compute time is not handed back as a tensor
+    assert reopened.loaded == 1 and reopened.seconds["kmeans"] == pytest.approx(ckpt.seconds["kmeans"])
     assert [p.name for p in (tmp_path / "c").iterdir()] == ["kmeans.layer_2.safetensors"]  # no temp file left
+
+
+def test_compute_seconds_survive_a_restart(tmp_path):
+    """What a stage cost is the sum of its layers' compute times, whichever run computed them."""
+    first = StageCheckpoints(tmp_path / "c")
+    first.layer("kmeans", 0, lambda: (time.sleep(0.2), {"w": torch.ones(2)})[1])
+    first.save("kmeans", 1, {"w": torch.zeros(2)}, seconds=1.5)
+    assert first.seconds["kmeans"] == pytest.approx(1.7, abs=0.1)
+    restarted = StageCheckpoints(tmp_path / "c")
+    for layer in (0, 1):
+        restarted.layer("kmeans", layer, lambda: pytest.fail("a finished layer was recomputed"))
+    restarted.layer("kmeans", 2, lambda: {"w": torch.ones(2)})
+    assert restarted.loaded == 2 and restarted.computed == 1
+    assert restarted.seconds["kmeans"] == pytest.approx(first.seconds["kmeans"], abs=0.05)
 
 
 def test_training_rows_round_trip():
@@ -102,6 +119,9 @@ def test_killed_run_resumes_from_finished_layers(tmp_path):
 
     resumed = run_recipe(home, OVERRIDES)
     assert resumed["metrics"]["checkpoint_layers_loaded"] == 2 * len(LAYERS) + len(done_classifiers)
+    m = resumed["metrics"]
+    # k-means all came from the killed run: this run's own stage time is only the loading, the cost is kept
+    assert m["compute_kmeans_s"] > m["time_kmeans_s"] and m["compute_classifier_s"] > 0
     assert not ckpt_dir.exists()  # removed once every stage finished
 
     reference = run_recipe(tmp_path / "reference", OVERRIDES)

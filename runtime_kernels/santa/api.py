@@ -416,7 +416,8 @@ class SantaDecode:
     (``seed``, layer, query position, row, head, tile) (:mod:`runtime_kernels.santa.draws`): the same
     in the eager and the CUDA-graph path, fresh at every position; prefill sampling draws from one
     ``torch.Generator`` per device seeded by ``seed``. ``seed=None`` picks a random seed; :meth:`reseed`
-    restarts both, and with one seed per batch row makes each row sample what it would alone. A batch with a padding mask runs dense (like every decode method here).
+    restarts both, and with one seed per batch row makes each row sample what it would alone. A batch
+    with a padding mask runs dense (like every decode method here).
 
     ``pop_stats()``: ``mean_samples`` (mean S over sampled attention calls), ``sample_fraction``
     (mean samples drawn per query row / keys it may read, capped at 1) and ``sampled_calls``.
@@ -501,10 +502,14 @@ class SantaDecode:
         if "prefill" not in self.phases:
             return None
         s = self.budget(layer)
-        gens = self._seeds.generators(q.device, q.shape[0])
-        rows = [(q, k, v)] if len(gens) == 1 else [(q[b:b + 1], k[b:b + 1], v[b:b + 1]) for b in range(len(gens))]
-        out = torch.cat([santa_attention(qb, kb, vb, s, estimator=self.estimator, causal=True, scale=scale,
-                                         generator=gen, backend=self.backend) for (qb, kb, vb), gen in zip(rows, gens)])
+        gens = self._seeds.generators(q.device, q.shape[0])  # one per batch row with per-row seeds
+
+        def sampled(rows: slice, gen: torch.Generator) -> torch.Tensor:
+            return santa_attention(q[rows], k[rows], v[rows], s, estimator=self.estimator, causal=True, scale=scale,
+                                   generator=gen, backend=self.backend)
+
+        out = sampled(slice(None), gens[0]) if len(gens) == 1 else \
+            torch.cat([sampled(slice(b, b + 1), gen) for b, gen in enumerate(gens)])
         t = q.shape[2]
         self._record(s, s, (t + 1) / 2)  # a causal row reads on average (T + 1) / 2 keys
         return out

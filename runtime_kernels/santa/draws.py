@@ -15,6 +15,7 @@ tile needs (tests check uniformity and independence across positions, layers, he
 
 from __future__ import annotations
 
+import numbers
 from typing import Sequence
 
 import torch
@@ -84,7 +85,7 @@ class SamplingSeeds:
     def __init__(self, seed: int | Sequence[int] | None) -> None:
         if seed is None:
             seed = int(torch.randint(0, 2**31, ()).item())
-        if isinstance(seed, (int, torch.SymInt)) or (isinstance(seed, torch.Tensor) and seed.dim() == 0):
+        if isinstance(seed, numbers.Integral) or (isinstance(seed, torch.Tensor) and seed.dim() == 0):
             self.value: int | None = int(seed)
             self.rows: tuple[int, ...] | None = None
         else:

@@ -522,26 +522,26 @@ class SantaDecode:
         """``q: [B, Hq, 1, D]``, ``k, v: [B, Hkv, Tk, D]`` (the whole cache) -> ``[B, Hq, 1, D]``.
 
         With ``ctx.cache_len [B]`` (a static-cache step, :mod:`runtime_kernels.generate`) ``k, v`` are
-        views longer than the valid keys; the step then neither validates on the host nor records
-        statistics, so it can be captured in a CUDA graph. Either way the offsets are
-        :meth:`offsets` of the query's position, so both paths draw the same samples."""
+        views longer than the valid keys and the step records no statistics, so it can be captured in a
+        CUDA graph; without it every key is valid and the step's statistics are recorded. Either way the
+        offsets are :meth:`offsets` of the query's position, so both paths draw the same samples, and the
+        backend is called directly: the offsets are this runtime's own, so the public function's checks
+        (two host syncs per layer on a GPU) would only slow an eager decode loop down."""
         cache_len = getattr(ctx, "cache_len", None)
-        if cache_len is None and self._padded(ctx, q.shape[0]):
+        b, tk = q.shape[0], k.shape[2]
+        if cache_len is None and self._padded(ctx, b):
             return None
         s = self.budget(layer)
-        b, tk = q.shape[0], k.shape[2]
-        pos = cache_len - 1 if cache_len is not None else _int_vector(tk - 1, b, q.device)
-        draws = self.offsets(layer, pos, q.shape[1], tk, s, host_position=None if cache_len is not None else tk - 1)
-        if cache_len is not None:
-            fn = _backend_function("santa_decode_forward", q.device, self.backend)
-            out = fn(q[:, :, 0], k, v, _int_vector(s, b, q.device), tiling=self.tiling, tile=self.tile,
-                     estimator=self.estimator, scale=float(scale), uniforms=draws, cache_len=cache_len)
-            return out[:, :, None]
-        given = {"uniforms": draws} if self.tiling == "none" else {"tile_uniforms": draws}
-        out = santa_decode_attention(q, k, v, s, tiling=self.tiling, tile=self.tile, estimator=self.estimator,
-                                     scale=scale, backend=self.backend, **given)
-        tiles = -(-tk // self.tile)
-        self._record(s, tiles * max(1, int(s / tiles + 0.5)) if self.tiling == "flash" else s, tk)
+        eager = cache_len is None
+        pos = _int_vector(tk - 1, b, q.device) if eager else cache_len - 1
+        draws = self.offsets(layer, pos, q.shape[1], tk, s, host_position=tk - 1 if eager else None)
+        fn = _backend_function("santa_decode_forward", q.device, self.backend)
+        out = fn(q[:, :, 0], k, v, _int_vector(s, b, q.device), tiling=self.tiling, tile=self.tile,
+                 estimator=self.estimator, scale=float(scale), uniforms=draws,
+                 cache_len=_int_vector(tk, b, q.device) if eager else cache_len)
+        if eager:
+            tiles = -(-tk // self.tile)
+            self._record(s, tiles * max(1, int(s / tiles + 0.5)) if self.tiling == "flash" else s, tk)
         return out[:, :, None]
 
     def offsets(self, layer: int, position: torch.Tensor, heads: int, keys: int, s: int,

@@ -270,3 +270,23 @@ def test_per_row_seeds_through_a_model_equal_one_question_at_a_time():
     dense = equal_length_greedy_generate(model, prompts, 12, set())
     assert together == alone
     assert reseeded != together and together != dense  # sampling is on and depends on the seeds
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiling", ["prop", "flash"])
+def test_gpu_eager_decode_never_syncs_the_host(tiling):
+    """An eager decode step (no ``cache_len``: the REINFORCE reward loop, ``calib eval``) only queues
+    kernels, under one seed and under per-row seeds: a host sync per layer would stop the host from
+    running ahead of the GPU."""
+    q, k, v = (t.cuda() for t in _qkv(b=3, tk=701, d=64))
+    rt = SantaDecode([8, 8], tiling=tiling, tile=256)
+    for seeds in (5, [1, 2, 3]):
+        rt.reseed(seeds)
+        rt.decode(0, q, k[:, :, :-1], v[:, :, :-1], 0.125)  # kernels compiled, seed tensor made, outside the check
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = rt.decode(0, q, k, v, 0.125)  # a new position: the offsets of every layer are drawn again
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert out.shape == (3, 4, 1, 64) and not bool(out.isnan().any())

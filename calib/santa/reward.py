@@ -17,6 +17,16 @@ depend on its batch: :class:`runtime_kernels.santa.draws.SamplingSeeds`). The nu
 cannot be longer; the +2 lets the model emit a closing quote and its stop token) capped by
 ``eval.max_new_tokens`` — or ``eval.max_new_tokens`` itself for a task scored by ``contains``, whose
 answer may come inside a longer reply. How to pick a starved N: :mod:`calib.santa.sweep`.
+
+Which generation loop answers (``method.reward.loop``): ``static`` is the serving loop
+(:func:`calib.generation.static_greedy_generate`: a preallocated cache and one CUDA graph per decode step,
+captured again for every batch since the schedule is part of the graph); ``eager`` is transformers'
+DynamicCache with a Python pass over the layers per step; ``auto`` (the default) is ``static`` on CUDA.
+The two draw the same samples (offsets keyed by seed, layer and position: :mod:`runtime_kernels.santa.draws`),
+so they give the same answers up to floating-point ties; the static loop decodes every one of the
+budget's steps (it cannot stop a graph early) and cuts each reply at its stop token. On smollm2 the eager
+loop is launch-bound (a 135M model's decode step is ~1,000 small kernels, each costing more host time than
+GPU time), so a REINFORCE worker batch spent minutes in the host.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ from calib.errors import UserError
 
 Evaluate = Callable[[list[int], np.random.Generator], float]
 SEED_BOUND = 2**62  # torch.Generator.manual_seed takes a 64-bit seed
+LOOPS = ("auto", "eager", "static")
 
 
 @dataclass(frozen=True)
@@ -45,6 +56,7 @@ class RewardSettings:
     max_new_tokens: int | None  # None: answer tokens + 2, capped by cap_new_tokens
     cap_new_tokens: int
     batch_tokens: int = 0  # questions of one length answered together, up to this many prompt tokens
+    loop: str = "auto"  # auto | eager | static (module docstring)
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> "RewardSettings":
@@ -53,7 +65,15 @@ class RewardSettings:
         return cls(estimator=str(m.estimator), tiling=str(m.tiling), tile=int(m.tile),
                    phases=tuple(str(p) for p in reward.phases), questions=int(cfg.rl.questions_per_episode),
                    max_new_tokens=None if fixed is None else int(fixed), cap_new_tokens=int(cfg.eval.max_new_tokens),
-                   batch_tokens=int(cfg.eval.get("batch_tokens") or 0))
+                   batch_tokens=int(cfg.eval.get("batch_tokens") or 0), loop=str(reward.get("loop") or "auto"))
+
+    def loop_on(self, device: Any) -> str:
+        """The loop that answers on ``device``: ``auto`` is ``static`` on CUDA, else ``eager``."""
+        if self.loop not in LOOPS:
+            raise UserError(f"method.reward.loop must be one of {', '.join(LOOPS)} (got {self.loop!r})")
+        if self.loop != "auto":
+            return self.loop
+        return "static" if getattr(device, "type", str(device)) == "cuda" else "eager"
 
 
 def reward_length(cfg: Any) -> int:
@@ -126,7 +146,8 @@ def question_seeds(seed: int, count: int) -> list[int]:
 @torch.inference_mode()
 def answer_correct(loaded: Any, prompts: Sequence[Any], max_new: Sequence[int], runtime: Any | None,
                    seeds: Sequence[int] | None = None, desc: str = "santa",
-                   progress: Callable[[int], None] | None = None, batch_tokens: int = 0) -> np.ndarray:
+                   progress: Callable[[int], None] | None = None, batch_tokens: int = 0,
+                   loop: str = "eager") -> np.ndarray:
     """Greedy answers with ``runtime`` attached (None: dense); ``[len(prompts)]`` bool, each scored by its
     task's rule (``data.scoring``: exact match, or the answer contained in the reply).
 
@@ -135,12 +156,13 @@ def answer_correct(loaded: Any, prompts: Sequence[Any], max_new: Sequence[int], 
     no padding, so every attention call sees what it sees for one question). ``seeds``: the runtime is
     reseeded with ``seeds[i]`` for question ``i``, one seed per batch row, so its sampling does not
     depend on which other questions ran before it or beside it (up to the floating-point effects of
-    batched matrix products).
+    batched matrix products). ``loop``: ``eager`` or ``static`` (module docstring).
     """
     from tqdm.auto import tqdm
 
     from calib.data import is_correct
-    from calib.generation import equal_length_batches, equal_length_greedy_generate, stop_token_ids
+    from calib.generation import equal_length_batches, equal_length_greedy_generate, static_greedy_generate, \
+        stop_token_ids
     from runtime_kernels import hf
 
     # an exact-match answer ends at the first newline; a contained one may come after a line break
@@ -149,6 +171,7 @@ def answer_correct(loaded: Any, prompts: Sequence[Any], max_new: Sequence[int], 
     batches = equal_length_batches([len(p.input_ids) for p in prompts], batch_tokens,
                                    [(rule, int(n)) for rule, n in zip(rules, max_new)])
     correct = np.zeros(len(prompts), dtype=bool)
+    generate = static_greedy_generate if loop == "static" else equal_length_greedy_generate
     if runtime is not None:
         hf.attach(loaded.model, prefill=runtime if runtime.phase == "both" else None, decode=runtime)
     try:
@@ -158,8 +181,8 @@ def answer_correct(loaded: Any, prompts: Sequence[Any], max_new: Sequence[int], 
                 if runtime is not None and seeds is not None:
                     runtime.reseed([int(seeds[i]) for i in batch])
                 first = batch[0]
-                rows = equal_length_greedy_generate(loaded.model, [prompts[i].input_ids for i in batch],
-                                                    int(max_new[first]), stops[rules[first]])
+                rows = generate(loaded.model, [prompts[i].input_ids for i in batch],
+                                int(max_new[first]), stops[rules[first]])
                 for i, row in zip(batch, rows):
                     correct[i] = is_correct(loaded.tokenizer.decode(row, skip_special_tokens=True), prompts[i])
                     if progress is not None:
@@ -181,7 +204,7 @@ def score_schedule(loaded: Any, prompts: Sequence[Any], budgets: Sequence[int] |
     desc = "dense" if budgets is None else "S=" + ",".join(str(int(b)) for b in budgets)
     extra = {"progress": progress} if progress is not None else {}
     return answer_correct(loaded, prompts, max_new, runtime, seeds=seeds, desc=desc,
-                          batch_tokens=settings.batch_tokens, **extra)
+                          batch_tokens=settings.batch_tokens, loop=settings.loop_on(loaded.device), **extra)
 
 
 def make_evaluator(cfg: Any, loaded: Any, prompts: Sequence[Any]) -> Evaluate:

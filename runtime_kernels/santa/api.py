@@ -89,6 +89,9 @@ def normalize_num_samples(num_samples: int | torch.Tensor, batch: int, device: t
 
 
 _INT_VECTORS: dict[str, torch.Tensor] = {}
+# every arange ever handed out stays alive: a CUDA graph captured with a view into one keeps its address,
+# so a later, longer eager call must not free it for reuse (a few MB in all: each one doubles)
+_RETIRED_INT_VECTORS: list[torch.Tensor] = []
 
 
 def _int_vector(value: int, batch: int, device: torch.device) -> torch.Tensor:
@@ -100,6 +103,8 @@ def _int_vector(value: int, batch: int, device: torch.device) -> torch.Tensor:
     key = str(device)
     values = _INT_VECTORS.get(key)
     if values is None or values.numel() <= value:
+        if values is not None:
+            _RETIRED_INT_VECTORS.append(values)
         values = torch.arange(max(2 * value + 1, 1 << 16), dtype=torch.int64, device=device)
         _INT_VECTORS[key] = values
     return values[value:value + 1].expand(batch)

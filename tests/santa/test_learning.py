@@ -49,11 +49,15 @@ def build_environment(out: Path, rows: int) -> Path:
     words = [w for w in tok.get_vocab() if w.isalpha() and len(w) > 2][:500]
     rng = np.random.default_rng(0)
     with open(out / "rows.jsonl", "w") as fh:
-        for i in range(rows):
+        i = 0
+        while i < rows:
             text = " ".join(rng.choice(words, size=120))
             gen = greedy_generate(model, fmt.encode(fmt.wrap_user_text(text)), 1, stops)
-            fh.write(json.dumps({"prompt": text, "answer": tok.decode(gen, skip_special_tokens=True),
-                                 "task": "first_token", "id": f"r{i}"}) + "\n")
+            answer = tok.decode(gen, skip_special_tokens=True)
+            if not answer.strip():  # a stop or special token first: no answer to score (the data check refuses it)
+                continue
+            fh.write(json.dumps({"prompt": text, "answer": answer, "task": "first_token", "id": f"r{i}"}) + "\n")
+            i += 1
     return out
 
 

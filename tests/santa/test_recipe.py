@@ -228,7 +228,8 @@ def test_evaluator_draws_distinct_questions_and_runs_the_schedule(model_dir, mon
     assert not {p.text for p in pool} & {p.text for p in held}
     calls: list[tuple] = []
 
-    def fake(loaded_, prompts, max_new, runtime, seeds=None, desc="", batch_tokens=0):
+    def fake(loaded_, prompts, max_new, runtime, seeds=None, desc="", batch_tokens=0, loop="eager"):
+        assert loop == "eager"  # method.reward.loop=auto on the CPU
         calls.append(([p.prompt_id for p in prompts], list(max_new), runtime, list(seeds)))
         return np.array([True, False, True])
 

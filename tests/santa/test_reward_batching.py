@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
+
+from calib.errors import UserError
 
 from calib.data.tokenizer import build_tiny_backend, save_tiny_tokenizer
 from calib.models import random_model
@@ -12,14 +15,10 @@ ARCH = {"num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "hid
         "max_position_embeddings": 2048, "rope_theta": 10000.0, "rope_scaling": None}
 
 
-def test_batched_answers_equal_one_at_a_time(tmp_path):
-    """Questions of two lengths and both scoring rules, batched by ``batch_tokens`` with one sampling seed
-    per row: each question's greedy reply (and so its correctness) equals the reply it gets alone."""
+def _random_model_and_prompts(tmp_path):
     from omegaconf import OmegaConf
 
-    import calib.santa.reward as reward
     from calib.data import Prompt
-    from calib.generation import equal_length_batches
     from calib.models import load_model
 
     random_model("llama", {**ARCH, "vocab_size": build_tiny_backend().get_vocab_size()}, seed=0).save_pretrained(tmp_path)
@@ -30,6 +29,16 @@ def test_batched_answers_equal_one_at_a_time(tmp_path):
     prompts = [Prompt(f"q{i}", "t", n, "q", "7", torch.randint(5, 3000, (n,), generator=gen).tolist(),
                       scoring="contains" if i % 3 == 0 else "exact_match")
                for i, n in enumerate([48, 48, 64, 48, 64, 48, 64, 48])]
+    return loaded, prompts
+
+
+def test_batched_answers_equal_one_at_a_time(tmp_path):
+    """Questions of two lengths and both scoring rules, batched by ``batch_tokens`` with one sampling seed
+    per row: each question's greedy reply (and so its correctness) equals the reply it gets alone."""
+    import calib.santa.reward as reward
+    from calib.generation import equal_length_batches
+
+    loaded, prompts = _random_model_and_prompts(tmp_path)
     replies: dict[int, list[tuple[str, int]]] = {}
     real_decode = loaded.tokenizer.decode
 
@@ -60,3 +69,47 @@ def test_batched_answers_equal_one_at_a_time(tmp_path):
         assert max(len(b) for b in batches) == (1 if batch_tokens == 0 else 3)  # 160 // 48 rows at most
     assert in_order[0] == in_order[160]
     assert [n for _, n in in_order[0]] == max_new  # this random model never stops early here
+
+
+def test_static_loop_answers_what_the_eager_loop_answers(tmp_path):
+    """The serving loop (preallocated cache; on CPU without graphs) samples the same keys as the eager
+    DynamicCache loop, so batched questions under per-row seeds get the same replies through either."""
+    import calib.santa.reward as reward
+
+    loaded, prompts = _random_model_and_prompts(tmp_path)
+    settings = reward.RewardSettings("sys", "flash", 16, ("prefill", "decode"), questions=2, max_new_tokens=None,
+                                     cap_new_tokens=6, batch_tokens=160, loop="static")
+    assert settings.loop_on(torch.device("cpu")) == "static"
+    max_new = [6 if p.scoring == "contains" else 3 for p in prompts]
+    seeds = reward.question_seeds(11, len(prompts))
+    replies: dict[str, list[list[int]]] = {}
+    real_decode = loaded.tokenizer.decode
+    correct = {}
+    for loop in ("static", "eager"):
+        loaded.tokenizer.decode = lambda ids, _loop=loop, **kw: (replies.setdefault(_loop, []).append(list(ids)),
+                                                               real_decode(ids, **kw))[1]
+        correct[loop] = reward.answer_correct(loaded, prompts, max_new, reward.make_runtime([2, 3], settings),
+                                              seeds=seeds, batch_tokens=160, loop=loop)
+    assert np.array_equal(correct["static"], correct["eager"])
+    assert replies["static"] == replies["eager"]
+    assert len(replies["static"]) == len(prompts)
+    # a different seed draws other samples and changes some reply: the runtime really sampled
+    other = reward.question_seeds(12, len(prompts))
+    replies["other"] = []
+    loaded.tokenizer.decode = lambda ids, **kw: (replies["other"].append(list(ids)), real_decode(ids, **kw))[1]
+    reward.answer_correct(loaded, prompts, max_new, reward.make_runtime([2, 3], settings), seeds=other,
+                          batch_tokens=160, loop="static")
+    assert replies["other"] != replies["static"]
+
+
+def test_reward_loop_setting():
+    import calib.santa.reward as reward
+
+    def settings(loop):
+        return reward.RewardSettings("sys", "flash", 16, ("decode",), questions=2, max_new_tokens=None,
+                                     cap_new_tokens=6, loop=loop)
+    assert settings("auto").loop_on(torch.device("cpu")) == "eager"
+    assert settings("auto").loop_on(torch.device("cuda")) == "static"
+    assert settings("eager").loop_on(torch.device("cuda")) == "eager"
+    with pytest.raises(UserError, match="method.reward.loop must be one of auto, eager, static"):
+        settings("graph").loop_on(torch.device("cpu"))

@@ -290,3 +290,16 @@ def test_gpu_eager_decode_never_syncs_the_host(tiling):
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert out.shape == (3, 4, 1, 64) and not bool(out.isnan().any())
+
+
+def test_int_vectors_outlive_a_longer_request():
+    """A view of S or a cache length handed to a captured CUDA graph keeps its memory: asking for a value
+    past the cached arange builds a longer one without freeing the first (its address stays valid)."""
+    from runtime_kernels.santa import api
+
+    short = api._int_vector(7, 3, torch.device("cpu"))
+    base = short.untyped_storage().data_ptr()
+    longer = api._int_vector(api._INT_VECTORS["cpu"].numel() + 5, 2, torch.device("cpu"))
+    assert longer.untyped_storage().data_ptr() != base
+    assert any(t.untyped_storage().data_ptr() == base for t in api._RETIRED_INT_VECTORS)
+    assert short.tolist() == [7, 7, 7] and api._int_vector(7, 1, torch.device("cpu")).tolist() == [7]

@@ -74,15 +74,16 @@ def static_greedy_generate(model: Any, batch: Sequence[Sequence[int]], max_new_t
     """:func:`equal_length_greedy_generate` through the serving loop,
     :class:`runtime_kernels.generate.StaticGenerator`: a preallocated cache and, on CUDA, one CUDA graph
     per decode step (one replay of host time instead of a Python pass over every layer). All
-    ``max_new_tokens`` steps run; each row is cut before its first stop token."""
+    ``max_new_tokens`` steps run; each row is cut before its first stop token. Prompts may differ in
+    length (a ragged batch: each row prefilled alone, then decoded together at its own position, unless
+    an attached decode runtime keeps state for one length, which the generator refuses)."""
     from runtime_kernels.generate import StaticGenerator
 
-    _check_one_length(batch)
     if max_new_tokens < 1:
         return [[] for _ in batch]
-    width = len(batch[0])
+    width = max(len(row) for row in batch)
     gen = StaticGenerator(model, batch=len(batch), max_len=width + max_new_tokens + 1, graphs=graphs)
-    tokens = gen.generate(torch.tensor([list(row) for row in batch]), max_new_tokens).tolist()
+    tokens = gen.generate([list(row) for row in batch], max_new_tokens).tolist()
     out = []
     for row in tokens:
         cut = next((i for i, t in enumerate(row) if t in stop_ids), len(row))
@@ -90,17 +91,20 @@ def static_greedy_generate(model: Any, batch: Sequence[Sequence[int]], max_new_t
     return out
 
 
-def equal_length_batches(lengths: Sequence[int], max_tokens: int, keys: Sequence[Any] | None = None
-                         ) -> list[list[int]]:
+def equal_length_batches(lengths: Sequence[int], max_tokens: int, keys: Sequence[Any] | None = None,
+                         ragged: bool = False) -> list[list[int]]:
     """Indices grouped into batches of one length (and one ``keys`` value, e.g. the scoring rule), each
     holding at most ``max(1, max_tokens // length)`` prompts; ``max_tokens <= 0``: one prompt per batch.
-    Groups appear in order of their first member and keep their members' order, so the batching is a
-    function of the prompt list alone."""
+    ``ragged``: group by ``keys`` alone (lengths may differ within a batch, for
+    :func:`static_greedy_generate`), at most ``max_tokens // longest`` prompts per batch. Groups appear
+    in order of their first member and keep their members' order, so the batching is a function of the
+    prompt list alone."""
     groups: dict[tuple[int, Any], list[int]] = {}
     for i, n in enumerate(lengths):
-        groups.setdefault((int(n), keys[i] if keys is not None else None), []).append(i)
+        groups.setdefault((0 if ragged else int(n), keys[i] if keys is not None else None), []).append(i)
     out = []
-    for (n, _), members in groups.items():
+    for (_, _), members in groups.items():
+        n = max(int(lengths[i]) for i in members)
         size = max(1, int(max_tokens) // max(1, n)) if max_tokens > 0 else 1
         out += [members[j:j + size] for j in range(0, len(members), size)]
     return out

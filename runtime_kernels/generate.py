@@ -24,8 +24,15 @@ How a step stays capturable.
   the graph.
 
 Prefill runs eagerly (no graph), writing the prompt's keys into the cache; prefill methods see ``k, v``
-of exactly the prompt length, as in the eager path. All sequences of a batch have the same length
-(no padding): batch prompts of equal token counts.
+of exactly the prompt length, as in the eager path. No padding anywhere: prompts of one token count
+prefill in one call; prompts of different counts (a *ragged* batch, :meth:`StaticGenerator.prefill` given
+a list of rows) prefill one row at a time into their cache rows (``AttentionCall.rows`` tells a method
+which row a call is, so per-row sampling seeds still apply), then decode together, each row at its own
+position: the step writes each row's key at its position and the mask and ``cache_len`` hide each row's
+tail, so every row computes what it computes alone. Why: a reward episode's or an eval cell's prompts
+differ by a few tokens (1007-1024 for smollm2's 1k questions), and one batch per token count meant a
+graph capture per handful of rows. A decode runtime whose state assumes one length per batch (SAAP's
+bucket index, moved at each view by ``before_graph``) refuses ragged batches.
 
 Compiled decode steps (``StaticGenerator(..., compile=True)``). A graph removes host time, not GPU
 kernels: the model's own small kernels (RMSNorm as ~7 element-wise kernels, rotary embedding ~10 per
@@ -64,7 +71,7 @@ import contextlib
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -88,6 +95,10 @@ class StaticKVCache(_HFCache):
     views ``[:, :, :view]`` (``view`` a host int set by the generator: static within a CUDA graph).
     ``length [B]`` is the number of valid keys once this step's keys are written.
 
+    :attr:`rows` (a slice) restricts writes and views to some batch rows: a ragged batch's prefill runs
+    one row at a time. During decode steps :attr:`step_pos` ``[B]`` holds each row's write position
+    (one key per row, each at its own position).
+
     Only the few transformers ``Cache`` members a decoder-only model calls are provided (``update``,
     ``get_seq_length``, ``is_compileable`` and the layer-kind lists mask helpers read); the generator
     always passes a ready 4D mask, which transformers' mask creation returns unchanged.
@@ -108,7 +119,9 @@ class StaticKVCache(_HFCache):
         self.max_len = int(max_len)
         self.batch = int(batch)
         self.view = 0
-        self.write_pos = torch.zeros(1, dtype=torch.long, device=device)
+        self.write_pos = torch.zeros(1, dtype=torch.long, device=device)  # prefill: the positions written
+        self.step_pos: torch.Tensor | None = None  # decode: [B] each row's position (set by the generator)
+        self.rows = slice(None)  # the batch rows a call writes and sees
         self.length = torch.zeros(batch, dtype=torch.long, device=device)
         self.layers: list[Any] = []  # transformers' mask helpers iterate per-layer kinds through these lists
 
@@ -127,10 +140,16 @@ class StaticKVCache(_HFCache):
     @torch.compiler.disable
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write ``key_states, value_states [B, Hkv, n, D]`` at :attr:`write_pos`; return the views."""
-        k_buf, v_buf = self.keys[layer_idx], self.values[layer_idx]
-        k_buf.index_copy_(2, self.write_pos, key_states.to(k_buf.dtype))
-        v_buf.index_copy_(2, self.write_pos, value_states.to(v_buf.dtype))
+        """Write ``key_states, value_states [b, Hkv, n, D]`` of :attr:`rows` at :attr:`write_pos` (a decode
+        step: one key per row at :attr:`step_pos`); return the views ``[b, Hkv, view, D]``."""
+        k_buf, v_buf = self.keys[layer_idx][self.rows], self.values[layer_idx][self.rows]
+        if self.step_pos is not None:
+            at = self.step_pos.view(-1, 1, 1, 1).expand_as(key_states)
+            k_buf.scatter_(2, at, key_states.to(k_buf.dtype))
+            v_buf.scatter_(2, at, value_states.to(v_buf.dtype))
+        else:
+            k_buf.index_copy_(2, self.write_pos, key_states.to(k_buf.dtype))
+            v_buf.index_copy_(2, self.write_pos, value_states.to(v_buf.dtype))
         return k_buf[:, :, : self.view], v_buf[:, :, : self.view]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -226,7 +245,7 @@ class StaticGenerator:
             raise ValueError("CUDA graphs need the model on a CUDA device")
         self.bucket = int(bucket)
         self.token = torch.zeros(batch, 1, dtype=torch.long, device=self.device)  # the step's input token
-        self.pos = torch.zeros(1, dtype=torch.long, device=self.device)  # its position
+        self.pos = torch.zeros(batch, dtype=torch.long, device=self.device)  # each row's position
         self._graph: torch.cuda.CUDAGraph | None = None
         self._graph_view = -1
         # one memory pool for every graph of this generator: a graph replaced at a new view length
@@ -240,13 +259,16 @@ class StaticGenerator:
 
     @contextlib.contextmanager
     def _decoding(self, view: int) -> Iterator[None]:
-        """Tell the attached calib runtimes that calls are static-cache decode steps of ``view`` keys."""
+        """Tell the cache and the attached calib runtimes that calls are static-cache decode steps of
+        ``view`` keys."""
         state = self._state()
         if state is not None:
             state.static_len = self.cache.length
+        self.cache.step_pos = self.pos
         try:
             yield
         finally:
+            self.cache.step_pos = None
             if state is not None:
                 state.static_len = None
 
@@ -260,10 +282,9 @@ class StaticGenerator:
     def _step(self) -> None:
         """One decode step, all on the device: write position, length, mask, forward, argmax, advance."""
         c = self.cache
-        c.write_pos.copy_(self.pos)
-        c.length.copy_(self.pos.expand_as(c.length) + 1)
+        torch.add(self.pos, 1, out=c.length)
         mask = (torch.arange(c.view, device=self.device)[None, :] < c.length[:, None])[:, None, None, :]
-        logits = self._forward(self.token, self.pos.expand(self.token.shape[0], 1), mask)
+        logits = self._forward(self.token, self.pos[:, None], mask)
         self.token.copy_(logits.argmax(-1, keepdim=True))
         self.pos.add_(1)
 
@@ -274,7 +295,7 @@ class StaticGenerator:
         runtime = getattr(state, "decode", None) if state is not None else None
         hook = getattr(runtime, "before_graph", None)
         if hook is not None:
-            valid = int(self.pos.item()) + 1  # the host knows it anyway: one sync per view length
+            valid = int(self.pos[0].item()) + 1  # the host knows it anyway: one sync per view length
             hook(self.cache, valid, view)
 
     def _warm_up(self, view: int) -> None:
@@ -321,26 +342,52 @@ class StaticGenerator:
 
     # ---------------------------------------------------------------------------------- public
     @torch.inference_mode()
-    def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Run the prompt ``input_ids [B, T]`` into the cache; returns the first new token ``[B, 1]``."""
-        b, t = input_ids.shape
-        if b != self.cache.batch:
-            raise ValueError(f"this generator was built for batch {self.cache.batch}, got {b} prompts")
-        if t >= self.cache.max_len:
-            raise ValueError(f"prompt of {t} tokens leaves no room in a cache of {self.cache.max_len}")
-        c = self.cache
-        c.view = t
-        c.write_pos = torch.arange(t, device=self.device)
-        c.length.fill_(t)
-        # no mask: an unpadded causal prefill from position 0, which transformers' mask creation turns
-        # into SDPA's is_causal (and which the prefill methods require, hf._plain_prefill)
-        logits = self.model(input_ids=input_ids.to(self.device), position_ids=c.write_pos[None].expand(b, t),
-                            use_cache=True, logits_to_keep=1, **{self._cache_arg: c}).logits
-        c.write_pos = torch.zeros(1, dtype=torch.long, device=self.device)
-        self.token.copy_(logits[:, -1].argmax(-1, keepdim=True))
-        self.pos.fill_(t)
+    def prefill(self, input_ids: "torch.Tensor | Sequence[Sequence[int]]") -> torch.Tensor:
+        """Run the prompts into the cache; returns the first new token of each row ``[B, 1]``.
+
+        ``input_ids``: a ``[B, T]`` tensor (one call), or ``B`` rows of token ids whose lengths may
+        differ (a ragged batch: one call per row, module docstring)."""
+        rows = input_ids if isinstance(input_ids, torch.Tensor) else [list(r) for r in input_ids]
+        lengths = [len(r) for r in rows] if not isinstance(rows, torch.Tensor) else [rows.shape[1]] * rows.shape[0]
+        if len(lengths) != self.cache.batch:
+            raise ValueError(f"this generator was built for batch {self.cache.batch}, got {len(lengths)} prompts")
+        if min(lengths) < 1 or max(lengths) >= self.cache.max_len:
+            raise ValueError(f"prompts of {min(lengths)}-{max(lengths)} tokens: an empty prompt has no next token, "
+                             f"and one of {self.cache.max_len} or more leaves no room in a cache of {self.cache.max_len}")
+        if len(set(lengths)) == 1:
+            ids = rows if isinstance(rows, torch.Tensor) else torch.tensor(rows)
+            self.token.copy_(self._prefill_rows(ids.to(self.device), slice(None)))
+        else:
+            hook = getattr(getattr(self._state(), "decode", None), "before_graph", None)
+            if hook is not None:
+                raise ValueError(f"{type(hook.__self__).__name__} keeps state for one prompt length per batch; "
+                                 f"batch prompts of equal token counts for it (got {min(lengths)}-{max(lengths)})")
+            for b, row in enumerate(rows):
+                ids = torch.as_tensor(row, dtype=torch.long).reshape(1, -1).to(self.device)
+                self.token[b:b + 1].copy_(self._prefill_rows(ids, slice(b, b + 1)))
+        self.cache.length.copy_(torch.tensor(lengths))
+        self.pos.copy_(self.cache.length)
         self._graph, self._graph_view = None, -1
         return self.token.clone()
+
+    def _prefill_rows(self, input_ids: torch.Tensor, rows: slice) -> torch.Tensor:
+        """One causal prefill call of ``input_ids [b, T]`` into cache ``rows``; the next token ``[b, 1]``."""
+        c, state = self.cache, self._state()
+        b, t = input_ids.shape
+        c.view, c.rows = t, rows
+        c.write_pos = torch.arange(t, device=self.device)
+        if state is not None:
+            state.static_rows = rows
+        try:
+            # no mask: an unpadded causal prefill from position 0, which transformers' mask creation turns
+            # into SDPA's is_causal (and which the prefill methods require, hf._plain_prefill)
+            logits = self.model(input_ids=input_ids, position_ids=c.write_pos[None].expand(b, t), use_cache=True,
+                                logits_to_keep=1, **{self._cache_arg: c}).logits
+        finally:
+            c.rows = slice(None)
+            if state is not None:
+                state.static_rows = None
+        return logits[:, -1].argmax(-1, keepdim=True)
 
     @torch.inference_mode()
     def decode(self, steps: int, times: StepTimes | None = None) -> torch.Tensor:
@@ -350,7 +397,7 @@ class StaticGenerator:
         timed separately.
         """
         out = torch.empty(self.cache.batch, steps, dtype=torch.long, device=self.device)
-        valid = int(self.pos.item())  # keys in the cache before the first step
+        valid = int(self.pos.max().item())  # keys in the longest row before the first step
         for i in range(steps):
             valid += 1
             if valid > self.cache.max_len:
@@ -385,11 +432,12 @@ class StaticGenerator:
         end.synchronize()
         times.step_ms.append(start.elapsed_time(end))
 
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, times: StepTimes | None = None
+    def generate(self, input_ids: "torch.Tensor | Sequence[Sequence[int]]", max_new_tokens: int, times: StepTimes | None = None
                  ) -> torch.Tensor:
         """Greedy continuation ``[B, max_new_tokens]`` of ``input_ids [B, T]`` (first token from prefill)."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        # input_ids: [B, T], or rows of different lengths (prefill)
         if self.device.type == "cuda" and times is not None:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()

@@ -64,6 +64,7 @@ class AttentionCall:
     rotary_emb: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None
     attention_mask: torch.Tensor | None
     cache_len: torch.Tensor | None = None  # [B] valid keys of a static-cache decode step (module docstring)
+    rows: slice | None = None  # the batch rows a prefill call covers (a ragged batch's one-row prefill); None: all
 
 
 @dataclass
@@ -77,6 +78,7 @@ class CalibAttention:
     rotary_emb: Any | None
     warned: set[str] = field(default_factory=set)
     static_len: torch.Tensor | None = None  # set by generate.StaticGenerator during its decode steps
+    static_rows: slice | None = None  # set by generate.StaticGenerator during a one-row prefill
 
     def warn_once(self, key: str, message: str) -> None:
         if key not in self.warned:
@@ -244,7 +246,7 @@ def calib_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         raise RuntimeError("calib_sparse attention called on a module without calib state; use runtime_kernels.hf.apply")
     layer = int(module.layer_idx)
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
-    ctx = AttentionCall(module, kwargs.get("position_ids"), state.rotary_emb, attention_mask)
+    ctx = AttentionCall(module, kwargs.get("position_ids"), state.rotary_emb, attention_mask, rows=state.static_rows)
     q_len, k_len = query.shape[2], key.shape[2]
     out = None
     if q_len > 1:

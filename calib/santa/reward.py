@@ -20,7 +20,9 @@ answer may come inside a longer reply. How to pick a starved N: :mod:`calib.sant
 
 Which generation loop answers (``method.reward.loop``): ``static`` is the serving loop
 (:func:`calib.generation.static_greedy_generate`: a preallocated cache and one CUDA graph per decode step,
-captured again for every batch since the schedule is part of the graph); ``eager`` is transformers'
+captured again for every batch since the schedule is part of the graph; a batch mixes token counts, each
+row prefilled alone and decoded at its own position, so an episode's 16 questions of 1007-1024 tokens are
+one batch, not eleven); ``eager`` is transformers'
 DynamicCache with a Python pass over the layers per step; ``auto`` (the default) is ``static`` on CUDA.
 The two draw the same samples (offsets keyed by seed, layer and position: :mod:`runtime_kernels.santa.draws`),
 so they give the same answers up to floating-point ties; the static loop decodes every one of the
@@ -151,9 +153,10 @@ def answer_correct(loaded: Any, prompts: Sequence[Any], max_new: Sequence[int], 
     """Greedy answers with ``runtime`` attached (None: dense); ``[len(prompts)]`` bool, each scored by its
     task's rule (``data.scoring``: exact match, or the answer contained in the reply).
 
-    ``batch_tokens > 0``: questions of one token count, scoring rule and decoding budget are answered
-    together, up to that many prompt tokens per batch (:func:`calib.generation.equal_length_batches`;
-    no padding, so every attention call sees what it sees for one question). ``seeds``: the runtime is
+    ``batch_tokens > 0``: questions of one scoring rule and decoding budget are answered together, up to
+    that many prompt tokens per batch (:func:`calib.generation.equal_length_batches`; no padding, so every
+    attention call sees what it sees for one question): of one token count in the eager loop, of any
+    count in the static loop (a ragged batch: each row prefilled alone, decoded at its own position). ``seeds``: the runtime is
     reseeded with ``seeds[i]`` for question ``i``, one seed per batch row, so its sampling does not
     depend on which other questions ran before it or beside it (up to the floating-point effects of
     batched matrix products). ``loop``: ``eager`` or ``static`` (module docstring).
@@ -169,7 +172,7 @@ def answer_correct(loaded: Any, prompts: Sequence[Any], max_new: Sequence[int], 
     stops = {rule: stop_token_ids(loaded.tokenizer, newline=rule == "exact_match") for rule in ("exact_match", "contains")}
     rules = [getattr(p, "scoring", "exact_match") for p in prompts]
     batches = equal_length_batches([len(p.input_ids) for p in prompts], batch_tokens,
-                                   [(rule, int(n)) for rule, n in zip(rules, max_new)])
+                                   [(rule, int(n)) for rule, n in zip(rules, max_new)], ragged=loop == "static")
     correct = np.zeros(len(prompts), dtype=bool)
     generate = static_greedy_generate if loop == "static" else equal_length_greedy_generate
     if runtime is not None:

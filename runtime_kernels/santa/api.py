@@ -507,7 +507,8 @@ class SantaDecode:
         if "prefill" not in self.phases:
             return None
         s = self.budget(layer)
-        gens = self._seeds.generators(q.device, q.shape[0])  # one per batch row with per-row seeds
+        # one per batch row with per-row seeds (those of ctx.rows when a ragged batch prefills row by row)
+        gens = self._seeds.generators(q.device, q.shape[0], rows=getattr(ctx, "rows", None))
 
         def sampled(rows: slice, gen: torch.Generator) -> torch.Tensor:
             return santa_attention(q[rows], k[rows], v[rows], s, estimator=self.estimator, causal=True, scale=scale,

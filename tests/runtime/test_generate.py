@@ -105,6 +105,56 @@ def test_santa_static_loop_equals_eager_for_a_seed():
     assert not torch.equal(eager_generate(model, ids, 20), eager)  # the seed matters: SANTA really sampled
 
 
+def _ragged_rows(lengths: list[int]) -> list[list[int]]:
+    return [_prompt(1, n, seed=i)[0].tolist() for i, n in enumerate(lengths)]
+
+
+def test_dense_ragged_batch_equals_each_prompt_alone():
+    """Prompts of three lengths in one batch, several view lengths: each row prefilled alone into its
+    cache row, then decoded at its own position, gives the tokens it gets alone (float64: exact)."""
+    model = _model().double()
+    rows = _ragged_rows([37, 45, 40])
+    gen = StaticGenerator(model, batch=3, max_len=45 + 20 + 1, graphs=False, bucket=8)
+    got = gen.generate(rows, 20)
+    for b, row in enumerate(rows):
+        assert torch.equal(got[b], eager_generate(model, torch.tensor([row]), 20)[0])
+    assert gen.pos.tolist() == [37 + 20, 45 + 20, 40 + 20]  # each row's next position
+
+
+def test_santa_ragged_batch_with_per_row_seeds_equals_each_prompt_alone():
+    """S²ANTA in prefill and decode, one seed per row: a row of a ragged batch samples what it samples as
+    the only row under its seed (its prefill generator and its decode offsets are its own)."""
+    model = _model().double()
+    rows, seeds = _ragged_rows([50, 41, 47]), [11, 12, 13]
+
+    def santa(seed):
+        return SantaDecode([3, 2, 5], tiling="flash", tile=16, seed=seed, phases=("prefill", "decode"),
+                           backend="reference")
+    rt = santa(seeds)
+    hf.attach(model, prefill=rt, decode=rt)
+    got = StaticGenerator(model, batch=3, max_len=80, graphs=False, bucket=16).generate(rows, 16)
+    for b, row in enumerate(rows):
+        alone = santa(seeds[b])
+        hf.attach(model, prefill=alone, decode=alone)
+        assert torch.equal(got[b], eager_generate(model, torch.tensor([row]), 16)[0])
+    swapped = santa([12, 11, 13])  # the seeds decide: rows 0 and 1 now draw other samples
+    hf.attach(model, prefill=swapped, decode=swapped)
+    other = StaticGenerator(model, batch=3, max_len=80, graphs=False, bucket=16).generate(rows, 16)
+    hf.remove(model)
+    assert torch.equal(other[2], got[2]) and not torch.equal(other[:2], got[:2])
+
+
+def test_ragged_batch_is_refused_where_decode_state_assumes_one_length():
+    model = _model()
+    hf.attach(model, decode=_saap(top_l=2))
+    gen = StaticGenerator(model, batch=2, max_len=80, graphs=False, bucket=8)
+    with pytest.raises(ValueError, match="SaapDecode keeps state for one prompt length per batch"):
+        gen.prefill(_ragged_rows([40, 41]))
+    hf.remove(model)
+    with pytest.raises(ValueError, match="prompts of 0-3 tokens: an empty prompt has no next token"):
+        StaticGenerator(model, batch=2, max_len=80, graphs=False).prefill([[], [1, 2, 3]])
+
+
 def test_keyed_uniforms_are_uniform_and_independent():
     u = keyed_uniforms(3, torch.arange(8), torch.arange(400, 404), 16, 128)  # [8, 4, 16, 128]
     x = u.flatten()

@@ -130,3 +130,29 @@ def test_compiled_graphed_static_loop_generates_the_eager_tokens(tiny, name: str
         hf.remove(tiny)
     assert first.captures >= 2 and later.captures >= 1 and later.compiles == 0
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("tiling", ["prop", "flash"])
+def test_ragged_batch_under_graphs_equals_each_prompt_alone(tiny, tiling):
+    """A batch of three prompt lengths (one row per graph capture, each at its own position, crossing a
+    view change): each row's tokens equal its eager tokens alone, dense and with S²ANTA under per-row
+    seeds in prefill and decode (the SANTA reward's batches)."""
+    from runtime_kernels.santa.api import SantaDecode
+
+    vocab, layers = tiny.config.vocab_size, tiny.config.num_hidden_layers
+    rows = [_prompt(1, n, vocab)[0].tolist() for n in (230, 251, 244)]
+    seeds = [21, 22, 23]
+
+    def santa(seed):
+        return SantaDecode([8, 4, 6, 2][:layers], tiling=tiling, tile=256, seed=seed, phases=("prefill", "decode"))
+    for rt in (None, santa(seeds)):
+        if rt is not None:
+            hf.attach(tiny, prefill=rt, decode=rt)
+        got = StaticGenerator(tiny, batch=3, max_len=251 + 24 + 1).generate(rows, 24)  # views 256 and 512
+        for b, row in enumerate(rows):
+            if rt is not None:
+                alone = santa(seeds[b])
+                hf.attach(tiny, prefill=alone, decode=alone)
+            want = eager_generate(tiny, torch.tensor([row], device="cuda"), 24)[0]
+            assert torch.equal(got[b], want), (b, got[b].tolist(), want.tolist())
+        hf.remove(tiny)

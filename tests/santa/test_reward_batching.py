@@ -73,8 +73,10 @@ def test_batched_answers_equal_one_at_a_time(tmp_path):
 
 def test_static_loop_answers_what_the_eager_loop_answers(tmp_path):
     """The serving loop (preallocated cache; on CPU without graphs) samples the same keys as the eager
-    DynamicCache loop, so batched questions under per-row seeds get the same replies through either."""
+    DynamicCache loop, so batched questions under per-row seeds get the same replies through either,
+    although its batches mix prompt lengths (each row prefilled alone, decoded at its own position)."""
     import calib.santa.reward as reward
+    from calib.generation import equal_length_batches
 
     loaded, prompts = _random_model_and_prompts(tmp_path)
     settings = reward.RewardSettings("sys", "flash", 16, ("prefill", "decode"), questions=2, max_new_tokens=None,
@@ -91,8 +93,15 @@ def test_static_loop_answers_what_the_eager_loop_answers(tmp_path):
         correct[loop] = reward.answer_correct(loaded, prompts, max_new, reward.make_runtime([2, 3], settings),
                                               seeds=seeds, batch_tokens=160, loop=loop)
     assert np.array_equal(correct["static"], correct["eager"])
-    assert replies["static"] == replies["eager"]
-    assert len(replies["static"]) == len(prompts)
+    keys = [(p.scoring, n) for p, n in zip(prompts, max_new)]
+    lengths = [len(p.input_ids) for p in prompts]
+    per_question = {}
+    for loop in ("static", "eager"):  # replies come in batch order: the static loop's batches mix lengths
+        batches = equal_length_batches(lengths, 160, keys, ragged=loop == "static")
+        assert (max(len({lengths[i] for i in b}) for b in batches) > 1) == (loop == "static")
+        order = [i for b in batches for i in b]
+        per_question[loop] = [replies[loop][order.index(i)] for i in range(len(prompts))]
+    assert per_question["static"] == per_question["eager"]
     # a different seed draws other samples and changes some reply: the runtime really sampled
     other = reward.question_seeds(12, len(prompts))
     replies["other"] = []

@@ -75,7 +75,7 @@ def test_static_loop_selectivity_equals_a_float64_recount(top_l: int):
     gen.prefill(ids)
     lagged = padded = 0
     for _ in range(20):
-        valid = int(gen.pos) + 1  # keys once this step's key is written
+        valid = int(gen.pos[0]) + 1  # keys once this step's key is written (every row: one length)
         records.clear()
         gen.decode(1)
         got = rt.pop_stats()
@@ -153,7 +153,7 @@ def test_capture_warm_up_steps_do_not_count(monkeypatch: pytest.MonkeyPatch):
     gen.prefill(ids)
     gen.decode(1)
     before = rt.stats_checkpoint()
-    view = round_up(int(gen.pos) + 1, BUCKET)
+    view = round_up(int(gen.pos[0]) + 1, BUCKET)
     with torch.inference_mode():  # as StaticGenerator.decode calls them
         gen._before_view(view)
         gen._capture(view)

@@ -7,7 +7,10 @@ over layers); a user wants an artifact that answers like dense. The ``deploy`` s
 per layer), and scores every rung, the uniform schedule at the same ``N`` and dense attention on the
 same ``method.deploy.questions`` questions of the calibration side that the reward pool does not hold
 (``data.seed``, after the pool's; ``eval.seed`` stays unseen), question ``i`` sampled with the same
-seed under every schedule (a file with fewer rows: the rows there are, with a warning).
+seed under every schedule (a file with fewer rows: the rows there are, with a warning). Synthetic
+questions have ``method.deploy.length`` tokens (null: the reward's length): a budget of S samples per
+layer reads a smaller share of a longer context, so the ladder must be measured at the longest context
+the artifact will serve (on smollm2, the budget chosen on 1k questions lost 47 points at 8k).
 
 The artifact's default budget is the smallest rung from which the learned schedule is within
 ``method.deploy.tolerance`` of dense at that rung and at every larger one (one lucky rung below a
@@ -36,6 +39,7 @@ class DeploySettings:
     budgets_per_layer: tuple[int, ...]
     questions: int
     tolerance: float
+    length: int | None = None  # synthetic question length in tokens (None: the reward's)
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> "DeploySettings":
@@ -43,14 +47,17 @@ class DeploySettings:
         require(d is not None, "no method.deploy block: add +method=santa")
         try:
             ladder = tuple(int(b) for b in d.budgets_per_layer)
-            out = cls(budgets_per_layer=ladder, questions=int(d.questions), tolerance=float(d.tolerance))
+            length = d.get("length")
+            out = cls(budgets_per_layer=ladder, questions=int(d.questions), tolerance=float(d.tolerance),
+                      length=None if length is None else int(length))
         except (TypeError, ValueError):
-            raise UserError("method.deploy needs budgets_per_layer (a list of integers), questions (an integer) "
-                            f"and tolerance (a number); got {dict(d)}") from None
+            raise UserError("method.deploy needs budgets_per_layer (a list of integers), questions (an integer), "
+                            f"tolerance (a number) and length (an integer or null); got {dict(d)}") from None
         require(len(ladder) >= 1 and min(ladder) >= 1,
                 f"method.deploy.budgets_per_layer must be a non-empty list of integers >= 1 (got {list(ladder)})")
         require(out.questions >= 1, f"method.deploy.questions must be >= 1 (got {out.questions})")
         require(0 <= out.tolerance < 1, f"method.deploy.tolerance must lie in [0, 1) (got {out.tolerance})")
+        require(out.length is None or out.length >= 1, f"method.deploy.length must be >= 1 or null (got {out.length})")
         return out
 
 
@@ -110,7 +117,7 @@ def run_ladder(cfg: Any, loaded: Any, probs: np.ndarray, training_budget: int, s
     layers = len(probs)
     budgets = [n for n in ladder(layers, ds.budgets_per_layer, training_budget) if n >= layers]
     prompts = reward_prompts(cfg, loaded.tokenizer, heldout=False, count=ds.questions, skip=int(cfg.method.reward.pool),
-                             setting="method.deploy.questions", allow_fewer=True)
+                             setting="method.deploy.questions", allow_fewer=True, length=ds.length)
     if len(prompts) < ds.questions:
         log.warning("the data holds %d calibration questions beyond the reward pool; the budget ladder uses them "
                     "instead of method.deploy.questions=%d", len(prompts), ds.questions)

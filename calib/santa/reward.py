@@ -85,13 +85,14 @@ def reward_length(cfg: Any) -> int:
 
 
 def reward_prompts(cfg: Any, tokenizer: Any, *, heldout: bool, count: int, skip: int = 0,
-                   setting: str | None = None, allow_fewer: bool = False) -> list[Any]:
+                   setting: str | None = None, allow_fewer: bool = False, length: int | None = None) -> list[Any]:
     """The reward pool (``heldout=False``: calibration seed/split) or the held-out questions.
 
     Synthetic data: ``ceil(count / tasks)`` prompts per task, taken round-robin over tasks, ``count``
     in all. File/hub data: the first ``count`` rows of the split. ``skip``: leave out the first
     ``skip`` questions of that order (synthetic: the first ``ceil(skip / tasks)`` of every task), so
-    ``skip=method.reward.pool`` gives calibration-side questions the reward pool does not hold.
+    ``skip=method.reward.pool`` gives calibration-side questions the reward pool does not hold. ``length``:
+    synthetic prompts of this many tokens instead of :func:`reward_length` (file data: ignored).
     Raises UserError (naming ``setting``, the config key of ``count``) if fewer exist, or, with
     ``allow_fewer`` (a file with few rows), only if none does.
     """
@@ -104,7 +105,8 @@ def reward_prompts(cfg: Any, tokenizer: Any, *, heldout: bool, count: int, skip:
         tasks = [str(t) for t in (cfg.method.reward.get("tasks") or data.tasks)]
         per_task, skip_per_task = -(-count // len(tasks)), -(-skip // len(tasks))
         seed = int(cfg.eval.seed if heldout else data.seed)
-        prompts = build_prompts(data, tokenizer, seed=seed, lengths=[reward_length(cfg)], tasks=tasks,
+        length = reward_length(cfg) if length is None else int(length)
+        prompts = build_prompts(data, tokenizer, seed=seed, lengths=[length], tasks=tasks,
                                 num_prompts=skip_per_task + per_task, purpose=purpose)
         by_task = [[p for p in prompts if p.task == t][skip_per_task:] for t in tasks]
         prompts = [q[i] for i in range(per_task) for q in by_task if i < len(q)]

@@ -405,3 +405,31 @@ def test_eval_budget_is_a_santa_option():
     for bad in (0, -3, 2.5, True):
         with pytest.raises(UserError, match="eval.budget must be a positive integer"):
             runtime_options(OmegaConf.create({"eval": {"budget": bad}}), "santa")
+
+
+def test_deploy_ladder_questions_have_the_deploy_length(model_dir, monkeypatch):
+    """method.deploy.length: the ladder scores synthetic questions of that many tokens (the longest context
+    the artifact serves), not the reward's; the default budget comes from those scores."""
+    import calib.santa.heldout as heldout
+    from calib.models import load_model
+    from calib.santa.deploy import run_ladder
+
+    cfg = _compose(model_dir, "method.deploy.length=256", "method.deploy.questions=4",
+                   "method.deploy.budgets_per_layer=[1,2,4]")
+    loaded = load_model(cfg.model, device="cpu")
+    seen = []
+
+    def fake(cfg_, loaded_, groups, shards, desc=""):
+        seen.extend(groups)
+        q = len(groups[0].prompts)
+        # learned: wrong at N=2, right from N=4 on; dense right on every question
+        return [{name: np.full(q, name == "dense" or (name.startswith("learned") and int(name.split(":")[1]) >= 4))
+                 for name in groups[0].schedules}]
+
+    monkeypatch.setattr(heldout, "score_groups", fake)
+    result = run_ladder(cfg, loaded, np.array([0.5, 0.5]), training_budget=2, shards=1)
+    assert {p.length for p in seen[0].prompts} == {256} and len(seen[0].prompts) == 4
+    assert all(abs(len(p.input_ids) - 256) <= 16 for p in seen[0].prompts)
+    assert result.budgets == [2, 4, 8] and result.default_budget == 4 and result.within_tolerance
+    with pytest.raises(UserError, match="method.deploy.length must be >= 1 or null"):
+        run_ladder(_compose(model_dir, "method.deploy.length=0"), loaded, np.array([0.5, 0.5]), 2, 1)

@@ -103,7 +103,7 @@ def equal_length_batches(lengths: Sequence[int], max_tokens: int, keys: Sequence
     for i, n in enumerate(lengths):
         groups.setdefault((0 if ragged else int(n), keys[i] if keys is not None else None), []).append(i)
     out = []
-    for (_, _), members in groups.items():
+    for members in groups.values():
         n = max(int(lengths[i]) for i in members)
         size = max(1, int(max_tokens) // max(1, n)) if max_tokens > 0 else 1
         out += [members[j:j + size] for j in range(0, len(members), size)]

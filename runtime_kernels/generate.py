@@ -358,9 +358,9 @@ class StaticGenerator:
             ids = rows if isinstance(rows, torch.Tensor) else torch.tensor(rows)
             self.token.copy_(self._prefill_rows(ids.to(self.device), slice(None)))
         else:
-            hook = getattr(getattr(self._state(), "decode", None), "before_graph", None)
-            if hook is not None:
-                raise ValueError(f"{type(hook.__self__).__name__} keeps state for one prompt length per batch; "
+            runtime = getattr(self._state(), "decode", None)
+            if hasattr(runtime, "before_graph"):
+                raise ValueError(f"{type(runtime).__name__} keeps state for one prompt length per batch; "
                                  f"batch prompts of equal token counts for it (got {min(lengths)}-{max(lengths)})")
             for b, row in enumerate(rows):
                 ids = torch.as_tensor(row, dtype=torch.long).reshape(1, -1).to(self.device)

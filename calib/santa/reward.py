@@ -22,13 +22,13 @@ Which generation loop answers (``method.reward.loop``): ``static`` is the servin
 (:func:`calib.generation.static_greedy_generate`: a preallocated cache and one CUDA graph per decode step,
 captured again for every batch since the schedule is part of the graph; a batch mixes token counts, each
 row prefilled alone and decoded at its own position, so an episode's 16 questions of 1007-1024 tokens are
-one batch, not eleven); ``eager`` is transformers'
-DynamicCache with a Python pass over the layers per step; ``auto`` (the default) is ``static`` on CUDA.
-The two draw the same samples (offsets keyed by seed, layer and position: :mod:`runtime_kernels.santa.draws`),
-so they give the same answers up to floating-point ties; the static loop decodes every one of the
-budget's steps (it cannot stop a graph early) and cuts each reply at its stop token. On smollm2 the eager
-loop is launch-bound (a 135M model's decode step is ~1,000 small kernels, each costing more host time than
-GPU time), so a REINFORCE worker batch spent minutes in the host.
+one batch, not eleven); ``eager`` is transformers' DynamicCache with a Python pass over the layers per
+step; ``auto`` (the default) is ``static`` on CUDA. The two draw the same samples (offsets keyed by seed,
+layer and position: :mod:`runtime_kernels.santa.draws`), so they give the same answers up to
+floating-point ties; the static loop decodes every one of the budget's steps (it cannot stop a graph
+early) and cuts each reply at its stop token. Why: on smollm2 the eager loop is launch-bound (a 135M
+model's decode step is ~1,000 small kernels, each costing more host time than GPU time): 16 questions
+of 1k tokens and 32 new tokens took 7.3 s dense eager and 0.74 s static on an H100.
 """
 
 from __future__ import annotations

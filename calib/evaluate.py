@@ -81,9 +81,9 @@ PREFILL_METHODS = ("sale", "sampleattention")  # their decode steps are dense at
 
 def eval_loop(cfg: Any, device: Any, method: str) -> str:
     """``eval.loop``: ``eager``, ``static``, or ``auto`` = ``static`` on CUDA for dense, the prefill methods
-    (their stats come from the eager prefill; the decode steps are dense and graph-captured) and SAAP
-    (its selectivity is summed on the device inside the graphs, ``SaapDecode._record``), else ``eager``
-    (SANTA's per-prompt stats are counted by its eager decode calls). SAAP's ``eval.ranking=density``
+    (their stats come from the eager prefill; the decode steps are dense and graph-captured), SAAP and
+    SANTA (their selectivity / sample fraction is summed on the device inside the graphs,
+    ``SaapDecode._record``, ``SantaDecode._record_static``), else ``eager``. SAAP's ``eval.ranking=density``
     decodes in the PyTorch reference, which sizes its selection on the host: no CUDA graph can capture
     it, so ``auto`` is ``eager`` there and ``static`` on CUDA is refused. Dense and sparse answers of one
     eval go through the same loop, so the paired difference is the method's."""
@@ -93,7 +93,8 @@ def eval_loop(cfg: Any, device: Any, method: str) -> str:
     on_cuda = getattr(device, "type", str(device)) == "cuda"
     host_ranked = method == "saap" and str(cfg.eval.get("ranking") or "mass") != "mass"
     if loop == "auto":
-        return "static" if on_cuda and method in ("dense", "saap", *PREFILL_METHODS) and not host_ranked else "eager"
+        return "static" if on_cuda and method in ("dense", "saap", "santa", *PREFILL_METHODS) and not host_ranked \
+            else "eager"
     if loop == "static" and on_cuda and host_ranked:
         raise UserError("eval.ranking=density runs SAAP's PyTorch reference, which CUDA graphs cannot capture: "
                         "use eval.loop=eager (or auto)")

@@ -424,6 +424,10 @@ class SantaDecode:
     restarts both, and with one seed per batch row makes each row sample what it would alone. A batch
     with a padding mask runs dense (like every decode method here).
 
+    Statistics count in both loops: eager calls add host numbers; static-cache decode steps (CUDA graphs
+    replay them without the host) add on the device to one buffer, ``[sum of S, sum of sample fractions,
+    calls]`` float64, made once and then only added to in place, so a graph adds to it at every replay
+    (:meth:`stats_checkpoint` / :meth:`stats_restore` let the loop drop its uncaptured warm-up steps).
     ``pop_stats()``: ``mean_samples`` (mean S over sampled attention calls), ``sample_fraction``
     (mean samples drawn per query row / keys it may read, capped at 1) and ``sampled_calls``.
     """
@@ -446,7 +450,8 @@ class SantaDecode:
         self.phases = _phases(phases)
         self.phase = "both" if "prefill" in self.phases else "decode"
         self.reseed(seed)
-        self._stats = [0.0, 0.0, 0]  # sum of S, sum of sample fractions, calls
+        self._stats = [0.0, 0.0, 0]  # sum of S, sum of sample fractions, calls (eager calls)
+        self._sums: torch.Tensor | None = None  # the same sums of static-cache decode steps, on the device
 
     @classmethod
     def from_artifact(cls, artifact: Any, model: Any, *, seed: int | None = 0,
@@ -500,6 +505,23 @@ class SantaDecode:
         self._stats[1] += min(1.0, drawn / max(keys, 1.0))
         self._stats[2] += 1
 
+    def _record_static(self, s: int, cache_len: torch.Tensor) -> None:
+        """:meth:`_record` of a static-cache decode call, on the device (no host sync, so a CUDA graph
+        captures it): the fraction is averaged over the rows, each with its own valid length."""
+        keys = cache_len.double()  # [B]
+        if self.tiling == "flash":
+            tiles = torch.ceil(keys / self.tile)
+            drawn = tiles * torch.clamp(torch.floor(s / tiles + 0.5), min=1.0)
+        else:
+            drawn = torch.full_like(keys, float(s))
+        fraction = torch.clamp(drawn / keys.clamp(min=1.0), max=1.0).mean()
+        if self._sums is None:  # the first static step: the loop's uncaptured warm-up
+            with torch.inference_mode(False):  # a normal tensor: pop_stats zeroes it outside inference mode
+                self._sums = torch.zeros(3, dtype=torch.float64, device=cache_len.device)
+        self._sums[0].add_(float(s))  # Python numbers: no host-to-device copy
+        self._sums[1].add_(fraction)
+        self._sums[2].add_(1.0)
+
     def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                 ctx: Any = None) -> torch.Tensor | None:
         """``q: [B, Hq, T, D]``, ``k, v: [B, Hkv, T, D]`` -> ``[B, Hq, T, D]`` sampled (causal); ``None``
@@ -548,6 +570,8 @@ class SantaDecode:
         if eager:
             tiles = -(-tk // self.tile)
             self._record(s, tiles * max(1, int(s / tiles + 0.5)) if self.tiling == "flash" else s, tk)
+        else:
+            self._record_static(s, cache_len)
         return out[:, :, None]
 
     def offsets(self, layer: int, position: torch.Tensor, heads: int, keys: int, s: int,
@@ -571,9 +595,25 @@ class SantaDecode:
             self._draws = keyed_uniforms(seed, layers, position, heads, slots)  # [L, B, H, n]
             self._draws_key = key
         return self._draws[layer]
+
+    def stats_checkpoint(self) -> torch.Tensor | None:
+        """A copy of the device sums (``None`` before the first static step) for :meth:`stats_restore`:
+        the static loop runs two uncaptured warm-up steps before each capture, which must not count."""
+        return None if self._sums is None else self._sums.clone()
+
+    def stats_restore(self, saved: torch.Tensor | None) -> None:
+        """Put back the device sums of :meth:`stats_checkpoint` (zeros for ``None``), in place: the buffer
+        stays the one the next captured graph adds to."""
+        if self._sums is not None:
+            self._sums.zero_() if saved is None else self._sums.copy_(saved)
+
     def pop_stats(self) -> dict[str, float]:
         """Per-call means since the last call (``{}`` when nothing was sampled)."""
         total_s, fractions, calls = self._stats
+        if self._sums is not None:
+            device_s, device_fractions, device_calls = self._sums.tolist()
+            self._sums.zero_()  # in place: a captured graph keeps adding to this buffer
+            total_s, fractions, calls = total_s + device_s, fractions + device_fractions, calls + int(device_calls)
         if calls == 0:
             return {}
         self._stats = [0.0, 0.0, 0]

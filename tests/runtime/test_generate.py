@@ -202,3 +202,39 @@ def test_saap_serves_dense_where_its_classifier_outweighs_the_keys_it_skips():
     hf.attach(model, decode=rt)
     assert torch.equal(StaticGenerator(model, batch=1, max_len=80, graphs=False, bucket=8).generate(ids, 8), dense)
     assert not torch.equal(eager_generate(model, ids, 8), dense)  # eager calls (calib eval) always run SAAP
+
+
+def _santa_stats_by_hand(schedule: list[int], tile: int, tiling: str, keys_per_call: list[list[int]]) -> dict:
+    """mean S and mean sample fraction over decode calls written out: each call is (layer, the rows' valid
+    keys); flash draws round(S / tiles) (>= 1) per tile, prop draws S; a call's fraction is its rows' mean."""
+    import math
+
+    total_s = total_f = calls = 0.0
+    for keys in keys_per_call:
+        for s in schedule:
+            fr = []
+            for n in keys:
+                tiles = math.ceil(n / tile)
+                drawn = tiles * max(1, math.floor(s / tiles + 0.5)) if tiling == "flash" else s
+                fr.append(min(1.0, drawn / n))
+            total_s, total_f, calls = total_s + s, total_f + sum(fr) / len(fr), calls + 1
+    return {"mean_samples": total_s / calls, "sample_fraction": total_f / calls, "sampled_calls": calls}
+
+
+@pytest.mark.parametrize("tiling", ["flash", "prop"])
+def test_santa_stats_count_in_the_static_loop(tiling):
+    """Static-cache steps count S²ANTA's samples on the device (what CUDA graphs replay): a ragged batch
+    of 40 and 53 tokens, 6 steps of 3 layers; the eager loop's equal-length count agrees with its own."""
+    model = _model()
+    schedule = [3, 40, 5]
+    rt = SantaDecode(schedule, tiling=tiling, tile=16, seed=[1, 2], backend="reference")
+    hf.attach(model, decode=rt)
+    StaticGenerator(model, batch=2, max_len=70, graphs=False, bucket=16).generate(_ragged_rows([40, 53]), 6)
+    want = _santa_stats_by_hand(schedule, 16, tiling, [[40 + j + 1, 53 + j + 1] for j in range(6)])
+    assert rt.pop_stats() == pytest.approx(want, rel=1e-12) and rt.pop_stats() == {}
+    eager = SantaDecode(schedule, tiling=tiling, tile=16, seed=3, backend="reference")
+    hf.attach(model, decode=eager)
+    eager_generate(model, _prompt(2, 40), 6)  # 5 decode steps after prefill
+    assert eager.pop_stats() == pytest.approx(
+        _santa_stats_by_hand(schedule, 16, tiling, [[40 + j + 1] * 2 for j in range(5)]), rel=1e-12)
+    hf.remove(model)

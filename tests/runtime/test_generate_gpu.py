@@ -156,3 +156,21 @@ def test_ragged_batch_under_graphs_equals_each_prompt_alone(tiny, tiling):
             want = eager_generate(tiny, torch.tensor([row], device="cuda"), 24)[0]
             assert torch.equal(got[b], want), (b, got[b].tolist(), want.tolist())
         hf.remove(tiny)
+
+
+def test_santa_stats_under_graphs_equal_the_uncaptured_loop(tiny):
+    """The replayed graphs add S²ANTA's sample counts on the device; the warm-up steps before each capture
+    do not count: the same sums as the same loop without graphs."""
+    from runtime_kernels.santa.api import SantaDecode
+
+    vocab, layers = tiny.config.vocab_size, tiny.config.num_hidden_layers
+    rows = [_prompt(1, n, vocab)[0].tolist() for n in (230, 251)]
+    stats = {}
+    for graphs in (False, True):
+        rt = SantaDecode([8, 4, 6, 2][:layers], tiling="flash", tile=256, seed=[5, 6])
+        hf.attach(tiny, decode=rt)
+        StaticGenerator(tiny, batch=2, max_len=251 + 24 + 1, graphs=graphs).generate(rows, 24)
+        stats[graphs] = rt.pop_stats()
+    hf.remove(tiny)
+    assert stats[True]["sampled_calls"] == 24 * layers
+    assert stats[True] == pytest.approx(stats[False], rel=1e-12)

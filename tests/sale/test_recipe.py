@@ -260,9 +260,9 @@ def test_eval_static_loop_gives_the_eager_answers_and_stats(low_run, loaded):
         assert a.stats["sparsity"] == pytest.approx(b.stats["sparsity"]) and 0 < a.stats["sparsity"] < 1
 
 
-def test_eval_loop_is_static_on_cuda_but_for_santa_and_host_ranked_saap():
-    """SAAP counts its selectivity inside the graphs (mass ranking); SANTA's stats and SAAP's density
-    ranking need eager calls, and a static loop of the latter on CUDA is refused."""
+def test_eval_loop_is_static_on_cuda_but_for_host_ranked_saap():
+    """SAAP (mass ranking) and SANTA count their stats inside the graphs; SAAP's density ranking needs
+    eager calls, and a static loop of it on CUDA is refused."""
     from omegaconf import OmegaConf
 
     from calib.errors import UserError
@@ -271,7 +271,7 @@ def test_eval_loop_is_static_on_cuda_but_for_santa_and_host_ranked_saap():
     auto = OmegaConf.create({"eval": {"loop": "auto"}})
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert [eval_loop(auto, cuda, m) for m in ("dense", "sale", "sampleattention", "saap", "santa")] == [
-        "static", "static", "static", "static", "eager"]
+        "static", "static", "static", "static", "static"]
     assert eval_loop(auto, cpu, "sale") == "eager" and eval_loop(auto, cpu, "saap") == "eager"
     assert eval_loop(OmegaConf.create({"eval": {"loop": "auto", "ranking": "mass"}}), cuda, "saap") == "static"
     density = {"ranking": "density"}

@@ -47,18 +47,22 @@ def answer_prompts(loaded: Any, prompts: Sequence[Any], max_new_tokens: int, run
     that many prompt tokens per batch (:func:`calib.generation.equal_length_batches`; no padding, so a
     sparse method sees each prompt as it would alone). A batch's method stats (the runtime's means
     since the last ``pop_stats``) are given to each of its prompts. Results are in ``prompts`` order.
-    ``loop``: ``eager`` (transformers' own cache, one Python pass per step) or ``static`` (the serving
-    loop, :func:`calib.generation.static_greedy_generate`; see :func:`eval_loop`).
+    ``loop``: ``eager`` (transformers' own cache, one Python pass per step), ``static`` (the serving
+    loop, :func:`calib.generation.static_greedy_generate`; see :func:`eval_loop`) or ``static-ragged``
+    (the same, batching prompts of one nominal length whatever their token counts: each row prefilled
+    alone and decoded at its own position, so a cell is one or two batches instead of one per count).
     """
     from calib.data import is_correct
     from calib.generation import equal_length_batches, equal_length_greedy_generate, static_greedy_generate
 
-    generate = static_greedy_generate if loop == "static" else equal_length_greedy_generate
+    generate = static_greedy_generate if loop.startswith("static") else equal_length_greedy_generate
 
     # an exact-match answer ends at the first newline; a contained one may come after a line break
     stops = {rule: stop_token_ids(loaded.tokenizer, newline=rule == "exact_match") for rule in ("exact_match", "contains")}
     rules = [getattr(p, "scoring", "exact_match") for p in prompts]
-    batches = equal_length_batches([len(p.input_ids) for p in prompts], batch_tokens, rules)
+    ragged = loop == "static-ragged"
+    keys = [(rule, p.length) for rule, p in zip(rules, prompts)] if ragged else rules
+    batches = equal_length_batches([len(p.input_ids) for p in prompts], batch_tokens, keys, ragged=ragged)
     results: list[PromptResult | None] = [None] * len(prompts)
     with tqdm(total=len(prompts), desc=f"eval {desc}", unit="prompt", leave=False) as bar:
         for idx in batches:
@@ -85,20 +89,22 @@ def eval_loop(cfg: Any, device: Any, method: str) -> str:
     SANTA (their selectivity / sample fraction is summed on the device inside the graphs,
     ``SaapDecode._record``, ``SantaDecode._record_static``), else ``eager``. SAAP's ``eval.ranking=density``
     decodes in the PyTorch reference, which sizes its selection on the host: no CUDA graph can capture
-    it, so ``auto`` is ``eager`` there and ``static`` on CUDA is refused. Dense and sparse answers of one
-    eval go through the same loop, so the paired difference is the method's."""
+    it, so ``auto`` is ``eager`` there and ``static`` on CUDA is refused. ``static`` comes back as
+    ``static-ragged`` (:func:`answer_prompts`) but for SAAP, whose bucket index holds one length per batch.
+    Dense and sparse answers of one eval go through the same loop and batches, so the paired difference
+    is the method's."""
     loop = str(cfg.eval.get("loop") or "auto")
     if loop not in ("auto", "eager", "static"):
         raise UserError(f"eval.loop must be auto, eager or static (got {loop!r})")
     on_cuda = getattr(device, "type", str(device)) == "cuda"
     host_ranked = method == "saap" and str(cfg.eval.get("ranking") or "mass") != "mass"
     if loop == "auto":
-        return "static" if on_cuda and method in ("dense", "saap", "santa", *PREFILL_METHODS) and not host_ranked \
+        loop = "static" if on_cuda and method in ("dense", "saap", "santa", *PREFILL_METHODS) and not host_ranked \
             else "eager"
     if loop == "static" and on_cuda and host_ranked:
         raise UserError("eval.ranking=density runs SAAP's PyTorch reference, which CUDA graphs cannot capture: "
                         "use eval.loop=eager (or auto)")
-    return loop
+    return "static-ragged" if loop == "static" and method != "saap" else loop
 
 
 def dense_cache_key(loaded: Any, prompts: Sequence[Any], max_new_tokens: int, batch_tokens: int,

@@ -245,19 +245,24 @@ def test_eval_static_loop_gives_the_eager_answers_and_stats(low_run, loaded):
     from runtime_kernels import hf
 
     gen = torch.Generator().manual_seed(9)
-    prompts = [SimpleNamespace(task="t", length=n, answer="", scoring="contains",
+    prompts = [SimpleNamespace(task="t", length=300, answer="", scoring="contains",
                                input_ids=torch.randint(20, 200, (n,), generator=gen).tolist())
-               for n in (300, 300, 260)]
+               for n in (300, 300, 260)]  # one nominal length, two token counts
     state = hf.apply(loaded.model, low_run["artifact_dir"])
     try:
         eager = answer_prompts(loaded, prompts, 5, state, batch_tokens=1000, loop="eager")
         static = answer_prompts(loaded, prompts, 5, state, batch_tokens=1000, loop="static")
+        ragged = answer_prompts(loaded, prompts, 5, state, batch_tokens=1000, loop="static-ragged")
     finally:
         hf.remove(loaded.model)
-    assert [r.prediction for r in static] == [r.prediction for r in eager]
+    assert [r.prediction for r in static] == [r.prediction for r in eager] == [r.prediction for r in ragged]
     assert all(r.prediction for r in eager)  # five tokens each (no stop token in a contains reply here)
     for a, b in zip(static, eager):
         assert a.stats["sparsity"] == pytest.approx(b.stats["sparsity"]) and 0 < a.stats["sparsity"] < 1
+    # one ragged batch of all three: its stats are the mean over the three prompts' prefill calls
+    assert len({r.stats["sparsity"] for r in ragged}) == 1
+    lo, hi = sorted({r.stats["sparsity"] for r in eager})
+    assert lo < ragged[0].stats["sparsity"] < hi
 
 
 def test_eval_loop_is_static_on_cuda_but_for_host_ranked_saap():
@@ -271,7 +276,7 @@ def test_eval_loop_is_static_on_cuda_but_for_host_ranked_saap():
     auto = OmegaConf.create({"eval": {"loop": "auto"}})
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert [eval_loop(auto, cuda, m) for m in ("dense", "sale", "sampleattention", "saap", "santa")] == [
-        "static", "static", "static", "static", "static"]
+        "static-ragged", "static-ragged", "static-ragged", "static", "static-ragged"]  # SAAP: one length a batch
     assert eval_loop(auto, cpu, "sale") == "eager" and eval_loop(auto, cpu, "saap") == "eager"
     assert eval_loop(OmegaConf.create({"eval": {"loop": "auto", "ranking": "mass"}}), cuda, "saap") == "static"
     density = {"ranking": "density"}
@@ -280,5 +285,6 @@ def test_eval_loop_is_static_on_cuda_but_for_host_ranked_saap():
     with pytest.raises(UserError, match="CUDA graphs cannot capture"):
         eval_loop(OmegaConf.create({"eval": {"loop": "static", **density}}), cuda, "saap")
     assert eval_loop(OmegaConf.create({"eval": {"loop": "static"}}), cpu, "saap") == "static"
+    assert eval_loop(OmegaConf.create({"eval": {"loop": "static"}}), cpu, "sale") == "static-ragged"
     with pytest.raises(UserError, match="eval.loop must be auto, eager or static"):
         eval_loop(OmegaConf.create({"eval": {"loop": "fast"}}), cpu, "sale")

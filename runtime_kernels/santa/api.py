@@ -550,8 +550,9 @@ class SantaDecode:
         """``q: [B, Hq, 1, D]``, ``k, v: [B, Hkv, Tk, D]`` (the whole cache) -> ``[B, Hq, 1, D]``.
 
         With ``ctx.cache_len [B]`` (a static-cache step, :mod:`runtime_kernels.generate`) ``k, v`` are
-        views longer than the valid keys and the step records no statistics, so it can be captured in a
-        CUDA graph; without it every key is valid and the step's statistics are recorded. Either way the
+        views longer than the valid keys and the step adds its statistics on the device
+        (:meth:`_record_static`), so it can be captured in a CUDA graph; without it every key is valid and
+        the statistics are host numbers (:meth:`_record`: the same rule, no device work). Either way the
         offsets are :meth:`offsets` of the query's position, so both paths draw the same samples, and the
         backend is called directly: the offsets are this runtime's own, so the public function's checks
         (two host syncs per layer on a GPU) would only slow an eager decode loop down."""

@@ -51,7 +51,7 @@ RUNTIMES: dict[str, str] = {
     "sale": "runtime_kernels.sale.api:SalePrefill",
     "sampleattention": "runtime_kernels.sampleattention.api:SampleAttentionPrefill",
     "saap": "runtime_kernels.saap.api:SaapDecode",
-    "santa": "runtime_kernels.santa.api:SantaDecode",
+    "santa": "runtime_kernels.santa.runtime:SantaDecode",
 }
 
 

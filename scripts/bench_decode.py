@@ -253,7 +253,7 @@ def _santa_backend(device: torch.device):
     if device.type != "cuda":
         module = api._triton_module()
         return getattr(module, "santa_decode_forward", None) or reference.santa_decode_forward
-    fn = api._backend_function("santa_decode_forward", device, "auto")
+    fn = api.backend_function("santa_decode_forward", device, "auto")
     return None if fn is reference.santa_decode_forward else fn
 
 

@@ -259,7 +259,7 @@ def replicate_prefill(gen, prompt: torch.Tensor) -> None:
 def run_cell(method: str, t: int, b: int, compiled: bool, args: argparse.Namespace) -> Row:
     from runtime_kernels import hf
     from runtime_kernels.generate import FlashDecode, StaticGenerator, StepTimes
-    from runtime_kernels.santa.api import SantaDecode
+    from runtime_kernels.santa.runtime import SantaDecode
 
     cuda = not args.smoke
     device = "cuda" if cuda else "cpu"

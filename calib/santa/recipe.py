@@ -28,7 +28,7 @@ Stages (each timed):
 The artifact (ABI v1, layout unchanged): ``schedule.safetensors`` with ``schedule`` int64 [L] (the
 schedule at the default budget), ``theta`` float32 [L] and ``probs`` float32 [L] (the learned share);
 estimator / tiling / tile / phases, ``default_budget``, the training budget and schedule and the ladder
-in the payload, read by ``runtime_kernels.santa.api.SantaDecode.from_artifact`` (whose ``budget`` option
+in the payload, read by ``runtime_kernels.santa.runtime.SantaDecode.from_artifact`` (whose ``budget`` option
 apportions ``probs`` to another total).
 """
 

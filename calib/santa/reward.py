@@ -135,7 +135,7 @@ def new_token_budgets(prompts: Sequence[Any], tokenizer: Any, settings: RewardSe
 
 def make_runtime(budgets: Sequence[int], settings: RewardSettings, seed: int | None = None) -> Any:
     """The S²ANTA runtime of one episode: per-layer ``S = budgets`` (0 runs as 1)."""
-    from runtime_kernels.santa.api import SantaDecode
+    from runtime_kernels.santa.runtime import SantaDecode
 
     return SantaDecode(list(budgets), estimator=settings.estimator, tiling=settings.tiling, tile=settings.tile,
                        phases=settings.phases, seed=seed)

@@ -12,7 +12,7 @@ import torch
 from runtime_kernels import hf
 from runtime_kernels.generate import StaticGenerator, StaticKVCache, eager_generate, round_up
 from runtime_kernels.saap import SaapDecode, SaapLayerParams
-from runtime_kernels.santa.api import SantaDecode
+from runtime_kernels.santa.runtime import SantaDecode
 from runtime_kernels.santa.draws import keyed_uniforms
 from tests.runtime.saap.test_saap_reference import _params
 

@@ -17,7 +17,7 @@ import torch
 
 from runtime_kernels import hf
 from runtime_kernels.generate import FlashDecode, StaticGenerator, eager_generate
-from runtime_kernels.santa.api import SantaDecode
+from runtime_kernels.santa.runtime import SantaDecode
 from tests.runtime.test_generate import C, LAYERS, _model, _prompt, _saap
 
 transformers = pytest.importorskip("transformers")

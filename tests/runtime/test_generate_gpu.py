@@ -51,7 +51,7 @@ def _runtimes(model, name: str):
     from runtime_kernels.sale.api import SalePrefill
     from runtime_kernels.sampleattention.api import SampleAttentionPrefill
     from runtime_kernels.sampleattention.buckets import BucketRow
-    from runtime_kernels.santa.api import SantaDecode
+    from runtime_kernels.santa.runtime import SantaDecode
 
     layers, heads = model.config.num_hidden_layers, model.config.num_attention_heads
     if name == "dense":
@@ -137,7 +137,7 @@ def test_ragged_batch_under_graphs_equals_each_prompt_alone(tiny, tiling):
     """A batch of three prompt lengths (one row per graph capture, each at its own position, crossing a
     view change): each row's tokens equal its eager tokens alone, dense and with S²ANTA under per-row
     seeds in prefill and decode (the SANTA reward's batches)."""
-    from runtime_kernels.santa.api import SantaDecode
+    from runtime_kernels.santa.runtime import SantaDecode
 
     vocab, layers = tiny.config.vocab_size, tiny.config.num_hidden_layers
     rows = [_prompt(1, n, vocab)[0].tolist() for n in (230, 251, 244)]
@@ -161,7 +161,7 @@ def test_ragged_batch_under_graphs_equals_each_prompt_alone(tiny, tiling):
 def test_santa_stats_under_graphs_equal_the_uncaptured_loop(tiny):
     """The replayed graphs add S²ANTA's sample counts on the device; the warm-up steps before each capture
     do not count: the same sums as the same loop without graphs."""
-    from runtime_kernels.santa.api import SantaDecode
+    from runtime_kernels.santa.runtime import SantaDecode
 
     vocab, layers = tiny.config.vocab_size, tiny.config.num_hidden_layers
     rows = [_prompt(1, n, vocab)[0].tolist() for n in (230, 251)]

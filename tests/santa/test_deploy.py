@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from calib.santa.deploy import ladder, smallest_budget_within
 from runtime_kernels.errors import ArtifactError
-from runtime_kernels.santa.api import SantaDecode
+from runtime_kernels.santa.runtime import SantaDecode
 from runtime_kernels.santa.schedule import apportion
 
 # ------------------------------------------------------------------------------ apportionment

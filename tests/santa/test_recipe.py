@@ -131,7 +131,7 @@ def test_artifact_applies_to_the_model(run_result, model_dir):
     from runtime_kernels import hf
     from runtime_kernels.artifact import load_artifact
     from runtime_kernels.errors import ArtifactError
-    from runtime_kernels.santa.api import SantaDecode
+    from runtime_kernels.santa.runtime import SantaDecode
     from runtime_kernels.santa.schedule import apportion
 
     loaded = load_model(_compose(model_dir).model, device="cpu")

@@ -11,7 +11,7 @@ import torch
 from runtime_kernels.errors import ArtifactError
 from runtime_kernels.manifest import (DataRecord, Manifest, ModelRecord, ProducerRecord, facts_from_hf_config,
                                       write_artifact)
-from runtime_kernels.santa.api import SantaDecode
+from runtime_kernels.santa.runtime import SantaDecode
 from tests.runtime.small_models import small_llama
 
 
@@ -297,9 +297,9 @@ def test_int_vectors_outlive_a_longer_request():
     past the cached arange builds a longer one without freeing the first (its address stays valid)."""
     from runtime_kernels.santa import api
 
-    short = api._int_vector(7, 3, torch.device("cpu"))
+    short = api.int_vector(7, 3, torch.device("cpu"))
     base = short.untyped_storage().data_ptr()
-    longer = api._int_vector(api._INT_VECTORS["cpu"].numel() + 5, 2, torch.device("cpu"))
+    longer = api.int_vector(api._INT_VECTORS["cpu"].numel() + 5, 2, torch.device("cpu"))
     assert longer.untyped_storage().data_ptr() != base
     assert any(t.untyped_storage().data_ptr() == base for t in api._RETIRED_INT_VECTORS)
-    assert short.tolist() == [7, 7, 7] and api._int_vector(7, 1, torch.device("cpu")).tolist() == [7]
+    assert short.tolist() == [7, 7, 7] and api.int_vector(7, 1, torch.device("cpu")).tolist() == [7]

@@ -94,12 +94,12 @@ def test_triton_module_plugs_in(monkeypatch):
     fake = types.SimpleNamespace(santa_prefill_forward=lambda *a, **kw: "triton")
     monkeypatch.setattr(api, "_triton_module", lambda: fake)
     cuda = torch.device("cuda")
-    assert api._backend_function("santa_prefill_forward", cuda, "auto")() == "triton"
+    assert api.backend_function("santa_prefill_forward", cuda, "auto")() == "triton"
     # A function the GPU module lacks, a CPU tensor, or backend="reference" use the reference.
-    assert api._backend_function("santa_decode_forward", cuda, "auto") is reference.santa_decode_forward
+    assert api.backend_function("santa_decode_forward", cuda, "auto") is reference.santa_decode_forward
     ref = reference.santa_prefill_forward
-    assert api._backend_function("santa_prefill_forward", torch.device("cpu"), "auto") is ref
-    assert api._backend_function("santa_prefill_forward", cuda, "reference") is ref
+    assert api.backend_function("santa_prefill_forward", torch.device("cpu"), "auto") is ref
+    assert api.backend_function("santa_prefill_forward", cuda, "reference") is ref
 
 
 def test_missing_triton_is_not_an_error_but_a_bug_is(monkeypatch):

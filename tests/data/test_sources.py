@@ -140,6 +140,14 @@ def test_hf_offline_cache_miss(tmp_path, tiny_tokenizer, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    # the libraries read these flags when first imported; an earlier test may have imported them online,
+    # and then the load retries the network for ~20 s before it fails
+    import datasets.config
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True, raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     cfg = hf(None, name="calib-test/does-not-exist", data_files=None)
     _one_line_error(build_prompts, cfg, tiny_tokenizer, match="could not load HF dataset")
 

@@ -21,6 +21,7 @@ is 0. ``options={"santa": {"budget": N}}`` overrides it at load time.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -107,6 +108,18 @@ class LadderResult:
                            "uniform": {f"N{b}": float(self.uniform[b].mean()) for b in self.budgets}}}
 
 
+def no_rung_advice(tolerance: float, questions: int) -> str:
+    """What to change when no rung qualifies. One question is ``1 / questions`` of accuracy: when that
+    exceeds the tolerance, a rung qualifies only if it loses no net question to dense, which noise alone
+    denies most ladders (smollm2 at 8k, 96 questions: the best rung lost 2)."""
+    advice = "extend method.deploy.budgets_per_layer"
+    if questions > 0 and 0 < tolerance and tolerance * questions < 1:  # tolerance 0: more questions cannot help
+        advice += (f", or raise method.deploy.questions to at least {math.ceil(1 / tolerance - 1e-9)} (one of "
+                   f"{questions} questions is {1 / questions:.4f}, more than the tolerance {tolerance:g}, so a rung "
+                   "qualifies only if it loses no net question to dense)")
+    return advice
+
+
 def run_ladder(cfg: Any, loaded: Any, probs: np.ndarray, training_budget: int, shards: int) -> LadderResult:
     """Score the ladder (module docstring); ``probs [L]`` are the artifact's stored shares."""
     from calib.santa.heldout import ScoreGroup, score_groups
@@ -133,8 +146,8 @@ def run_ladder(cfg: Any, loaded: Any, probs: np.ndarray, training_budget: int, s
     found = smallest_budget_within(budgets, acc, float(got["dense"].mean()), ds.tolerance)
     if found is None:
         log.warning("no budget up to N=%d brings the learned schedule within %.3f of dense (%.3f vs %.3f); "
-                    "the artifact defaults to N=%d: extend method.deploy.budgets_per_layer", budgets[-1],
-                    ds.tolerance, acc[-1], float(got["dense"].mean()), budgets[-1])
+                    "the artifact defaults to N=%d: %s", budgets[-1], ds.tolerance, acc[-1],
+                    float(got["dense"].mean()), budgets[-1], no_rung_advice(ds.tolerance, len(prompts)))
     return LadderResult(budgets=budgets, learned={n: got[f"learned:{n}"] for n in budgets},
                         uniform={n: got[f"uniform:{n}"] for n in budgets}, dense=got["dense"], schedules=learned,
                         default_budget=found if found is not None else budgets[-1],

@@ -145,3 +145,15 @@ def test_budget_option_rejects_budgets_below_one_per_layer_or_not_integers(budge
 def test_budget_option_needs_the_learned_share():
     with pytest.raises(ArtifactError, match="no learned share"):
         SantaDecode.from_artifact(_artifact([2, 2, 2, 2]), MODEL, budget=12)
+
+
+def test_no_rung_advice_names_the_question_count_when_one_question_exceeds_the_tolerance():
+    from calib.santa.deploy import no_rung_advice
+
+    coarse = no_rung_advice(0.01, 96)  # one question = 1.04 points > 1 point
+    assert "budgets_per_layer" in coarse and "method.deploy.questions to at least 100" in coarse
+    assert "\n" not in coarse
+    assert "questions" not in no_rung_advice(0.01, 100)  # one question = exactly the tolerance: admitted
+    assert "questions" not in no_rung_advice(0.05, 96)
+    assert "at least 40" in no_rung_advice(0.025, 30)
+    assert no_rung_advice(0.0, 96) == "extend method.deploy.budgets_per_layer"  # no question count admits a loss

@@ -200,6 +200,19 @@ def per_row_sample_counts(
     )
 
 
+def check_decode_settings(estimator: str, tiling: str, tile: int) -> None:
+    """Raise ``ValueError`` unless (estimator, tiling, tile) is a decode configuration the backends run:
+    a known tiling and estimator, ``sys`` inside tiles, ``tile >= 1``."""
+    if tiling not in TILINGS:
+        raise ValueError(f"unknown tiling {tiling!r}; use one of {TILINGS}")
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"unknown estimator {estimator!r}; use one of {ESTIMATORS}")
+    if tiling != "none" and estimator != "sys":
+        raise ValueError(f"tiling={tiling!r} samples systematically inside tiles; use estimator='sys'")
+    if int(tile) < 1:
+        raise ValueError(f"tile must be >= 1, got {tile}")
+
+
 def _prepare_decode(
     q, k_cache, v_cache, num_samples, tiling, tile, estimator, scale, generator, tile_uniforms,
     uniforms, cache_len,
@@ -211,14 +224,7 @@ def _prepare_decode(
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D] or [B, Hq, 1, D], got {tuple(q.shape)}")
     _check_qkv(q[:, :, None], k_cache, v_cache)
-    if tiling not in TILINGS:
-        raise ValueError(f"unknown tiling {tiling!r}; use one of {TILINGS}")
-    if estimator not in ESTIMATORS:
-        raise ValueError(f"unknown estimator {estimator!r}; use one of {ESTIMATORS}")
-    if tiling != "none" and estimator != "sys":
-        raise ValueError(f"tiling={tiling!r} samples systematically inside tiles; use estimator='sys'")
-    if int(tile) < 1:
-        raise ValueError(f"tile must be >= 1, got {tile}")
+    check_decode_settings(estimator, tiling, tile)
     b, hq, d = q.shape
     tk = k_cache.shape[2]
     if cache_len is None:

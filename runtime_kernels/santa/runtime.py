@@ -14,9 +14,8 @@ from typing import Any, Sequence
 
 import torch
 
-from runtime_kernels.santa.api import backend_function, int_vector, santa_attention
+from runtime_kernels.santa.api import backend_function, check_decode_settings, int_vector, santa_attention
 from runtime_kernels.santa.draws import SamplingSeeds, keyed_uniforms
-from runtime_kernels.santa.reference import ESTIMATORS, TILINGS
 
 PHASES = ("prefill", "decode")
 
@@ -89,14 +88,7 @@ class SantaDecode:
                  tiling: str = "flash", tile: int = 256, phases: Any = ("decode",), seed: int | None = None,
                  backend: str = "auto") -> None:
         self.schedule = _schedule_list(schedule)
-        if estimator not in ESTIMATORS:
-            raise ValueError(f"unknown estimator {estimator!r}; use one of {ESTIMATORS}")
-        if tiling not in TILINGS:
-            raise ValueError(f"unknown tiling {tiling!r}; use one of {TILINGS}")
-        if tiling != "none" and estimator != "sys":
-            raise ValueError(f"tiling={tiling!r} samples systematically inside tiles; use estimator='sys'")
-        if int(tile) < 1:
-            raise ValueError(f"tile must be >= 1, got {tile}")
+        check_decode_settings(estimator, tiling, tile)
         self.estimator, self.tiling, self.tile, self.backend = estimator, tiling, int(tile), backend
         self.phases = _phases(phases)
         self.phase = "both" if "prefill" in self.phases else "decode"

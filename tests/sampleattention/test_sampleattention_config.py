@@ -13,7 +13,7 @@ from runtime_kernels.sampleattention.buckets import BucketRow, BucketTable
 CONF = Path(__file__).resolve().parents[2] / "conf"
 
 
-@pytest.mark.parametrize("model", ["tiny", "llama31"])
+@pytest.mark.parametrize("model", ["tiny", "llama31", "smollm2"])
 def test_method_config_resolves_per_model(model: str) -> None:
     cfg = OmegaConf.create({"model": OmegaConf.load(CONF / "model" / f"{model}.yaml"),
                             "method": OmegaConf.load(CONF / "method" / "sampleattention.yaml")})
@@ -28,5 +28,7 @@ def test_method_config_resolves_per_model(model: str) -> None:
     table = BucketTable(edges, [BucketRow(1.0, 1.0, 1)] * (len(edges) + 1), blk=method["blk"])
     groups = lengths_by_bucket(edges, method["profiling"]["lengths"])
     assert len(groups) == len(table.rows) and sum(map(len, groups)) == len(method["profiling"]["lengths"])
+    # exact-match profiling generates as long as eval does: SmolLM2's sentence-long answers need 32 tokens
+    assert method["profiling"]["max_new_tokens"] == {"tiny": 16, "llama31": 16, "smollm2": 32}[model]
     if model == "llama31":  # the paper's five buckets
         assert edges == [16 * 1024, 48 * 1024, 80 * 1024, 112 * 1024]

@@ -56,7 +56,9 @@ _LOG = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class SelectLaunch:
-    """Launch shape of ``_sale_select_kernel`` (replace ``LAUNCH`` to tune on a GPU)."""
+    """Launch shape of ``_sale_select_kernel`` (replace ``LAUNCH`` to tune on a GPU). On the H200 at 128k
+    (2026-11-26) none of 37 alternatives (rows 128/256, block_n 64-256, 4/8 warps, 2-4 stages) beat it by
+    more than 1 %."""
 
     rows: int = 128  # query rows per program: HPP = rows // block_q heads of one KV group share each K tile
     block_n: int = 128  # keys per walk tile (a multiple of block_k; = block_k avoids the in-tile reshape)

@@ -83,6 +83,10 @@ def validate(cfg: DictConfig) -> None:
             f"method.profiling.lengths={lengths} must be a non-empty list of prompt lengths")
     require(int(p.prompts_per_length) >= 1, f"method.profiling.prompts_per_length={p.prompts_per_length} must be >= 1")
     require(int(p.max_new_tokens) >= 1, f"method.profiling.max_new_tokens={p.max_new_tokens} must be >= 1")
+    require(str(p.get("loop", "auto")) in ("auto", "eager", "static"),
+            f"method.profiling.loop={p.get('loop')!r} must be auto, eager or static")
+    require(int(p.get("batch_tokens", 16384)) >= 1,
+            f"method.profiling.batch_tokens={p.get('batch_tokens')} must be >= 1")
 
 
 def data_needs(cfg: DictConfig) -> dict[str, str | None]:
@@ -93,6 +97,13 @@ def data_needs(cfg: DictConfig) -> dict[str, str | None]:
 def _measure_time(cfg: DictConfig, device: Any) -> bool:
     flag = str(cfg.method.measure_time).lower()
     return device.type == "cuda" if flag == "auto" else flag == "true"
+
+
+def _profiling_loop(cfg: DictConfig, device: Any) -> str:
+    """``method.profiling.loop``: ``auto`` = ``static`` on CUDA (exact-match answers batched through the
+    serving loop, as ``calib eval`` answers them there), else ``eager``."""
+    loop = str(cfg.method.profiling.get("loop", "auto"))
+    return ("static" if device.type == "cuda" else "eager") if loop == "auto" else loop
 
 
 def _profiling_prompts(cfg: DictConfig, tokenizer: Any) -> list[Any]:
@@ -207,6 +218,7 @@ def calibrate(cfg: DictConfig, ctx: Any) -> Any:
     with ctx.timer.stage("data"):
         prompts = _profiling_prompts(cfg, loaded.tokenizer)
     timing = _measure_time(cfg, ctx.device)
+    loop = _profiling_loop(cfg, ctx.device)
     reports: list[BucketReport] = []
     results: list[Any] = []
     for index, bucket_prompts in enumerate(_by_bucket(edges, prompts)):
@@ -215,8 +227,8 @@ def calibrate(cfg: DictConfig, ctx: Any) -> Any:
             continue
         lengths = sorted({p.length for p in bucket_prompts})
         evaluator = BucketEvaluator(loaded, bucket_prompts, int(m.blk), str(m.score), int(m.profiling.max_new_tokens),
-                                    timing=timing, report_cra=bool(m.profiling.report_cra),
-                                    early_stop=bool(m.early_stop))
+                                    loop=loop, batch_tokens=int(m.profiling.batch_tokens), timing=timing,
+                                    report_cra=bool(m.profiling.report_cra), early_stop=bool(m.early_stop))
         with ctx.timer.stage("tune"):
             report = _tune_bucket(cfg, evaluator, index, lengths)
         reports.append(report)

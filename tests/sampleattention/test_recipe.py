@@ -258,7 +258,9 @@ def test_validate_rejects_bad_method_values(model_dir: Path) -> None:
                        ("method.score=bleu", "method.score"), ("method.bucket_edges=[512,384]", "bucket_edges"),
                        ("method.min_relative_score=1.5", "min_relative_score"),
                        ("method.profiling.prompts_per_length=0", "prompts_per_length"),
-                       ("method.report=some", "method.report"), ("method.table3_chunk_ns=[0]", "table3_chunk_ns")):
+                       ("method.report=some", "method.report"), ("method.table3_chunk_ns=[0]", "table3_chunk_ns"),
+                       ("method.profiling.loop=graph", "profiling.loop"),
+                       ("method.profiling.batch_tokens=0", "batch_tokens")):
         with pytest.raises(UserError, match=match):
             validate(compose(overrides(model_dir, bad)))
 
@@ -283,6 +285,57 @@ def test_early_stop_reports_an_upper_bound_below_the_threshold_and_full_rescores
     full = ev.full(point)
     assert calls == [0, 1, 0, 1, 2, 3] and full.complete
     assert full.score == pytest.approx((0.9 + 0.3 + 0.95 + 0.97) / 4) and full.sparsity == 0.5
+
+
+def test_static_exact_match_answers_in_batches_what_eager_answers_one_by_one(loaded, model_dir: Path,
+                                                                            monkeypatch) -> None:
+    """The serving-loop batches give every prompt the reply eager one-prompt generation gives it, under
+    dense and under a sparse point, and the same sparsity (a batch's mean given to each of its prompts)."""
+    import calib.data
+    from calib.config import compose
+    from calib.sampleattention.recipe import _profiling_prompts
+
+    cfg = compose(overrides(model_dir, "method.profiling.prompts_per_length=3"))
+    prompts = _profiling_prompts(cfg, loaded.tokenizer)
+    replies: dict[str, list[str]] = {"eager": [], "static": []}
+    evals = {}
+    for loop in ("eager", "static"):
+        def record(prediction: str, prompt: Any, loop: str = loop) -> bool:
+            replies[loop].append(prediction)
+            return len(prediction) % 2 == 0  # any deterministic rule: the same replies score the same
+
+        monkeypatch.setattr(calib.data, "is_correct", record)
+        ev = BucketEvaluator(loaded, prompts, blk=32, score="exact_match", max_new_tokens=6, loop=loop,
+                             batch_tokens=4096)
+        if loop == "static":
+            assert max(map(len, ev._chunks())) > 1
+        ev.dense()
+        evals[loop] = ev.full(GridPoint(ALPHAS[0], ALPHAS[0], 1))
+    assert len(replies["eager"]) == 2 * len(prompts) and any(replies["eager"])
+    assert replies["static"] == replies["eager"]
+    assert [s.score for s in evals["static"].scores] == [s.score for s in evals["eager"].scores]
+    assert evals["eager"].sparsity > 0
+    assert evals["static"].sparsity == pytest.approx(evals["eager"].sparsity, rel=1e-6)
+
+
+def test_static_exact_match_stops_early_after_a_batch(loaded, monkeypatch) -> None:
+    prompts = [type("P", (), {"text": "a", "answer": "b", "input_ids": [1, 2]})() for _ in range(6)]
+    ev = BucketEvaluator(loaded, prompts, blk=32, score="exact_match", loop="static", batch_tokens=4)
+    assert ev._chunks() == [[0, 1], [2, 3], [4, 5]]
+    values = iter([1.0, 0.0, 0.0, 1.0, 1.0, 1.0] * 2)
+    batches: list[int] = []
+
+    def fake(batch: list[Any], rt: Any) -> list[tuple[float, bool]]:
+        batches.append(len(batch))
+        return [(v, v == 1.0) for v in (next(values) for _ in batch)]
+
+    monkeypatch.setattr(ev, "_answer", fake)
+    ev.threshold = 0.7
+    point = GridPoint(0.5, 0.5, 1)
+    stopped = ev.evaluate(point)  # after 1, 0 the bound is 5/6 >= 0.7; after 0, 1 it is 4/6 < 0.7: stop
+    assert batches == [2, 2] and not stopped.complete and stopped.score == pytest.approx(4 / 6)
+    full = ev.full(point)
+    assert batches == [2, 2, 2, 2, 2] and full.complete and full.score == pytest.approx(4 / 6)
 
 
 def test_answer_token_ids_follow_the_prompt_as_the_model_writes_them() -> None:

@@ -22,8 +22,9 @@ task scores (``method.score``), both in ``[0, 1]`` per prompt and averaged over 
   ``data.scoring``; generation stops where ``calib eval``'s does for that rule): the task score of
   ``calib eval`` and of the paper (§4.2.6 tunes for accuracy relative to full attention). With
   ``loop="static"`` (the recipe's choice on CUDA) prompts are answered ``batch_tokens`` at a time
-  through the serving loop (``calib.generation.static_greedy_generate``: each row prefilled alone by
-  SampleAttention, the dense decode steps graph-captured); eager generation of one prompt at a time
+  through the serving loop (``calib.generation.static_greedy_generate``: SampleAttention prefills rows
+  of one token count together and the others one by one, as in ``calib eval``; the dense decode steps
+  are graph-captured); eager generation of one prompt at a time
   made a SmolLM2 run with this score take 1180 s of tuning on an H200 (69 points × 24 prompts at 1k-8k).
 
 Early stop (``method.early_stop``): prompts are scored one at a time (a batch at a time in the static

@@ -147,6 +147,7 @@ def _train_tiny(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
                            *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
+@pytest.mark.slow  # ~37 s on the 2-core CI machine: two train_tiny.py runs (a maintainer's script)
 def test_train_tiny_recall_only_then_init_from(tmp_path):
     first = tmp_path / "recall"
     proc = _train_tiny("--out", str(first), "--recall-only")

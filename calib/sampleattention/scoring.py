@@ -24,8 +24,8 @@ task scores (``method.score``), both in ``[0, 1]`` per prompt and averaged over 
   ``loop="static"`` (the recipe's choice on CUDA) prompts are answered ``batch_tokens`` at a time
   through the serving loop (``calib.generation.static_greedy_generate``: SampleAttention prefills rows
   of one token count together and the others one by one, as in ``calib eval``; the dense decode steps
-  are graph-captured); eager generation of one prompt at a time
-  made a SmolLM2 run with this score take 1180 s of tuning on an H200 (69 points × 24 prompts at 1k-8k).
+  are graph-captured). Eager generation of one prompt at a time made a SmolLM2 run with this score take
+  1180 s of tuning on an H200 (69 points × 24 prompts at 1k-8k).
 
 Early stop (``method.early_stop``): prompts are scored one at a time (a batch at a time in the static
 loop); once even perfect scores (1.0) on the remaining prompts could not lift the mean to the feasibility
@@ -158,7 +158,6 @@ class BucketEvaluator:
         if self.loop not in ("eager", "static"):
             raise ValueError(f"loop={self.loop!r}; use eager or static")
         tok = self.loaded.tokenizer
-        self._stops = stop_token_ids(tok)
         self._rule_stops = {rule: stop_token_ids(tok, newline=rule == "exact_match")
                             for rule in ("exact_match", "contains")}
         self._answers = [answer_token_ids(tok, p) for p in self.prompts]
@@ -166,15 +165,12 @@ class BucketEvaluator:
     def _score_prompt(self, index: int, rt: SampleAttentionPrefill | None) -> PromptScore:
         p = self.prompts[index]
         if self.score == "answer_prob":
-            stops = self._stops if getattr(p, "scoring", "exact_match") == "exact_match" else set()
+            stops = self._rule_stops["exact_match"] if getattr(p, "scoring", "exact_match") == "exact_match" else set()
             value, exact = teacher_forced_score(self.loaded.model, p.input_ids, self._answers[index], stops, rt)
         else:
-            value, exact = self._generate(p, rt)
+            value, exact = self._answer([p], rt)[0]
         stats = rt.pop_stats() if rt is not None else {}
         return PromptScore(value, exact, stats)
-
-    def _generate(self, prompt: Any, rt: SampleAttentionPrefill | None) -> tuple[float, bool]:
-        return self._answer([prompt], rt)[0]
 
     def _answer(self, prompts: list[Any], rt: SampleAttentionPrefill | None) -> list[tuple[float, bool]]:
         """Greedy answers of ``prompts`` (one rule) scored by their task's rule: eager one prompt at a

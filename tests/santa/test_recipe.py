@@ -362,6 +362,17 @@ def test_validate_accepts_defaults(model_dir):
     validate(_compose(model_dir, "method.tiling=none", "method.estimator=iid", "rl.budget=5"))
 
 
+def test_reinforce_step_and_length_follow_the_model():
+    """The paper's step (0.02) and the 12-update CPU default unless a model sets its own: SmolLM2's
+    0.25 x 240 is the recipe that separated learned from uniform there (docs/results/smollm2.md)."""
+    from calib.config import compose
+
+    rl = {m: compose(["+method=santa", f"model={m}"]).rl for m in ("tiny", "smollm2")}
+    assert (rl["tiny"].lr, rl["tiny"].iterations) == (0.02, 12)
+    assert (rl["smollm2"].lr, rl["smollm2"].iterations) == (0.25, 240)
+    assert compose(["+method=santa", "model=smollm2", "rl.lr=0.5"]).rl.lr == 0.5
+
+
 def test_heldout_comparison_scores_every_uniform_placement(model_dir, monkeypatch):
     """N = 3 on 2 layers: uniform = theta=0's [2, 1]; the other placement [1, 2] is scored too, and the
     best-placement metrics say whether learned beats even the luckiest uniform."""

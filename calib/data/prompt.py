@@ -76,8 +76,10 @@ class PromptFormatter:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` with BOS exactly once (when the tokenizer uses BOS)."""
-        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        """Token ids of ``text`` with BOS exactly once (when the tokenizer uses BOS). Quietly: prompt
+        fitting measures texts longer than the model's context before trimming them, which transformers
+        would otherwise report as a sequence "too long for this model" it never runs."""
+        ids = list(self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
         if self.add_bos:
             start = 0
             while start < len(ids) and ids[start] == self.bos_id:

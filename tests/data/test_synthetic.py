@@ -164,3 +164,16 @@ def test_chat_template_path(chat_tokenizer):
     assert p.text.endswith(" is")
     plain = build_prompts(cfg(tasks=["niah_single"], num_prompts=1, chat_template=False), chat_tokenizer)[0]
     assert "<|start|>" not in plain.text and plain.text.endswith(" is")
+
+
+def test_fitting_to_the_context_limit_warns_nothing(tiny_tokenizer, caplog):
+    """A prompt fitted to the tokenizer's full context measures longer drafts on the way; transformers'
+    "sequence length is longer than the specified maximum" warning is about running a sequence, which
+    fitting never does, so it must not reach the user."""
+    import logging
+
+    limit = tiny_tokenizer.model_max_length
+    with caplog.at_level(logging.WARNING):
+        fitted = fit_to_length("niah_single", seed_from("limit", 1), limit, PromptFormatter(tiny_tokenizer))
+    assert limit - tolerance(limit) <= len(fitted.input_ids) <= limit
+    assert not [r for r in caplog.records if "longer than the specified maximum" in r.getMessage()]

@@ -51,11 +51,13 @@ def equal_length_greedy_generate(model: Any, batch: Sequence[Sequence[int]], max
     any attention the model runs (a sparse method's runtime included) sees exactly what it sees for
     one prompt, with a batch dimension. A sequence keeps decoding after its stop token (its later tokens
     are dropped) until every sequence stopped or ``max_new_tokens`` were produced."""
+    from runtime_kernels.generate import cache_argument, output_cache
+
     _check_one_length(batch)
-    device = next(model.parameters()).device
+    device, arg = next(model.parameters()).device, cache_argument(model)
     ids = torch.tensor([list(row) for row in batch], device=device)
     out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-    past, token = out.past_key_values, out.logits[:, -1].argmax(-1)  # token: [B]
+    past, token = output_cache(out), out.logits[:, -1].argmax(-1)  # token: [B]
     stops = torch.tensor(sorted(stop_ids) or [-1], device=device)
     done = torch.zeros(len(batch), dtype=torch.bool, device=device)
     generated: list[torch.Tensor] = []
@@ -64,8 +66,8 @@ def equal_length_greedy_generate(model: Any, batch: Sequence[Sequence[int]], max
         if bool(done.all()):
             break
         generated.append(torch.where(done, -1, token))
-        out = model(input_ids=token[:, None], past_key_values=past, use_cache=True)
-        past, token = out.past_key_values, out.logits[:, -1].argmax(-1)
+        out = model(input_ids=token[:, None], use_cache=True, **{arg: past})
+        past, token = output_cache(out), out.logits[:, -1].argmax(-1)
     return _rows_before_stop(generated, len(batch))
 
 
@@ -127,11 +129,13 @@ def batched_greedy_generate(model: Any, batch: Sequence[Sequence[int]], max_new_
     """:func:`greedy_generate` for several prompts at once (left padding, positions counted from each
     prompt's first real token), returning each prompt's new tokens. Equal to the one-prompt results up to
     the floating-point effects of batching; prompts of equal length need no padding at all."""
-    device = next(model.parameters()).device
+    from runtime_kernels.generate import cache_argument, output_cache
+
+    device, arg = next(model.parameters()).device, cache_argument(model)
     input_ids, mask = left_padded(batch, pad_id, device)  # [B, W]
     positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, W]
     out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
-    past, token = out.past_key_values, out.logits[:, -1].argmax(-1)  # token: [B]
+    past, token = output_cache(out), out.logits[:, -1].argmax(-1)  # token: [B]
     stops = torch.tensor(sorted(stop_ids), device=device)
     done = torch.zeros(len(batch), dtype=torch.bool, device=device)
     generated: list[torch.Tensor] = []
@@ -142,7 +146,7 @@ def batched_greedy_generate(model: Any, batch: Sequence[Sequence[int]], max_new_
             break
         generated.append(torch.where(done, -1, token))
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-        out = model(input_ids=token[:, None], attention_mask=mask, position_ids=next_pos, past_key_values=past,
-                    use_cache=True)
-        past, token, next_pos = out.past_key_values, out.logits[:, -1].argmax(-1), next_pos + 1
+        out = model(input_ids=token[:, None], attention_mask=mask, position_ids=next_pos, use_cache=True,
+                    **{arg: past})
+        past, token, next_pos = output_cache(out), out.logits[:, -1].argmax(-1), next_pos + 1
     return _rows_before_stop(generated, len(batch))

@@ -93,6 +93,8 @@ def _nll_of_positions(head: tuple[torch.Tensor, torch.Tensor | None], hidden: to
 @torch.inference_mode()
 def chunk_nll(model: Any, ids: Sequence[int], decode_tokens: int) -> NllResult:
     """Score one chunk: prefill all but the last ``decode_tokens`` tokens, then teacher-forced decode steps."""
+    from runtime_kernels.generate import cache_argument, output_cache
+
     device = next(model.parameters()).device
     tokens = torch.tensor(list(ids), device=device)  # [T]
     n_prefill = len(ids) - decode_tokens
@@ -105,14 +107,15 @@ def chunk_nll(model: Any, ids: Sequence[int], decode_tokens: int) -> NllResult:
     hidden = out.last_hidden_state[0]  # [n_prefill, H]
     result = NllResult(chunks=1, tokens_prefill=n_prefill - 1)
     result.nll_sum_prefill = _nll_of_positions(head, hidden[:-1], tokens[1:n_prefill])
-    past, last = out.past_key_values, hidden[-1:]  # last: [1, H], predicts tokens[n_prefill]
+    past, last = output_cache(out), hidden[-1:]  # last: [1, H], predicts tokens[n_prefill]
+    arg = cache_argument(decoder)
     for pos in range(n_prefill, len(ids)):
         result.nll_sum_decode += _nll_of_positions(head, last, tokens[pos:pos + 1])
         result.tokens_decode += 1
         if pos + 1 == len(ids):
             break
-        step = decoder(input_ids=tokens[None, pos:pos + 1], past_key_values=past, use_cache=True)
-        past, last = step.past_key_values, step.last_hidden_state[0]
+        step = decoder(input_ids=tokens[None, pos:pos + 1], use_cache=True, **{arg: past})
+        past, last = output_cache(step), step.last_hidden_state[0]
     return result
 
 

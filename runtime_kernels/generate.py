@@ -490,6 +490,13 @@ def cache_argument(model: Any) -> str:
     return "cache" if _takes(model.forward, "cache") else "past_key_values"
 
 
+def output_cache(out: Any) -> Any:
+    """The cache a transformers forward returned: ``out.cache`` in recent 5.x releases (where
+    ``past_key_values`` is a deprecated alias, to be removed), ``out.past_key_values`` before."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
 def flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                  cache_len: torch.Tensor | None) -> torch.Tensor | None:
     """Dense decode attention by split-K flash-decoding (the SAAP kernel's dense-layer path,

@@ -101,6 +101,8 @@ def teacher_forced_score(model: Any, prompt_ids: Sequence[int], answer_ids: Sequ
     Returns the geometric mean over each answer token's probability and, when ``stop_ids`` is not
     empty, the summed probability of ``stop_ids`` after the answer (``len(answer_ids) + 1`` terms).
     """
+    from runtime_kernels.generate import cache_argument, output_cache
+
     device = next(model.parameters()).device
     if prefill is not None:
         hf.attach(model, prefill=prefill)
@@ -111,8 +113,8 @@ def teacher_forced_score(model: Any, prompt_ids: Sequence[int], answer_ids: Sequ
             hf.remove(model)
     logits = [out.logits[0, -1:].float()]  # [1, V]: predicts answer_ids[0]
     if answer_ids:
-        cont = model(input_ids=torch.tensor([list(answer_ids)], device=device), past_key_values=out.past_key_values,
-                     use_cache=False)
+        cont = model(input_ids=torch.tensor([list(answer_ids)], device=device), use_cache=False,
+                     **{cache_argument(model): output_cache(out)})
         logits.append(cont.logits[0].float())  # [A, V]: predicts answer_ids[1:] and the stop
     logp = torch.log_softmax(torch.cat(logits), dim=-1)  # [A + 1, V]
     targets = torch.tensor(list(answer_ids), device=logp.device, dtype=torch.long)

@@ -40,6 +40,33 @@ def _saap(top_l: int, recent: int = 8, **options) -> SaapDecode:
     return SaapDecode(layers, top_l=top_l, **{"stats": False, **options})
 
 
+def test_cache_keyword_and_output_follow_the_transformers_release():
+    """The cache goes in and comes out by the name the installed transformers uses: ``cache`` where
+    ``forward`` takes it (``past_key_values`` a deprecated alias there), ``past_key_values`` before."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from runtime_kernels.generate import cache_argument, output_cache
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None, use_cache=False):
+            return input_ids
+
+    class New(torch.nn.Module):
+        def forward(self, input_ids, cache=None, use_cache=False, **kwargs):
+            return input_ids
+
+    assert (cache_argument(Old()), cache_argument(New())) == ("past_key_values", "cache")
+    marker = object()
+    fields = {f for f in CausalLMOutputWithPast.__dataclass_fields__}
+    name = "cache" if "cache" in fields else "past_key_values"
+    assert output_cache(CausalLMOutputWithPast(logits=torch.zeros(1), **{name: marker})) is marker
+
+    class Legacy:  # an output object of a release before the rename
+        past_key_values = marker
+
+    assert output_cache(Legacy()) is marker
+
+
 def test_round_up_and_cache_views():
     assert round_up(1, 256) == 256 and round_up(256, 256) == 256 and round_up(257, 256) == 512
     cache = StaticKVCache(2, batch=1, num_kv_heads=1, head_dim=2, max_len=8, device="cpu", dtype=torch.float32)

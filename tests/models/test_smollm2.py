@@ -201,6 +201,7 @@ def test_saap_reading_every_bucket_equals_dense_at_8k_tokens():
     from calib.config import compose
     from calib.perplexity import real_text_path, text_chunks
     from runtime_kernels import hf
+    from runtime_kernels.generate import cache_argument, output_cache
     from runtime_kernels.saap import SaapDecode, SaapLayerParams
 
     cfg = compose(["model=smollm2", "device=cpu"])
@@ -222,10 +223,10 @@ def test_saap_reading_every_bucket_equals_dense_at_8k_tokens():
     @torch.no_grad()
     def decode_logits(steps: int = 4) -> torch.Tensor:
         out = loaded.model(ids, use_cache=True)
-        past, nxt, logits = out.past_key_values, out.logits[:, -1:].argmax(-1), []
+        past, nxt, logits = output_cache(out), out.logits[:, -1:].argmax(-1), []
         for _ in range(steps):
-            out = loaded.model(nxt, past_key_values=past, use_cache=True)
-            past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            out = loaded.model(nxt, use_cache=True, **{cache_argument(loaded.model): past})
+            past, nxt = output_cache(out), out.logits[:, -1:].argmax(-1)
             logits.append(out.logits[:, -1].float())
         return torch.stack(logits, 1)
 

@@ -128,12 +128,14 @@ def test_registry_alias_and_mlflow_logs(result, home):
 
 def _decode_logits(model: Any, ids: torch.Tensor, forced: list[int]) -> torch.Tensor:
     """Logits of the prefill's last position and of each decode step fed ``forced`` tokens: ``[1 + n, V]``."""
+    from runtime_kernels.generate import cache_argument, output_cache
+
     with torch.no_grad():
         out = model(input_ids=ids, use_cache=True)
-        past, logits = out.past_key_values, [out.logits[0, -1]]
+        past, logits = output_cache(out), [out.logits[0, -1]]
         for tok in forced:
-            out = model(input_ids=torch.tensor([[tok]]), past_key_values=past, use_cache=True)
-            past = out.past_key_values
+            out = model(input_ids=torch.tensor([[tok]]), use_cache=True, **{cache_argument(model): past})
+            past = output_cache(out)
             logits.append(out.logits[0, -1])
     return torch.stack(logits)
 

@@ -22,11 +22,13 @@ PROMPT = 40
 
 def decode_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """Greedy decode ``STEPS`` tokens after the prompt ``ids: [B, T]``; the steps' logits ``[B, STEPS, V]``."""
+    from runtime_kernels.generate import cache_argument, output_cache  # the installed package's
+
     out = model(ids, use_cache=True)
-    past, tok, logits = out.past_key_values, out.logits[:, -1:].argmax(-1), []
+    past, tok, logits = output_cache(out), out.logits[:, -1:].argmax(-1), []
     for _ in range(STEPS):
-        out = model(tok, past_key_values=past, use_cache=True)
-        past, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        out = model(tok, use_cache=True, **{cache_argument(model): past})
+        past, tok = output_cache(out), out.logits[:, -1:].argmax(-1)
         logits.append(out.logits[:, -1])
     return torch.stack(logits, 1)
 

@@ -127,9 +127,11 @@ IDS = (torch.arange(3, 203)[None] * 7) % 300  # 200 prompt tokens
 
 
 def _prefill_then_decode(model) -> tuple[torch.Tensor, torch.Tensor]:
+    from runtime_kernels.generate import cache_argument, output_cache
+
     with torch.no_grad():
         out = model(input_ids=IDS, use_cache=True)
-        step = model(input_ids=torch.tensor([[5]]), past_key_values=out.past_key_values, use_cache=True)
+        step = model(input_ids=torch.tensor([[5]]), use_cache=True, **{cache_argument(model): output_cache(out)})
     return out.logits, step.logits
 
 

@@ -132,7 +132,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, fl
         for row in rec["steps"]:
             cell = group.setdefault(str(row["layer"]), {"read": 0.0, "mass": 0.0, "steps": 0})
             cell["read"] += sum(row["read"]) / len(row["read"])
-            cell["mass"] += sum(row.get("mass", [0.0])) / len(row.get("mass", [0.0]))
+            cell["mass"] += sum(row["mass"]) / len(row["mass"])
             cell["steps"] += 1
     for group in out.values():
         for cell in group.values():

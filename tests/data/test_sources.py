@@ -202,8 +202,28 @@ def test_eval_cells_keep_only_those_cells_of_the_grid(tiny_tokenizer):
     assert {(p.task, p.length) for p in grid} == {(t, n) for t in ("niah_single", "kv_retrieval") for n in (256, 512)}
     assert sorted((p.task, p.length) for p in kept) == sorted(
         [("niah_single", 256)] * 2 + [("niah_single", 512)] * 2 + [("kv_retrieval", 256)] * 2)
-    by_id = {p.prompt_id: p.text for p in grid}
-    assert all(by_id[p.prompt_id] == p.text for p in kept)
+    by_id = {p.prompt_id: (p.text, p.input_ids) for p in grid}
+    assert all(by_id[p.prompt_id] == (p.text, p.input_ids) for p in kept)
+
+
+def test_eval_cells_fit_only_the_kept_cells(tiny_tokenizer, monkeypatch):
+    """Prompts outside ``eval.cells`` are never fitted (building a 5 x 4 grid to keep 3 cells cost more than
+    answering them); the ones built are the grid's own."""
+    import calib.data.sources as sources
+
+    fitted = []
+    real_fit = sources.fit_to_length
+
+    def counting_fit(task, seed, length, fmt):
+        fitted.append((task, length))
+        return real_fit(task, seed, length, fmt)
+
+    monkeypatch.setattr(sources, "fit_to_length", counting_fit)
+    kept = sources.evaluation_prompts(_eval_cfg(["kv_retrieval@512"]), tiny_tokenizer)
+    assert fitted == [("kv_retrieval", 512)] * 2
+    monkeypatch.setattr(sources, "fit_to_length", real_fit)
+    grid = {p.prompt_id: p.input_ids for p in sources.evaluation_prompts(_eval_cfg(None), tiny_tokenizer)}
+    assert [grid[p.prompt_id] for p in kept] == [p.input_ids for p in kept]
 
 
 @pytest.mark.parametrize("cells, message", [(["niah_single-256"], "task@length"), (["niah_single@long"], "task@length"),

@@ -30,5 +30,9 @@ def test_method_config_resolves_per_model(model: str) -> None:
     assert len(groups) == len(table.rows) and sum(map(len, groups)) == len(method["profiling"]["lengths"])
     # exact-match profiling generates as long as eval does: SmolLM2's sentence-long answers need 32 tokens
     assert method["profiling"]["max_new_tokens"] == {"tiny": 16, "llama31": 16, "smollm2": 32}[model]
+    # SmolLM2 profiles by greedy exact match (its answer probability missed a 5-point loss at 8k), in batches
+    # of 64k tokens; the other models keep the continuous answer-probability score and eval's batch size
+    assert method["score"] == ("exact_match" if model == "smollm2" else "answer_prob")
+    assert method["profiling"]["batch_tokens"] == (65536 if model == "smollm2" else 16384)
     if model == "llama31":  # the paper's five buckets
         assert edges == [16 * 1024, 48 * 1024, 80 * 1024, 112 * 1024]

@@ -7,7 +7,7 @@ Steps (SPEC §5.3, paper §4.2.6; each a timed stage):
    ``method.profiling.lengths``, grouped by the bucket that holds their token count (``bucket_edges``;
    the lookup the runtime makes).
 2. ``dense``: each bucket's dense score (:mod:`calib.sampleattention.scoring`: ``method.score`` is
-   ``answer_prob`` by default, or ``exact_match``); threshold = ``min_relative_score`` x dense.
+   ``answer_prob`` by default, ``exact_match`` on SmolLM2); threshold = ``min_relative_score`` x dense.
 3. ``tune``: per bucket :func:`calib.sampleattention.tuning.tune_length_bucket` over the grid
    ``alphas_c x alphas_s x chunk_ns``; each point is scored by attaching ``SampleAttentionPrefill`` with
    that fixed row. Maximize sparsity subject to the threshold; ties (``sparsity_tie_tol``) go to the

@@ -4,7 +4,7 @@ A point ``(alpha_c, alpha_s, chunk_n)`` is scored by plugging :class:`SampleAtte
 one fixed row into the model (``runtime_kernels.hf.attach``) and answering the bucket's prompts. Two
 task scores (``method.score``), both in ``[0, 1]`` per prompt and averaged over the prompts:
 
-* ``answer_prob`` (default): the gold answer's per-token geometric-mean probability under teacher
+* ``answer_prob`` (the default, except on SmolLM2): the gold answer's per-token geometric-mean probability under teacher
   forcing, ``exp(mean_t log p(y_t | prompt, y_<t))`` over the answer tokens and, for tasks scored by
   exact match, the end of the answer (the summed probability of the stop tokens: EOS or newline, as
   greedy decoding stops). Tasks scored by ``contains`` (a model that answers in a sentence, such as
@@ -17,7 +17,10 @@ task scores (``method.score``), both in ``[0, 1]`` per prompt and averaged over 
   0.99 x dense threshold on it bounds the *degradation* of the answers, where exact match on a few
   prompts only says "no prompt flipped" (with a dense score of 1.0 the 0.99 rule on exact match is
   "all correct", a weak certificate on 5-20 prompts). It also gives ``tf_exact`` (every answer token
-  and the stop are the argmax: what greedy decoding would produce), logged with every point.
+  and the stop are the argmax: what greedy decoding would produce), logged with every point. Where it
+  fails: on SmolLM2 at 8k the point it chose (73 % skipped) moved the teacher-forced probability of 24
+  profiling prompts by 0.1-0.6 % yet flipped 5 % of held-out greedy answers, so that model profiles by
+  ``exact_match`` (``method_defaults.sampleattention.score``; docs/results/smollm2.md).
 * ``exact_match``: greedy generation scored with ``calib.data.is_correct`` (the task's rule,
   ``data.scoring``; generation stops where ``calib eval``'s does for that rule): the task score of
   ``calib eval`` and of the paper (§4.2.6 tunes for accuracy relative to full attention). With

@@ -7,7 +7,8 @@ and any killed run it resumed, :mod:`calib.checkpoint`):
 1. ``load`` — the model and the prompts. Calibration: ``method.prompts`` prompts from ``data`` with
    ``data.seed``, (length, task) pairs taken in turn over ``method.calib_lengths`` (null: the data
    lengths without the evaluation length, so evaluation runs at a length never calibrated on; all
-   of them when only one exists). Evaluation: ``method.eval.prompts`` prompts with ``eval.seed`` at
+   of them when only one exists; with ``teacher_forced_answer`` each cut to the model's context less
+   :data:`ANSWER_ROOM`). Evaluation: ``method.eval.prompts`` prompts with ``eval.seed`` at
    ``method.eval.length`` (null: the second-longest data length, or the only one).
 2. ``collect`` — the shared collector (:func:`calib.collect.collect`, cached and resumable) samples
    ``kmeans.keys_per_prompt`` key positions per (prompt, non-dense layer, KV head) (null: enough for
@@ -264,12 +265,44 @@ def data_needs(cfg: DictConfig) -> dict[str, str | None]:
     return {"calibration": None, "evaluation": None}
 
 
+ANSWER_ROOM = 64  # positions a teacher-forced calibration prompt leaves free for its gold answer
+
+
+def longest_calibration_prompt(cfg: DictConfig, s: Settings) -> int | None:
+    """The model's context (``model.arch.max_position_embeddings``) less :data:`ANSWER_ROOM` when the
+    gold answer is teacher-forced after each prompt; None when the model states no context."""
+    limit = OmegaConf.select(cfg, "model.arch.max_position_embeddings")
+    if limit is None:
+        return None
+    return int(limit) - (ANSWER_ROOM if s.teacher_forced_answer else 0)
+
+
 def prompt_lengths(cfg: DictConfig, s: Settings) -> tuple[list[int], int]:
-    """``(calibration lengths, evaluation length)`` (see the module docstring for the defaults)."""
+    """``(calibration lengths, evaluation length)`` (see the module docstring for the defaults). Default
+    calibration lengths longer than :func:`longest_calibration_prompt` are cut to it: SmolLM2's data
+    lengths end at its 8192-token context, and ``prompt + answer`` must fit (8128 there)."""
     lengths = sorted({int(x) for x in cfg.data.lengths})
     eval_length = s.eval_length if s.eval_length is not None else (lengths[-2] if len(lengths) > 1 else lengths[-1])
-    calib = s.calib_lengths or [n for n in lengths if n != eval_length] or lengths
+    calib = s.calib_lengths
+    if not calib:
+        limit = longest_calibration_prompt(cfg, s)
+        calib = [n if limit is None else min(n, limit) for n in ([n for n in lengths if n != eval_length] or lengths)]
     return sorted(set(calib)), int(eval_length)
+
+
+def check_answer_room(cfg: DictConfig, s: Settings, prompts: Sequence[Any], tokenizer: Any) -> None:
+    """One-line UserError, before any collection, when a calibration prompt plus its teacher-forced
+    answer passes the model's context (the targets pass would fail after collection and k-means)."""
+    limit = OmegaConf.select(cfg, "model.arch.max_position_embeddings")
+    if limit is None or not s.teacher_forced_answer:
+        return
+    for p in prompts:
+        n = len(p.input_ids) + len(answer_token_ids(tokenizer, p))
+        if n > int(limit):
+            raise UserError(f"calibration prompt {p.prompt_id} has {len(p.input_ids)} tokens and its answer "
+                            f"{n - len(p.input_ids)} more, past model {cfg.model.name!r}'s {int(limit)} positions: "
+                            f"use method.calib_lengths <= {int(limit) - ANSWER_ROOM} or "
+                            f"method.classifier.teacher_forced_answer=false")
 
 
 def _in_turn(prompts: Sequence[Any], n: int, what: str) -> list[Any]:
@@ -298,8 +331,9 @@ def build_prompt_sets(cfg: DictConfig, s: Settings, tokenizer: Any) -> tuple[lis
                           num_prompts=per, purpose="calibration")
     held = build_prompts(cfg.data, tokenizer, seed=int(cfg.eval.seed), lengths=[eval_length], tasks=tasks,
                          num_prompts=held_per, purpose="evaluation")
-    return (_in_turn(calib, s.prompts, "calibration"), _in_turn(held, s.eval_prompts, "evaluation"),
-            calib_lengths, eval_length)
+    chosen = _in_turn(calib, s.prompts, "calibration")
+    check_answer_room(cfg, s, chosen, tokenizer)
+    return chosen, _in_turn(held, s.eval_prompts, "evaluation"), calib_lengths, eval_length
 
 
 # ---------------------------------------------------------------------------------- collect + kmeans

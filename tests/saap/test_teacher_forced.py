@@ -160,6 +160,45 @@ def test_option_default_on_and_recorded():
     assert hyper["classifier"]["teacher_forced_answer"] is True
 
 
+def test_default_calibration_lengths_leave_room_for_the_answer():
+    """SmolLM2's data lengths end at its 8192-token context: the default calibration lengths (the data's
+    without the eval length 4096) cut 8192 to 8192 - 64, so prompt + teacher-forced answer fit; without
+    teacher forcing, and for explicit lengths, nothing is cut."""
+    from calib.config import compose
+    from calib.saap.recipe import ANSWER_ROOM, Settings, prompt_lengths
+
+    def lengths(*extra):
+        cfg = compose(["+method=saap", "model=smollm2", *extra])
+        return prompt_lengths(cfg, Settings.from_cfg(cfg.method))
+
+    assert lengths() == ([1024, 2048, 8192 - ANSWER_ROOM], 4096)
+    assert lengths("method.classifier.teacher_forced_answer=false") == ([1024, 2048, 8192], 4096)
+    assert lengths("method.calib_lengths=[2048,8192]") == ([2048, 8192], 4096)
+    assert lengths("model=tiny")[0] == [1024, 2048, 8192]  # its context is 10240: room left
+
+
+def test_answer_past_the_context_fails_before_collection(tokenizer):
+    """A calibration prompt whose answer would pass the model's positions fails in one line while the
+    prompts are built (it used to fail in the targets pass, after collection and k-means)."""
+    from calib.config import compose
+    from calib.errors import UserError
+    from calib.saap.recipe import Settings, answer_token_ids, build_prompt_sets
+
+    def prompt_sets(*extra):
+        cfg = compose(["+method=saap", "model.arch.max_position_embeddings=300", "data.lengths=[128,256,300]",
+                       "method.prompts=2", "method.eval.prompts=1", *extra])
+        return build_prompt_sets(cfg, Settings.from_cfg(cfg.method), tokenizer)
+
+    with pytest.raises(UserError, match=r"method.calib_lengths <= 236 or .*teacher_forced_answer=false") as info:
+        prompt_sets("method.calib_lengths=[300]")
+    assert "\n" not in str(info.value)
+    calib, held, calib_lengths, eval_length = prompt_sets()
+    assert (calib_lengths, eval_length) == ([128, 236], 256)
+    assert 128 < max(len(p.input_ids) for p in calib) <= 236
+    assert all(len(p.input_ids) + len(answer_token_ids(tokenizer, p)) <= 300 for p in calib)
+    prompt_sets("method.calib_lengths=[300]", "method.classifier.teacher_forced_answer=false")
+
+
 def test_tiny_model_emits_the_appended_tokens(tokenizer):
     """Greedy dense decoding of the tiny model emits exactly the teacher-forced tokens, and the queries
     at the answer positions predict the next answer token (the last one the stop token)."""

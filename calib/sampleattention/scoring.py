@@ -4,10 +4,10 @@ A point ``(alpha_c, alpha_s, chunk_n)`` is scored by plugging :class:`SampleAtte
 one fixed row into the model (``runtime_kernels.hf.attach``) and answering the bucket's prompts. Two
 task scores (``method.score``), both in ``[0, 1]`` per prompt and averaged over the prompts:
 
-* ``answer_prob`` (the default, except on SmolLM2): the gold answer's per-token geometric-mean probability under teacher
-  forcing, ``exp(mean_t log p(y_t | prompt, y_<t))`` over the answer tokens and, for tasks scored by
-  exact match, the end of the answer (the summed probability of the stop tokens: EOS or newline, as
-  greedy decoding stops). Tasks scored by ``contains`` (a model that answers in a sentence, such as
+* ``answer_prob`` (the default, except on SmolLM2): the gold answer's per-token geometric-mean
+  probability under teacher forcing, ``exp(mean_t log p(y_t | prompt, y_<t))`` over the answer tokens
+  and, for tasks scored by exact match, the end of the answer (the summed probability of the stop
+  tokens: EOS or newline, as greedy decoding stops). Tasks scored by ``contains`` (a model that answers in a sentence, such as
   SmolLM2: ``… is 1841451. This is the number …``) get no stop term: their reply goes on after the
   answer, so the stop's probability is ~1e-6 whatever the attention, and as one of ~8 averaged terms it
   held the dense score near 0.1 and buried the answer tokens' change under its noise (the 8k bucket of

@@ -125,17 +125,23 @@ def probe_prompt(loaded: Any, recorder: NeedleRecorder, prompt: Any) -> list[dic
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
     """``{"held"|"lost": {layer: {"read": mean share of needle keys read, "mass": mean dense mass on the
-    needle, "steps": rows}}}`` over every (prompt, answer step, KV head)."""
+    needle, "mass_read": the same share with each KV head weighted by its dense mass on the needle (do the
+    heads that look at the needle read it?), "steps": rows}}}`` over every (prompt, answer step, KV head)."""
     out: dict[str, dict[str, dict[str, float]]] = {}
     for rec in records:
         group = out.setdefault("lost" if rec["lost"] else "held", {})
         for row in rec["steps"]:
-            cell = group.setdefault(str(row["layer"]), {"read": 0.0, "mass": 0.0, "steps": 0})
+            cell = group.setdefault(str(row["layer"]), {"read": 0.0, "mass": 0.0, "mass_read": 0.0, "steps": 0,
+                                                        "mass_sum": 0.0})
             cell["read"] += sum(row["read"]) / len(row["read"])
             cell["mass"] += sum(row["mass"]) / len(row["mass"])
+            cell["mass_read"] += sum(m * r for m, r in zip(row["mass"], row["read"]))
+            cell["mass_sum"] += sum(row["mass"])
             cell["steps"] += 1
     for group in out.values():
         for cell in group.values():
+            mass_sum = cell.pop("mass_sum")
+            cell["mass_read"] = cell["mass_read"] / mass_sum if mass_sum else float("nan")
             cell["read"] /= max(1, cell["steps"])
             cell["mass"] /= max(1, cell["steps"])
     return out
@@ -182,12 +188,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = probe(compose(list(args.overrides)), args.artifact)
     args.out.write_text(json.dumps(result))
     print(f"{result['prompts']} prompts, {result['lost']} lost by SAAP, {result['no_needle']} without a needle found")
-    print("| layer | needle mass (held) | keys read (held) | needle mass (lost) | keys read (lost) |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| layer | needle mass (held) | keys read (held) | mass-weighted read (held) "
+          "| needle mass (lost) | keys read (lost) | mass-weighted read (lost) |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     held, lost = result["layers"].get("held", {}), result["layers"].get("lost", {})
     for layer in sorted(set(held) | set(lost), key=int):
         h, l = held.get(layer, {}), lost.get(layer, {})
-        cells = [f"{c.get(k, float('nan')):.3f}" for c in (h, l) for k in ("mass", "read")]
+        cells = [f"{c.get(k, float('nan')):.3f}" for c in (h, l) for k in ("mass", "read", "mass_read")]
         print(f"| {layer} | " + " | ".join(cells) + " |")
     return 0
 

@@ -25,8 +25,9 @@ def test_summarize_splits_held_and_lost_prompts():
 
     out = summarize([rec(False, [1.0, 0.5], [0.2, 0.4]), rec(False, [0.0, 0.5], [0.0, 0.2]),
                      rec(True, [0.0, 0.0], [0.6, 0.2])])
-    assert out["held"]["1"] == pytest.approx({"read": 0.5, "mass": 0.2, "steps": 2})
-    assert out["lost"]["1"] == pytest.approx({"read": 0.0, "mass": 0.4, "steps": 1})
+    # mass-weighted read, held: (0.2 x 1 + 0.4 x 0.5 + 0 x 0 + 0.2 x 0.5) / (0.2 + 0.4 + 0 + 0.2) = 0.5 / 0.8
+    assert out["held"]["1"] == pytest.approx({"read": 0.5, "mass": 0.2, "mass_read": 0.625, "steps": 2})
+    assert out["lost"]["1"] == pytest.approx({"read": 0.0, "mass": 0.4, "mass_read": 0.0, "steps": 1})
 
 
 @pytest.fixture(scope="module")

@@ -34,6 +34,7 @@ and any killed run it resumed, :mod:`calib.checkpoint`):
 5. ``classifier`` — per non-dense layer all query heads train at once (batched weights, Adam, each
    batch from one prompt unless ``batch_from_one_prompt`` is false), with a progress bar; the loss
    curve (mean over heads, per step) and a figure of every head's curve go to MLflow.
+   ``layers`` (with ``method.layer_profile.enabled``): per-layer ℓ by greedy answers (:mod:`.layer_profile`).
 6. ``eval`` — the held-out prompts through ``run_layer_callbacks``: per (prompt, non-dense layer)
    ``eval.queries_per_prompt`` decode-like positions (``>= window``) and, for every ℓ of ``top_ls``
    (plus the default ``top_l``), selectivity, attention recall and output relative error of SAAP,
@@ -94,7 +95,9 @@ from calib.config import layer_map, require
 from calib.data.prompt import answer_token_ids  # noqa: F401 (public here too: the targets' answers)
 from calib.errors import UserError
 from calib.saap.artifact import hyperparameters, method_output  # noqa: F401 (hyperparameters: public here too)
+from calib.saap import layer_profile
 from calib.saap.kmeans_stage import kmeans_layer
+from calib.saap.layer_profile import ProfileSettings
 from calib.saap.metrics import LayerEvaluation
 from runtime_kernels.saap.reference import SaapLayerParams
 
@@ -217,6 +220,7 @@ class Settings:
 def validate(cfg: DictConfig) -> None:
     """Range checks of ``cfg.method`` (one-line :class:`UserError`)."""
     s = Settings.from_cfg(cfg.method)
+    ProfileSettings.from_cfg(cfg.method.get("layer_profile"))  # its own range checks
     require(s.clusters >= 2, f"method.clusters must be >= 2 (got {s.clusters}); the paper uses 1024")
     require(s.iterations >= 1, f"method.iterations must be >= 1 (got {s.iterations}); the paper uses 10")
     require(s.sink >= 0, f"method.sink must be >= 0 (got {s.sink}); the paper uses 1")
@@ -261,8 +265,10 @@ def validate(cfg: DictConfig) -> None:
 
 # ------------------------------------------------------------------------------------------ prompts
 def data_needs(cfg: DictConfig) -> dict[str, str | None]:
-    """Calibration and held-out rows, no answers needed (a gold answer, when given, is teacher-forced)."""
-    return {"calibration": None, "evaluation": None}
+    """Calibration and held-out rows, no answers needed (a gold answer, when given, is teacher-forced),
+    unless ``method.layer_profile`` scores greedy answers."""
+    profiled = ProfileSettings.from_cfg(cfg.method.get("layer_profile")).enabled
+    return {"calibration": "SAAP's layer profile scores greedy answers" if profiled else None, "evaluation": None}
 
 
 ANSWER_ROOM = 64  # positions a teacher-forced calibration prompt leaves free for its gold answer
@@ -548,6 +554,11 @@ def calibrate(cfg: DictConfig, ctx: Any) -> Any:
                                                                              ctx.device, bar))
             params[layer], curves[layer] = resume.classifier_from_tensors(done, sink=s.sink, recent=s.recent)
             bar.update(s.steps * (layers.index(layer) + 1) - bar.n)  # a layer loaded from its checkpoint
+    profile = None
+    if ProfileSettings.from_cfg(cfg.method.get("layer_profile")).enabled:
+        with ctx.timer.stage("layers"):  # per-layer ℓ by greedy answers, before the report evaluates it
+            profile = layer_profile.profile(cfg, loaded, params, s, ctx.device, {p.prompt_id for p in calib_prompts})
+        s = dataclasses.replace(s, top_l_layers={**s.top_l_layers, **profile.top_l_layers})
     with ctx.timer.stage("eval"):
         evals = evaluate(loaded, held_out, params, rope_centroids, s, seed)
         head = report.head_curves(evals)
@@ -580,6 +591,9 @@ def calibrate(cfg: DictConfig, ctx: Any) -> Any:
                "train_long_range_fraction": {str(l): v for l, v in lr_by_layer.items()},
                "train_answer_rows": {str(l): v for l, v in answer_rows.items()},
                "collected_set": collected.content_hash, "eval_length": eval_length, "eval_prompts": len(held_out)}
+    if profile is not None:
+        metrics.update(profile.metrics())
+        payload["layer_profile"] = profile.table()
     metrics["checkpoint_layers_loaded"] = ckpt.loaded
     ckpt.clear()  # every stage finished: the artifact holds the results
     return method_output(cfg, s, loaded, params, calib_prompts, held_out, calib_lengths, metrics, payload,

@@ -364,3 +364,55 @@ def test_eval_batches_of_equal_length_answer_as_one_prompt_at_a_time(result, loa
         for i in members:
             assert batched[i].stats["selectivity"] == pytest.approx(sum(sel[j] for j in members) / len(members),
                                                                     rel=0.05)
+
+
+def test_layer_profile_scorer_answers_like_dense_with_every_bucket(result, loaded, model_dir):
+    """The profile's scorer (calib/saap/layer_profile.py) on the calibrated runtime: every bucket of the
+    only sparse layer (ℓ = C) answers exactly as dense, at selectivity 1; ℓ = 1 reads fewer keys."""
+    from calib.config import compose
+    from calib.data import build_prompts
+    from calib.evaluate import answer_prompts
+    from calib.saap.layer_profile import AnswerScorer
+    from runtime_kernels.artifact import load_artifact
+    from runtime_kernels.saap import SaapDecode
+
+    cfg = compose(overrides(model_dir))
+    prompts = build_prompts(cfg.data, loaded.tokenizer, seed=int(cfg.data.seed), lengths=[256],
+                            tasks=["niah_single"], num_prompts=3)
+    per_layer = SaapDecode.from_artifact(load_artifact(result["artifact_dir"], method="saap"), loaded.model).layers
+    scorer = AnswerScorer(loaded, prompts, per_layer, top_l=1, base_layers={}, max_new_tokens=6, batch_tokens=0,
+                          loop="eager")
+    dense = answer_prompts(loaded, prompts, 6)
+    every = scorer.answers({1: C})
+    assert any(r.prediction for r in dense)
+    assert [r.prediction for r in every] == [r.prediction for r in dense]
+    assert all(r.stats["selectivity"] == pytest.approx(1.0) for r in every)
+    correct, selectivity = scorer({})
+    assert correct == sum(r.correct for r in scorer.answers({})) and 0 < selectivity < 1
+
+
+def test_layer_profile_choice_reaches_the_artifact(model_dir, tmp_path, monkeypatch):
+    """``method.layer_profile.enabled``: the stage runs between the classifiers and the report, and the
+    ``{layer: ℓ}`` it returns is the artifact's per-layer ℓ, read by the report and logged. The search
+    is replaced by one that answers with every bucket of layer 1 (on random weights every setting
+    passes at once: the search itself is tested on known losses in test_layer_profile.py)."""
+    from calib.saap import layer_profile
+    from runtime_kernels.artifact import load_artifact
+
+    def every_bucket(layers, top_l, clusters, ps, dense_correct, prompts, score):
+        correct, selectivity = score({1: clusters})
+        trial = layer_profile.Trial({1: clusters}, correct, selectivity, "group 1-1")
+        return layer_profile.ProfileResult({1: clusters}, True, dense_correct, prompts, [trial])
+
+    monkeypatch.setattr(layer_profile, "search", every_bucket)
+    res = run_recipe(tmp_path, overrides(model_dir, "method.top_l=1", "method.layer_profile.enabled=true",
+                                         "method.layer_profile.prompts=2", "method.layer_profile.length=256",
+                                         "method.layer_profile.tasks=[niah_single]"))
+    m = res["metrics"]
+    assert m["time_layers_s"] > 0 and m["layer_profile.passed"] == 1 and m["layer_profile.layers_raised"] == 1
+    assert m["layer_profile.selectivity"] == pytest.approx(1.0)
+    assert m["at_top_l.selectivity.saap"] == pytest.approx(1.0)  # the report reads layer 1 at ℓ = C
+    manifest = load_artifact(res["artifact_dir"], method="saap").manifest
+    assert manifest.hyperparameters["top_l"] == 1 and manifest.hyperparameters["top_l_layers"] == {"1": C}
+    assert manifest.payload["layer_profile"] == [{"step": "group 1-1", "top_l_layers": {"1": C},
+                                                  "acc": m["layer_profile.acc"], "selectivity": pytest.approx(1.0)}]

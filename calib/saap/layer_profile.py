@@ -1,0 +1,259 @@
+"""SAAP's per-layer ℓ, chosen by greedy answers (``method.layer_profile``; our extension, off by default).
+
+The paper visits the same ℓ buckets in every layer (papers/saap.txt §4, "Query assignment function";
+§6 reports ~5 % selectivity on Llama-3.1-8B). On SmolLM2-135M the held-out needles at 8k need more in
+a few layers only: ℓ = 32 everywhere loses 7.5 points, ℓ = 64 everywhere still 4, while every bucket in
+layers 15–19 and ℓ = 32 elsewhere loses nothing, and every bucket in any other ten layers saves nothing
+(docs/results/smollm2.md, "What limits it"). Attention recall per layer does not point at those
+layers (layers 20–24 recall less and do not matter), so the choice is made the way SampleAttention's
+profiling makes its own (papers/sampleattention.txt §4.2.6): by whether greedy answers survive.
+
+The search (:func:`search`), on ``prompts`` profiling prompts with gold answers (``data.seed``, the
+calibration side, at ``length``: default the longest data length, where SAAP loses most):
+
+1. The dense answers are scored once. A setting *passes* when its correct answers are at least the
+   dense count less ``max_drop`` of the prompts.
+2. ℓ = ``top_l`` everywhere: if it passes, no layer changes.
+3. Greedy groups: the sparse layers are cut into runs of ``group`` consecutive layers. Each round tries
+   every group not yet chosen at ℓ = C (every bucket) on top of those chosen, and keeps the one with
+   the most correct answers (ties: fewer keys read, then the earlier group). It stops when a setting
+   passes or ``max_groups`` are chosen.
+4. Ladder: with the chosen groups passing at ℓ = C, their ℓ is lowered to the smallest of ``ladder``
+   (default: ``2·top_l, 4·top_l, …`` below C) that still passes.
+
+If no setting passes within ``max_groups`` groups, the best one found is kept and the run warns: the
+artifact is as close to dense as the search got, and its metrics say it did not pass.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from calib.config import require
+from calib.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ProfileSettings:
+    """``cfg.method.layer_profile`` (conf/method/saap.yaml documents every key)."""
+
+    enabled: bool = False
+    prompts: int = 96
+    length: int | None = None
+    tasks: list[str] | None = None
+    group: int = 5
+    max_groups: int = 2
+    ladder: list[int] | None = None
+    max_drop: float = 0.01
+
+    @classmethod
+    def from_cfg(cls, node: Any) -> "ProfileSettings":
+        node = node or {}
+        try:
+            tasks = node.get("tasks")
+            ladder = node.get("ladder")
+            out = cls(enabled=bool(node.get("enabled", False)), prompts=int(node.get("prompts", 96)),
+                      length=None if node.get("length") is None else int(node.get("length")),
+                      tasks=None if not tasks else [str(t) for t in tasks], group=int(node.get("group", 5)),
+                      max_groups=int(node.get("max_groups", 2)),
+                      ladder=None if ladder is None else [int(x) for x in ladder],
+                      max_drop=float(node.get("max_drop", 0.01)))
+        except (TypeError, ValueError):
+            raise UserError(f"method.layer_profile has a value of the wrong type: {dict(node)!r}") from None
+        require(out.prompts >= 1, f"method.layer_profile.prompts must be >= 1 (got {out.prompts})")
+        require(out.length is None or out.length >= 1, f"method.layer_profile.length must be >= 1 or null")
+        require(out.group >= 1, f"method.layer_profile.group must be >= 1 (got {out.group})")
+        require(out.max_groups >= 1, f"method.layer_profile.max_groups must be >= 1 (got {out.max_groups})")
+        require(out.ladder is None or all(x >= 1 for x in out.ladder),
+                f"method.layer_profile.ladder must list ℓ >= 1 or be null (got {out.ladder})")
+        require(0 <= out.max_drop < 1, f"method.layer_profile.max_drop must be in [0, 1) (got {out.max_drop})")
+        return out
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One setting's answers: ``top_l_layers`` on top of ``top_l``, correct answers, mean selectivity."""
+
+    top_l_layers: dict[int, int]
+    correct: int
+    selectivity: float
+    step: str
+
+
+@dataclass
+class ProfileResult:
+    """The chosen ``{layer: ℓ}``, whether it passed, and every trial in the order it ran."""
+
+    top_l_layers: dict[int, int]
+    passed: bool
+    dense_correct: int
+    prompts: int
+    trials: list[Trial] = field(default_factory=list)
+
+    def chosen(self) -> Trial:
+        return next(t for t in reversed(self.trials) if t.top_l_layers == self.top_l_layers)
+
+    def metrics(self) -> dict[str, float]:
+        """Headline numbers for MLflow (``layer_profile.*``)."""
+        base, chosen = self.trials[0], self.chosen()
+        n = max(1, self.prompts)
+        return {"layer_profile.dense_acc": self.dense_correct / n, "layer_profile.base_acc": base.correct / n,
+                "layer_profile.base_selectivity": base.selectivity, "layer_profile.acc": chosen.correct / n,
+                "layer_profile.selectivity": chosen.selectivity, "layer_profile.passed": float(self.passed),
+                "layer_profile.layers_raised": float(len(self.top_l_layers)),
+                "layer_profile.trials": float(len(self.trials))}
+
+    def table(self) -> list[dict[str, Any]]:
+        """Every trial as a row (the MLflow payload and the run's log)."""
+        n = max(1, self.prompts)
+        return [{"step": t.step, "top_l_layers": {str(k): v for k, v in sorted(t.top_l_layers.items())},
+                 "acc": t.correct / n, "selectivity": t.selectivity} for t in self.trials]
+
+
+def layer_groups(layers: Sequence[int], size: int) -> list[list[int]]:
+    """``layers`` (sorted) cut into runs of ``size`` consecutive entries, the last one shorter."""
+    ordered = sorted(layers)
+    return [ordered[i:i + size] for i in range(0, len(ordered), size)]
+
+
+def default_ladder(top_l: int, clusters: int) -> list[int]:
+    """``2·top_l, 4·top_l, …`` below ``clusters`` (ℓ = C is the search's own top rung)."""
+    out, value = [], 2 * top_l
+    while value < clusters:
+        out.append(value)
+        value *= 2
+    return out
+
+
+def search(layers: Sequence[int], top_l: int, clusters: int, settings: ProfileSettings, dense_correct: int,
+           prompts: int, score: Callable[[dict[int, int]], tuple[int, float]]) -> ProfileResult:
+    """The greedy search of the module docstring. ``score({layer: ℓ})`` answers the profiling prompts
+    with those layers' ℓ on top of ``top_l`` and returns ``(correct answers, mean selectivity)``."""
+    need = dense_correct - settings.max_drop * prompts
+    result = ProfileResult({}, False, dense_correct, prompts)
+    seen: dict[tuple[tuple[int, int], ...], Trial] = {}
+
+    def run(setting: dict[int, int], step: str) -> Trial:
+        key = tuple(sorted(setting.items()))
+        if key not in seen:
+            correct, selectivity = score(dict(setting))
+            seen[key] = Trial(dict(setting), int(correct), float(selectivity), step)
+            result.trials.append(seen[key])
+            log.info("SAAP layer profile %s: %d/%d correct (dense %d) at selectivity %.3f", step, correct,
+                     prompts, dense_correct, selectivity)
+        return seen[key]
+
+    current = run({}, "base")
+    if current.correct >= need:
+        result.passed = True
+        return result
+    chosen: list[list[int]] = []
+    remaining = layer_groups(layers, settings.group)
+    while remaining and len(chosen) < settings.max_groups and current.correct < need:
+        base = {l: clusters for g in chosen for l in g}
+        tried = [(run({**base, **{l: clusters for l in g}}, f"group {g[0]}-{g[-1]}"), i)
+                 for i, g in enumerate(remaining)]
+        current, i = max(tried, key=lambda ti: (ti[0].correct, -ti[0].selectivity, -ti[1]))
+        chosen.append(remaining.pop(i))
+    if current.correct < need:  # keep the setting with the most correct answers found
+        top = max(result.trials, key=lambda t: (t.correct, -t.selectivity))
+        result.top_l_layers = dict(top.top_l_layers)
+        log.warning("SAAP layer profile: no setting within %d groups kept dense's answers (%d of %d; dense %d); "
+                    "the artifact keeps the best found, %s", settings.max_groups, top.correct, prompts,
+                    dense_correct, top.top_l_layers or "no per-layer ℓ")
+        return result
+    raised = [l for g in chosen for l in g]
+    result.top_l_layers, result.passed = {l: clusters for l in raised}, True
+    ladder = settings.ladder if settings.ladder is not None else default_ladder(top_l, clusters)
+    for value in sorted(x for x in set(ladder) if top_l < x < clusters):
+        if run({l: value for l in raised}, f"ladder {value}").correct >= need:
+            result.top_l_layers = {l: value for l in raised}
+            break
+    return result
+
+
+# ------------------------------------------------------------------------------ the model's side
+def profiling_prompts(cfg: Any, ps: ProfileSettings, tokenizer: Any, exclude: set[str] = frozenset()) -> list[Any]:
+    """``ps.prompts`` prompts of the calibration side (``data.seed``) at ``ps.length`` (default: the
+    longest data length), the tasks (``ps.tasks``, default ``data.tasks``) taken in turn, none of
+    ``exclude`` (the prompt ids the classifiers trained on: a setting is judged on prompts they never
+    saw); each needs its gold answer."""
+    from calib.data import build_prompts
+
+    length = ps.length if ps.length is not None else max(int(x) for x in cfg.data.lengths)
+    tasks = ps.tasks or [str(t) for t in cfg.data.tasks or []]
+    per = -(-ps.prompts // max(1, len(tasks))) + len(exclude)
+    built = build_prompts(cfg.data, tokenizer, seed=int(cfg.data.seed), lengths=[length], tasks=tasks or None,
+                          num_prompts=per, purpose="calibration")
+    by_task: dict[str, list[Any]] = {}
+    for p in (p for p in built if p.prompt_id not in exclude):
+        by_task.setdefault(str(p.task), []).append(p)
+    queues = list(by_task.values())
+    chosen = [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)][:ps.prompts]
+    if len(chosen) < ps.prompts:
+        raise UserError(f"method.layer_profile needs {ps.prompts} prompts at {length} tokens but the data "
+                        f"gives {len(chosen)}: lower method.layer_profile.prompts")
+    missing = [p.prompt_id for p in chosen if getattr(p, "answer", None) in (None, "")]
+    if missing:
+        raise UserError(f"method.layer_profile scores greedy answers, but prompt {missing[0]} has no gold answer")
+    return chosen
+
+
+@dataclass
+class AnswerScorer:
+    """``score`` of :func:`search` on a model: answers ``prompts`` greedily with SAAP's runtime built
+    from the just-trained ``per_layer`` params (one :class:`SaapLayerParams` per model layer, dense ones
+    included) at ``top_l`` with ``{layer: ℓ}`` on top of ``base_layers``, through ``loop`` (as
+    ``calib eval`` on this device), selectivity counted at every step (``serve_min_kv_ratio=0``)."""
+
+    loaded: Any
+    prompts: list[Any]
+    per_layer: list[Any]
+    top_l: int
+    base_layers: dict[int, int]
+    max_new_tokens: int
+    batch_tokens: int
+    loop: str
+
+    def answers(self, setting: dict[int, int]) -> list[Any]:
+        from calib.evaluate import answer_prompts
+        from runtime_kernels import hf
+        from runtime_kernels.saap import SaapDecode
+
+        runtime = SaapDecode(self.per_layer, self.top_l, top_l_layers={**self.base_layers, **setting}, stats=True,
+                             serve_min_kv_ratio=0.0)
+        state = hf.attach(self.loaded.model, decode=runtime)
+        try:
+            return answer_prompts(self.loaded, self.prompts, self.max_new_tokens, state, desc="saap ℓ profile",
+                                  batch_tokens=self.batch_tokens, loop=self.loop)
+        finally:
+            hf.remove(self.loaded.model)
+
+    def __call__(self, setting: dict[int, int]) -> tuple[int, float]:
+        answers = self.answers(setting)
+        sel = [r.stats["selectivity"] for r in answers if "selectivity" in r.stats]
+        return sum(r.correct for r in answers), sum(sel) / len(sel) if sel else float("nan")
+
+
+def profile(cfg: Any, loaded: Any, params: dict[int, Any], s: Any, device: Any,
+            exclude: set[str] = frozenset()) -> ProfileResult:
+    """Run :func:`search` on the model: profiling prompts answered densely once (the eval's cache), then
+    by :class:`AnswerScorer` with the just-trained ``params`` (``{layer: SaapLayerParams}``, sparse
+    layers) at each candidate ``{layer: ℓ}``; ``exclude``: the calibration prompts' ids."""
+    from calib.evaluate import cached_dense_answers, eval_loop
+    from runtime_kernels.saap.reference import SaapLayerParams
+
+    ps = ProfileSettings.from_cfg(cfg.method.get("layer_profile"))
+    prompts = profiling_prompts(cfg, ps, loaded.tokenizer, exclude)
+    loop = eval_loop(cfg, device, "saap")
+    max_new, batch = int(cfg.eval.max_new_tokens), int(cfg.eval.get("batch_tokens") or 0)
+    dense = cached_dense_answers(loaded, prompts, max_new, batch, loop)
+    bn_eps = next(iter(params.values())).bn_eps
+    per_layer = [params[i] if i in params else SaapLayerParams(sink=s.sink, recent=s.recent, dense=True, bn_eps=bn_eps)
+                 for i in range(loaded.facts.num_layers)]
+    scorer = AnswerScorer(loaded, prompts, per_layer, s.top_l, dict(s.top_l_layers), max_new, batch, loop)
+    return search(sorted(params), s.top_l, s.clusters, ps, sum(r.correct for r in dense), len(prompts), scorer)

@@ -1,0 +1,129 @@
+"""SAAP's per-layer ℓ profile (calib/saap/layer_profile.py): the greedy search against a hand-built
+answer model whose losses are known, the settings' checks, and the config wiring."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from calib.config import compose
+from calib.errors import UserError
+from calib.saap.layer_profile import ProfileSettings, default_ladder, layer_groups, search
+
+LAYERS, C, TOP_L = list(range(1, 13)), 128, 8  # twelve sparse layers, groups of four: 1-4, 5-8, 9-12
+
+
+class HandModel:
+    """``dense`` correct answers, less ``loss[layer]`` for each layer whose ℓ is below ``need[layer]``;
+    selectivity = the mean of ℓ / C over the layers. Counts its calls."""
+
+    def __init__(self, dense: int, need: dict[int, int], loss: dict[int, int]) -> None:
+        self.dense, self.need, self.loss, self.calls = dense, need, loss, []
+
+    def __call__(self, setting: dict[int, int]) -> tuple[int, float]:
+        self.calls.append(dict(setting))
+        ell = {l: setting.get(l, TOP_L) for l in LAYERS}
+        lost = sum(self.loss[l] for l, n in self.need.items() if ell[l] < n)
+        return self.dense - lost, sum(min(1.0, v / C) for v in ell.values()) / len(LAYERS)
+
+
+def settings(**kw) -> ProfileSettings:
+    return ProfileSettings(**{"enabled": True, "group": 4, "max_groups": 2, "max_drop": 0.01, **kw})
+
+
+def test_groups_and_default_ladder():
+    assert layer_groups([3, 1, 2, 5, 4], 2) == [[1, 2], [3, 4], [5]]
+    assert default_ladder(8, 128) == [16, 32, 64]
+    assert default_ladder(16, 32) == [] and default_ladder(1, 5) == [2, 4]
+
+
+def test_one_group_then_the_lowest_passing_rung():
+    """Layers 6 and 7 need ℓ 64 and 32 (2 answers each): base 16/20 fails, group 5-8 at C restores all
+    20, and the ladder 16, 32, 64 settles at 64 (at 32 layer 6 still loses its 2)."""
+    model = HandModel(20, need={6: 64, 7: 32}, loss={6: 2, 7: 2})
+    res = search(LAYERS, TOP_L, C, settings(), 20, 20, model)
+    assert res.passed and res.top_l_layers == {5: 64, 6: 64, 7: 64, 8: 64}
+    assert [t.step for t in res.trials] == ["base", "group 1-4", "group 5-8", "group 9-12", "ladder 16",
+                                            "ladder 32", "ladder 64"]
+    assert [t.correct for t in res.trials] == [16, 16, 20, 16, 16, 18, 20]
+    assert len(model.calls) == len(res.trials)  # every setting answered once
+    m = res.metrics()
+    assert m["layer_profile.base_acc"] == 0.8 and m["layer_profile.acc"] == 1.0 and m["layer_profile.passed"] == 1
+    assert m["layer_profile.selectivity"] == pytest.approx((8 * 8 + 4 * 64) / 12 / C)
+    assert res.table()[-1] == {"step": "ladder 64", "top_l_layers": {"5": 64, "6": 64, "7": 64, "8": 64},
+                               "acc": 1.0, "selectivity": pytest.approx((8 * 8 + 4 * 64) / 12 / C)}
+
+
+def test_two_groups_ties_go_to_the_earlier_and_a_rung_that_never_passes():
+    """Layers 2 and 10 need every bucket: groups 1-4 and 9-12 tie in round one (the earlier is taken),
+    round two adds 9-12; no rung below C passes, so both groups stay at C."""
+    model = HandModel(10, need={2: C, 10: C}, loss={2: 1, 10: 1})
+    res = search(LAYERS, TOP_L, C, settings(max_drop=0.0), 10, 10, model)
+    assert res.passed
+    assert res.top_l_layers == {l: C for l in (1, 2, 3, 4, 9, 10, 11, 12)}
+    assert [t.step for t in res.trials][:6] == ["base", "group 1-4", "group 5-8", "group 9-12", "group 5-8",
+                                                "group 9-12"]
+    assert res.trials[5].top_l_layers == {l: C for l in (1, 2, 3, 4, 9, 10, 11, 12)}
+
+
+def test_no_pass_within_max_groups_keeps_the_best_and_warns(caplog):
+    model = HandModel(10, need={2: C, 10: C}, loss={2: 1, 10: 1})
+    with caplog.at_level(logging.WARNING, logger="calib.saap.layer_profile"):
+        res = search(LAYERS, TOP_L, C, settings(max_drop=0.0, max_groups=1), 10, 10, model)
+    assert not res.passed and res.top_l_layers == {l: C for l in (1, 2, 3, 4)}
+    assert res.metrics()["layer_profile.acc"] == 0.9 and res.metrics()["layer_profile.passed"] == 0
+    assert "no setting within 1 groups kept dense's answers" in caplog.text
+
+
+@pytest.mark.parametrize("max_drop, passed", [(0.01, True), (0.0, False)])
+def test_base_within_max_drop_changes_nothing(max_drop, passed):
+    """Dense 100/100, ℓ everywhere 99: one answer of a hundred is within 1 %, not within 0."""
+    model = HandModel(100, need={3: 16}, loss={3: 1})
+    res = search(LAYERS, TOP_L, C, settings(max_drop=max_drop, ladder=[]), 100, 100, model)
+    assert res.passed
+    assert (res.top_l_layers == {}) is passed and len(res.trials) == (1 if passed else 4)
+
+
+def test_explicit_ladder_keeps_rungs_between_top_l_and_c():
+    model = HandModel(10, need={6: 64}, loss={6: 3})
+    res = search(LAYERS, TOP_L, C, settings(ladder=[4, 64, 200, 8]), 10, 10, model)
+    assert [t.step for t in res.trials][-1] == "ladder 64" and res.top_l_layers == {5: 64, 6: 64, 7: 64, 8: 64}
+
+
+def test_settings_from_config_and_their_errors():
+    tiny = ProfileSettings.from_cfg(compose(["+method=saap"]).method.layer_profile)
+    assert not tiny.enabled and tiny.tasks is None and tiny.prompts == 96
+    smol = compose(["+method=saap", "model=smollm2", "method.layer_profile.enabled=true"]).method.layer_profile
+    assert ProfileSettings.from_cfg(smol) == ProfileSettings(enabled=True, tasks=["niah_single"])
+    for bad, message in ((["method.layer_profile.group=0"], "group must be >= 1"),
+                         (["method.layer_profile.max_drop=1.5"], "max_drop must be in"),
+                         (["method.layer_profile.prompts=many"], "wrong type")):
+        with pytest.raises(UserError, match=message):
+            ProfileSettings.from_cfg(compose(["+method=saap", *bad]).method.layer_profile)
+
+
+def test_data_needs_answers_only_when_profiling():
+    from calib.saap.recipe import data_needs
+
+    assert data_needs(compose(["+method=saap"]))["calibration"] is None
+    on = data_needs(compose(["+method=saap", "method.layer_profile.enabled=true"]))
+    assert "greedy answers" in on["calibration"]
+
+
+def test_profiling_prompts_skip_the_calibration_prompts_and_take_tasks_in_turn():
+    from transformers import AutoTokenizer
+
+    from calib.saap.layer_profile import profiling_prompts
+    from tests.saap.test_teacher_forced import TINY
+
+    tokenizer = AutoTokenizer.from_pretrained(TINY)
+    cfg = compose(["+method=saap", "data.tasks=[niah_single,kv_retrieval]"])
+    ps = ProfileSettings(enabled=True, prompts=4, length=1024)
+    first = profiling_prompts(cfg, ps, tokenizer)
+    assert [p.task for p in first] == ["niah_single", "kv_retrieval"] * 2
+    assert {p.length for p in first} == {1024} and all(p.answer for p in first)
+    trained = {first[0].prompt_id, first[1].prompt_id}
+    rest = profiling_prompts(cfg, ps, tokenizer, exclude=trained)
+    assert len(rest) == 4 and not trained & {p.prompt_id for p in rest}
+    assert [p.prompt_id for p in rest[:2]] == [first[2].prompt_id, first[3].prompt_id]  # the next of each task

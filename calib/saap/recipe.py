@@ -97,7 +97,6 @@ from calib.errors import UserError
 from calib.saap.artifact import hyperparameters, method_output  # noqa: F401 (hyperparameters: public here too)
 from calib.saap import layer_profile
 from calib.saap.kmeans_stage import kmeans_layer
-from calib.saap.layer_profile import ProfileSettings
 from calib.saap.metrics import LayerEvaluation
 from runtime_kernels.saap.reference import SaapLayerParams
 
@@ -220,7 +219,7 @@ class Settings:
 def validate(cfg: DictConfig) -> None:
     """Range checks of ``cfg.method`` (one-line :class:`UserError`)."""
     s = Settings.from_cfg(cfg.method)
-    ProfileSettings.from_cfg(cfg.method.get("layer_profile"))  # its own range checks
+    layer_profile.ProfileSettings.from_cfg(cfg.method.get("layer_profile"))  # its own range checks
     require(s.clusters >= 2, f"method.clusters must be >= 2 (got {s.clusters}); the paper uses 1024")
     require(s.iterations >= 1, f"method.iterations must be >= 1 (got {s.iterations}); the paper uses 10")
     require(s.sink >= 0, f"method.sink must be >= 0 (got {s.sink}); the paper uses 1")
@@ -267,7 +266,7 @@ def validate(cfg: DictConfig) -> None:
 def data_needs(cfg: DictConfig) -> dict[str, str | None]:
     """Calibration and held-out rows, no answers needed (a gold answer, when given, is teacher-forced),
     unless ``method.layer_profile`` scores greedy answers."""
-    profiled = ProfileSettings.from_cfg(cfg.method.get("layer_profile")).enabled
+    profiled = layer_profile.ProfileSettings.from_cfg(cfg.method.get("layer_profile")).enabled
     return {"calibration": "SAAP's layer profile scores greedy answers" if profiled else None, "evaluation": None}
 
 
@@ -555,7 +554,7 @@ def calibrate(cfg: DictConfig, ctx: Any) -> Any:
             params[layer], curves[layer] = resume.classifier_from_tensors(done, sink=s.sink, recent=s.recent)
             bar.update(s.steps * (layers.index(layer) + 1) - bar.n)  # a layer loaded from its checkpoint
     profile = None
-    if ProfileSettings.from_cfg(cfg.method.get("layer_profile")).enabled:
+    if layer_profile.ProfileSettings.from_cfg(cfg.method.get("layer_profile")).enabled:
         with ctx.timer.stage("layers"):  # per-layer ℓ by greedy answers, before the report evaluates it
             profile = layer_profile.profile(cfg, loaded, params, s, ctx.device, {p.prompt_id for p in calib_prompts})
         s = dataclasses.replace(s, top_l_layers={**s.top_l_layers, **profile.top_l_layers})
@@ -594,6 +593,7 @@ def calibrate(cfg: DictConfig, ctx: Any) -> Any:
     if profile is not None:
         metrics.update(profile.metrics())
         payload["layer_profile"] = profile.table()
+        report.log_layer_profile(profile.table(), metrics["layer_profile.dense_acc"], str(cfg.model.name))
     metrics["checkpoint_layers_loaded"] = ckpt.loaded
     ckpt.clear()  # every stage finished: the artifact holds the results
     return method_output(cfg, s, loaded, params, calib_prompts, held_out, calib_lengths, metrics, payload,

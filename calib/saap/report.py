@@ -262,3 +262,33 @@ def log_report(rows: list[dict[str, Any]], loss_curves: dict[int, torch.Tensor],
         log_figure(loss_figure(loss_curves, f"SAAP {model_name}: classifier KL loss"),
                    "plots/saap_classifier_loss.png")
         log_loss_series(loss_curves)
+
+
+def layer_profile_figure(rows: list[dict[str, Any]], dense_acc: float, title: str) -> Figure:
+    """The per-layer ℓ profile's trials (:meth:`calib.saap.layer_profile.ProfileResult.table`): profiling
+    accuracy vs selectivity, each point labelled by its step, dense's accuracy a dashed line."""
+    fig = Figure(figsize=(6.5, 4.2))
+    ax = fig.subplots()
+    ax.plot([r["selectivity"] for r in rows], [r["acc"] for r in rows], "o", color="tab:blue")
+    for r in rows:
+        ax.annotate(r["step"], (r["selectivity"], r["acc"]), fontsize=6, xytext=(3, 2), textcoords="offset points")
+    ax.axhline(dense_acc, color="grey", linestyle="--", label="dense")
+    ax.set(xlabel="selectivity (keys read beyond the window)", ylabel="profiling accuracy")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def log_layer_profile(rows: list[dict[str, Any]], dense_acc: float, model_name: str) -> None:
+    """The profile's trials (``saap/layer_profile.json``) and their plot to the active run."""
+    import mlflow
+
+    from calib.tracking import log_figure
+
+    if mlflow.active_run() is None:
+        return
+    mlflow.log_dict(json_safe({"dense_acc": dense_acc, "trials": rows}), "saap/layer_profile.json")
+    log_figure(layer_profile_figure(rows, dense_acc, f"SAAP {model_name}: per-layer ℓ profile"),
+               "plots/saap_layer_profile.png")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -416,3 +417,14 @@ def test_layer_profile_choice_reaches_the_artifact(model_dir, tmp_path, monkeypa
     assert manifest.hyperparameters["top_l"] == 1 and manifest.hyperparameters["top_l_layers"] == {"1": C}
     assert manifest.payload["layer_profile"] == [{"step": "group 1-1", "top_l_layers": {"1": C},
                                                   "acc": m["layer_profile.acc"], "selectivity": pytest.approx(1.0)}]
+    import mlflow
+
+    from calib import tracking
+
+    monkeypatch.setenv("CALIB_HOME", str(tmp_path))
+    target = tracking.resolve_target()
+    client = mlflow.MlflowClient(tracking_uri=target.tracking_uri, registry_uri=target.registry_uri)
+    files = {f.path for f in client.list_artifacts(res["run_id"], "plots")}
+    assert "plots/saap_layer_profile.png" in files
+    logged = client.download_artifacts(res["run_id"], "saap/layer_profile.json", str(tmp_path))
+    assert json.loads(Path(logged).read_text())["trials"] == manifest.payload["layer_profile"]

@@ -15,9 +15,9 @@ Importing this package needs neither hydra nor omegaconf (the GPU training scrip
 from calib.data.checks import EVAL_NEEDS, check_data
 from calib.data.prompt import Prompt, PromptFormatter
 from calib.data.scoring import SCORING_RULES, contains_answer, dataset_hash, exact_match, is_correct, normalize_answer
-from calib.data.sources import build_prompts, evaluation_prompts
+from calib.data.sources import build_prompts, evaluation_prompts, take_in_turn
 from calib.data.synthetic import TASKS
 
 __all__ = ["EVAL_NEEDS", "SCORING_RULES", "TASKS", "Prompt", "PromptFormatter", "build_prompts", "check_data",
            "contains_answer", "dataset_hash", "evaluation_prompts", "exact_match", "is_correct",
-           "normalize_answer"]
+           "normalize_answer", "take_in_turn"]

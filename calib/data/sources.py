@@ -13,7 +13,7 @@ rows by their task (empty: every row) and ``lengths`` only matters to HF's ``tru
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from calib.data.prompt import Prompt, PromptFormatter
 from calib.data.rows import PURPOSES, SourceRow, cap_per_task, cfg_get, select_tasks, source_rows
@@ -186,3 +186,13 @@ def keep_cells(prompts: list[Prompt], cells: set[tuple[str, int]]) -> list[Promp
     if not kept:
         raise UserError(f"eval.cells {sorted(f'{t}@{n}' for t, n in cells)} match none of eval.tasks x eval.lengths")
     return kept
+
+
+def take_in_turn(prompts: Sequence[Prompt], n: int) -> list[Prompt]:
+    """At most ``n`` of ``prompts``, taking their (length, task) groups in turn (the first of each group,
+    then the second, ...), groups in first-seen order."""
+    groups: dict[tuple[int, str], list[Prompt]] = {}
+    for p in prompts:
+        groups.setdefault((int(p.length), str(p.task)), []).append(p)
+    queues = list(groups.values())
+    return [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)][:n]

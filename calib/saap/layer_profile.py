@@ -182,18 +182,14 @@ def profiling_prompts(cfg: Any, ps: ProfileSettings, tokenizer: Any, exclude: se
     longest data length), the tasks (``ps.tasks``, default ``data.tasks``) taken in turn, none of
     ``exclude`` (the prompt ids the classifiers trained on: a setting is judged on prompts they never
     saw); each needs its gold answer."""
-    from calib.data import build_prompts
+    from calib.data import build_prompts, take_in_turn
 
     length = ps.length if ps.length is not None else max(int(x) for x in cfg.data.lengths)
     tasks = ps.tasks or [str(t) for t in cfg.data.tasks or []]
     per = -(-ps.prompts // max(1, len(tasks))) + len(exclude)
     built = build_prompts(cfg.data, tokenizer, seed=int(cfg.data.seed), lengths=[length], tasks=tasks or None,
                           num_prompts=per, purpose="calibration")
-    by_task: dict[str, list[Any]] = {}
-    for p in (p for p in built if p.prompt_id not in exclude):
-        by_task.setdefault(str(p.task), []).append(p)
-    queues = list(by_task.values())
-    chosen = [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)][:ps.prompts]
+    chosen = take_in_turn([p for p in built if p.prompt_id not in exclude], ps.prompts)
     if len(chosen) < ps.prompts:
         raise UserError(f"method.layer_profile needs {ps.prompts} prompts at {length} tokens but the data "
                         f"gives {len(chosen)}: lower method.layer_profile.prompts")

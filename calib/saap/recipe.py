@@ -312,11 +312,9 @@ def check_answer_room(cfg: DictConfig, s: Settings, prompts: Sequence[Any], toke
 
 def _in_turn(prompts: Sequence[Any], n: int, what: str) -> list[Any]:
     """``n`` prompts taking the (length, task) groups in turn."""
-    groups: dict[tuple[int, str], list[Any]] = defaultdict(list)
-    for p in prompts:
-        groups[(int(p.length), str(p.task))].append(p)
-    queues = list(groups.values())
-    chosen = [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)][:n]
+    from calib.data import take_in_turn
+
+    chosen = take_in_turn(prompts, n)
     if len(chosen) < n:
         raise UserError(f"only {len(chosen)} {what} prompts available but {n} requested; lower the count or "
                         f"provide more data")

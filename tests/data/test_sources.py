@@ -233,3 +233,14 @@ def test_eval_cells_errors(tiny_tokenizer, cells, message):
 
     with pytest.raises(UserError, match=message):
         evaluation_prompts(_eval_cfg(cells), tiny_tokenizer)
+
+
+def test_take_in_turn_alternates_length_task_groups():
+    from types import SimpleNamespace
+
+    from calib.data import take_in_turn
+
+    ps = [SimpleNamespace(length=n, task=t, i=i) for i, (n, t) in
+          enumerate([(1, "a"), (1, "a"), (1, "b"), (2, "a"), (1, "a"), (2, "a")])]
+    assert [p.i for p in take_in_turn(ps, 10)] == [0, 2, 3, 1, 5, 4]
+    assert [p.i for p in take_in_turn(ps, 3)] == [0, 2, 3] and take_in_turn([], 4) == []

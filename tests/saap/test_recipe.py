@@ -422,9 +422,12 @@ def test_layer_profile_choice_reaches_the_artifact(model_dir, tmp_path, monkeypa
     from calib import tracking
 
     monkeypatch.setenv("CALIB_HOME", str(tmp_path))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     target = tracking.resolve_target()
+    # explicit URIs: the global client state may belong to another test's store
     client = mlflow.MlflowClient(tracking_uri=target.tracking_uri, registry_uri=target.registry_uri)
     files = {f.path for f in client.list_artifacts(res["run_id"], "plots")}
     assert "plots/saap_layer_profile.png" in files
-    logged = client.download_artifacts(res["run_id"], "saap/layer_profile.json", str(tmp_path))
+    logged = mlflow.artifacts.download_artifacts(run_id=res["run_id"], artifact_path="saap/layer_profile.json",
+                                                 dst_path=str(tmp_path / "logged"), tracking_uri=target.tracking_uri)
     assert json.loads(Path(logged).read_text())["trials"] == manifest.payload["layer_profile"]

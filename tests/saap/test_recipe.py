@@ -367,9 +367,11 @@ def test_eval_batches_of_equal_length_answer_as_one_prompt_at_a_time(result, loa
                                                                     rel=0.05)
 
 
-def test_layer_profile_scorer_answers_like_dense_with_every_bucket(result, loaded, model_dir):
-    """The profile's scorer (calib/saap/layer_profile.py) on the calibrated runtime: every bucket of the
-    only sparse layer (ℓ = C) answers exactly as dense, at selectivity 1; ℓ = 1 reads fewer keys."""
+@pytest.mark.parametrize("loop", ["eager", "static"])
+def test_layer_profile_scorer_answers_like_dense_with_every_bucket(result, loaded, model_dir, loop):
+    """The profile's scorer (calib/saap/layer_profile.py) on the calibrated runtime, in the eager loop and
+    the serving loop that CUDA uses (CPU: no graphs): every bucket of the only sparse layer (ℓ = C)
+    answers exactly as dense, at selectivity 1; ℓ = 1 reads fewer keys."""
     from calib.config import compose
     from calib.data import build_prompts
     from calib.evaluate import answer_prompts
@@ -381,9 +383,9 @@ def test_layer_profile_scorer_answers_like_dense_with_every_bucket(result, loade
     prompts = build_prompts(cfg.data, loaded.tokenizer, seed=int(cfg.data.seed), lengths=[256],
                             tasks=["niah_single"], num_prompts=3)
     per_layer = SaapDecode.from_artifact(load_artifact(result["artifact_dir"], method="saap"), loaded.model).layers
-    scorer = AnswerScorer(loaded, prompts, per_layer, top_l=1, base_layers={}, max_new_tokens=6, batch_tokens=0,
-                          loop="eager")
-    dense = answer_prompts(loaded, prompts, 6)
+    scorer = AnswerScorer(loaded, prompts, per_layer, top_l=1, base_layers={}, max_new_tokens=6, batch_tokens=4096,
+                          loop=loop)
+    dense = answer_prompts(loaded, prompts, 6, batch_tokens=4096, loop=loop)
     every = scorer.answers({1: C})
     assert any(r.prediction for r in dense)
     assert [r.prediction for r in every] == [r.prediction for r in dense]

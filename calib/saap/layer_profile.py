@@ -235,7 +235,7 @@ class AnswerScorer:
         return sum(r.correct for r in answers), sum(sel) / len(sel) if sel else float("nan")
 
 
-def profile(cfg: Any, loaded: Any, params: dict[int, Any], s: Any, device: Any,
+def profile(cfg: Any, ps: ProfileSettings, loaded: Any, params: dict[int, Any], s: Any, device: Any,
             exclude: set[str] = frozenset()) -> ProfileResult:
     """Run :func:`search` on the model: profiling prompts answered densely once (the eval's cache), then
     by :class:`AnswerScorer` with the just-trained ``params`` (``{layer: SaapLayerParams}``, sparse
@@ -243,7 +243,6 @@ def profile(cfg: Any, loaded: Any, params: dict[int, Any], s: Any, device: Any,
     from calib.evaluate import cached_dense_answers, eval_loop
     from runtime_kernels.saap.reference import SaapLayerParams
 
-    ps = ProfileSettings.from_cfg(cfg.method.get("layer_profile"))
     prompts = profiling_prompts(cfg, ps, loaded.tokenizer, exclude)
     loop = eval_loop(cfg, device, "saap")
     max_new, batch = int(cfg.eval.max_new_tokens), int(cfg.eval.get("batch_tokens") or 0)

@@ -94,8 +94,9 @@ from omegaconf import DictConfig, OmegaConf
 from calib.config import layer_map, require
 from calib.data.prompt import answer_token_ids  # noqa: F401 (public here too: the targets' answers)
 from calib.errors import UserError
-from calib.saap.artifact import hyperparameters, method_output  # noqa: F401 (hyperparameters: public here too)
+from calib.data import take_in_turn
 from calib.saap import layer_profile
+from calib.saap.artifact import hyperparameters, method_output  # noqa: F401 (hyperparameters: public here too)
 from calib.saap.kmeans_stage import kmeans_layer
 from calib.saap.metrics import LayerEvaluation
 from runtime_kernels.saap.reference import SaapLayerParams
@@ -312,8 +313,6 @@ def check_answer_room(cfg: DictConfig, s: Settings, prompts: Sequence[Any], toke
 
 def _in_turn(prompts: Sequence[Any], n: int, what: str) -> list[Any]:
     """``n`` prompts taking the (length, task) groups in turn."""
-    from calib.data import take_in_turn
-
     chosen = take_in_turn(prompts, n)
     if len(chosen) < n:
         raise UserError(f"only {len(chosen)} {what} prompts available but {n} requested; lower the count or "
@@ -551,10 +550,11 @@ def calibrate(cfg: DictConfig, ctx: Any) -> Any:
                                                                              ctx.device, bar))
             params[layer], curves[layer] = resume.classifier_from_tensors(done, sink=s.sink, recent=s.recent)
             bar.update(s.steps * (layers.index(layer) + 1) - bar.n)  # a layer loaded from its checkpoint
-    profile = None
-    if layer_profile.ProfileSettings.from_cfg(cfg.method.get("layer_profile")).enabled:
+    profile, profiling = None, layer_profile.ProfileSettings.from_cfg(cfg.method.get("layer_profile"))
+    if profiling.enabled:
         with ctx.timer.stage("layers"):  # per-layer ℓ by greedy answers, before the report evaluates it
-            profile = layer_profile.profile(cfg, loaded, params, s, ctx.device, {p.prompt_id for p in calib_prompts})
+            profile = layer_profile.profile(cfg, profiling, loaded, params, s, ctx.device,
+                                            {p.prompt_id for p in calib_prompts})
         s = dataclasses.replace(s, top_l_layers={**s.top_l_layers, **profile.top_l_layers})
     with ctx.timer.stage("eval"):
         evals = evaluate(loaded, held_out, params, rope_centroids, s, seed)

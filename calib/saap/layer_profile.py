@@ -49,6 +49,7 @@ class ProfileSettings:
     max_groups: int = 2
     ladder: list[int] | None = None
     max_drop: float = 0.01
+    batch_tokens: int = 16384
 
     @classmethod
     def from_cfg(cls, node: Any) -> "ProfileSettings":
@@ -61,7 +62,8 @@ class ProfileSettings:
                       tasks=None if not tasks else [str(t) for t in tasks], group=int(node.get("group", 5)),
                       max_groups=int(node.get("max_groups", 2)),
                       ladder=None if ladder is None else [int(x) for x in ladder],
-                      max_drop=float(node.get("max_drop", 0.01)))
+                      max_drop=float(node.get("max_drop", 0.01)),
+                      batch_tokens=int(node.get("batch_tokens", 16384) or 0))
         except (TypeError, ValueError):
             raise UserError(f"method.layer_profile has a value of the wrong type: {dict(node)!r}") from None
         require(out.prompts >= 1, f"method.layer_profile.prompts must be >= 1 (got {out.prompts})")
@@ -71,6 +73,7 @@ class ProfileSettings:
         require(out.ladder is None or all(x >= 1 for x in out.ladder),
                 f"method.layer_profile.ladder must list ℓ >= 1 or be null (got {out.ladder})")
         require(0 <= out.max_drop < 1, f"method.layer_profile.max_drop must be in [0, 1) (got {out.max_drop})")
+        require(out.batch_tokens >= 0, f"method.layer_profile.batch_tokens must be >= 0 (got {out.batch_tokens})")
         return out
 
 
@@ -245,7 +248,7 @@ def profile(cfg: Any, ps: ProfileSettings, loaded: Any, params: dict[int, Any], 
 
     prompts = profiling_prompts(cfg, ps, loaded.tokenizer, exclude)
     loop = eval_loop(cfg, device, "saap")
-    max_new, batch = int(cfg.eval.max_new_tokens), int(cfg.eval.get("batch_tokens") or 0)
+    max_new, batch = int(cfg.eval.max_new_tokens), ps.batch_tokens
     dense = cached_dense_answers(loaded, prompts, max_new, batch, loop)
     bn_eps = next(iter(params.values())).bn_eps
     per_layer = [params[i] if i in params else SaapLayerParams(sink=s.sink, recent=s.recent, dense=True, bn_eps=bn_eps)

@@ -94,9 +94,12 @@ def test_explicit_ladder_keeps_rungs_between_top_l_and_c():
 def test_settings_from_config_and_their_errors():
     tiny = ProfileSettings.from_cfg(compose(["+method=saap"]).method.layer_profile)
     assert not tiny.enabled and tiny.tasks is None and tiny.prompts == 96
-    smol = compose(["+method=saap", "model=smollm2", "method.layer_profile.enabled=true"]).method.layer_profile
-    assert ProfileSettings.from_cfg(smol) == ProfileSettings(enabled=True, tasks=["niah_single"])
+    follows_eval = compose(["+method=saap", "eval.batch_tokens=4096"]).method.layer_profile
+    assert ProfileSettings.from_cfg(follows_eval).batch_tokens == 4096
+    smol = compose(["+method=saap", "model=smollm2"]).method.layer_profile  # on by default there
+    assert ProfileSettings.from_cfg(smol) == ProfileSettings(enabled=True, tasks=["niah_single"], batch_tokens=65536)
     for bad, message in ((["method.layer_profile.group=0"], "group must be >= 1"),
+                         (["method.layer_profile.batch_tokens=-1"], "batch_tokens must be >= 0"),
                          (["method.layer_profile.max_drop=1.5"], "max_drop must be in"),
                          (["method.layer_profile.prompts=many"], "wrong type")):
         with pytest.raises(UserError, match=message):

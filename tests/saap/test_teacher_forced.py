@@ -161,7 +161,7 @@ def test_option_default_on_and_recorded():
 
 
 def test_default_calibration_lengths_leave_room_for_the_answer():
-    """SmolLM2's data lengths end at its 8192-token context: the default calibration lengths (the data's
+    """SmolLM2's data lengths end at its 8192-token context: calibration lengths left null (the data's
     without the eval length 4096) cut 8192 to 8192 - 64, so prompt + teacher-forced answer fit; without
     teacher forcing, and for explicit lengths, nothing is cut."""
     from calib.config import compose
@@ -171,8 +171,10 @@ def test_default_calibration_lengths_leave_room_for_the_answer():
         cfg = compose(["+method=saap", "model=smollm2", *extra])
         return prompt_lengths(cfg, Settings.from_cfg(cfg.method))
 
-    assert lengths() == ([1024, 2048, 8192 - ANSWER_ROOM], 4096)
-    assert lengths("method.classifier.teacher_forced_answer=false") == ([1024, 2048, 8192], 4096)
+    assert lengths() == ([4096, 8192 - ANSWER_ROOM], 4096)  # smollm2's own choice (its long recipe)
+    assert lengths("method.calib_lengths=null") == ([1024, 2048, 8192 - ANSWER_ROOM], 4096)
+    assert lengths("method.calib_lengths=null", "method.classifier.teacher_forced_answer=false") == (
+        [1024, 2048, 8192], 4096)
     assert lengths("method.calib_lengths=[2048,8192]") == ([2048, 8192], 4096)
     assert lengths("model=tiny")[0] == [1024, 2048, 8192]  # its context is 10240: room left
 

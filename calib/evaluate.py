@@ -311,7 +311,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         raise UserError("no evaluation prompts: check eval.tasks / eval.lengths / eval.num_prompts")
     method = artifact.method if artifact else "dense"
     loop = eval_loop(cfg, device, method)  # a bad eval.loop fails before any answer
-    run_name = tracking.eval_run_name(cfg.get("artifact"), method, str(cfg.model.name))
+    run_name = registry.eval_run_name(cfg.get("artifact"), method, str(cfg.model.name))
     with tracking.start_run(target, run_name, tags={"kind": "eval", "method": method}) as run:
         mlflow.log_params({"artifact": str(cfg.get("artifact")), "model": str(cfg.model.name),
                            "eval.seed": int(cfg.eval.seed), "eval.num_prompts": int(cfg.eval.num_prompts),

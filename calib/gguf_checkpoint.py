@@ -14,7 +14,7 @@ directory that is renamed into place when complete, so a checkpoint directory ei
 conversion or does not exist. ``calib_source.json`` in it records where the weights came from.
 
 The model hash of such a model is the hash of the GGUF file (``"<file name> <sha256>"`` hashed as
-:func:`calib.models.files_hash` does for safetensors): the GGUF is what identifies the weights, and
+:func:`calib.file_hashes.files_hash` does for safetensors): the GGUF is what identifies the weights, and
 a conversion by another transformers version on another machine gives artifacts the same hash.
 """
 
@@ -148,7 +148,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 
 def _gguf_model_hash(gguf_path: Path) -> tuple[str, str]:
     """``(sha256 hex of the file, model hash)`` of a GGUF file."""
-    from calib.models import file_sha256s, files_hash
+    from calib.file_hashes import file_sha256s, files_hash
 
     return file_sha256s([gguf_path])[0], files_hash([gguf_path])
 

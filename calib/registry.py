@@ -199,6 +199,13 @@ def parse_model_uri(uri: Any) -> ModelRef | None:
     return ModelRef(name, version=version) if name and version.isdigit() else None
 
 
+def eval_run_name(artifact: Any, method: str, model: str) -> str:
+    """``eval saap-tiny@candidate`` / ``eval saap-tiny-v3`` for a registry URI, ``eval saap-tiny`` for a
+    directory, ``eval dense-tiny`` without an artifact."""
+    ref = parse_model_uri(artifact)
+    return f"eval {ref.label}" if ref is not None else f"eval {method}-{model}"
+
+
 def eval_tags(summary: Mapping[str, float], *, seed: int, num_prompts: int, run_id: str) -> dict[str, str]:
     """Readable version tags (``eval.acc_delta``, ``eval.ci_low``, ...) from ``calib eval``'s summary."""
     tags = {EVAL_TAG_PREFIX + tag: f"{float(summary[metric]):.4f}" for metric, tag in EVAL_TAGS.items()

@@ -389,12 +389,3 @@ def log_eval_prompts(data_cfg: Any, prompts: Sequence[Any], seed: int) -> None:
                         lengths=sorted({int(p.length) for p in prompts}), content_hash=dataset_hash(prompts),
                         tasks=sorted({str(p.task) for p in prompts}))
     log_prompt_set(record, data_cfg, EVALUATION)
-
-
-def eval_run_name(artifact: Any, method: str, model: str) -> str:
-    """``eval saap-tiny@candidate`` / ``eval saap-tiny-v3`` for a registry URI, ``eval saap-tiny`` for a
-    directory, ``eval dense-tiny`` without an artifact."""
-    from calib.registry import parse_model_uri
-
-    ref = parse_model_uri(artifact)
-    return f"eval {ref.label}" if ref is not None else f"eval {method}-{model}"

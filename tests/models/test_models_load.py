@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from calib import models
+from calib import file_hashes, models
 from calib.errors import UserError
 from calib.models import arch_mismatches, facts_from_config, load_model, random_config, weights_hash
 
@@ -55,7 +55,7 @@ def test_model_hash_sidecar_avoids_rehashing(llama_dir, private_home, monkeypatc
     def boom(path):
         raise AssertionError("weights were hashed again")
 
-    monkeypatch.setattr(models, "_file_sha256", boom)
+    monkeypatch.setattr(file_hashes, "_file_sha256", boom)
     assert weights_hash(copy) == first  # size + mtime unchanged: served from the sidecar
     os.utime(copy / "model.safetensors", ns=(1, 1))  # a touched file is hashed again
     with pytest.raises(AssertionError, match="hashed again"):
@@ -100,7 +100,7 @@ def _fake_hf_cache(src: Path, cache: Path, repo: str, commit: str) -> None:
 def test_hf_cache_offline_gives_commit_and_same_hash(llama_dir, private_home, monkeypatch):
     commit = "0123456789abcdef0123456789abcdef01234567"
     _fake_hf_cache(llama_dir, private_home.parent / "hf", "org/rand-llama", commit)
-    monkeypatch.setattr(models, "_file_sha256", lambda p: pytest.fail("cache blobs are named by their sha256"))
+    monkeypatch.setattr(file_hashes, "_file_sha256", lambda p: pytest.fail("cache blobs are named by their sha256"))
     loaded = load_model(model_cfg("org/rand-llama", "llama", LLAMA_ARCH), device="cpu")
     assert loaded.facts.revision == commit
     digest = hashlib.sha256((llama_dir / "model.safetensors").read_bytes()).hexdigest()

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from calib import tracking
+from calib import registry, tracking
 from runtime_kernels.manifest import DataRecord
 
 RECORD = DataRecord(source="synthetic", seed=1234, count=6, lengths=[512, 1024], content_hash="0123456789ab" + "f" * 52,
@@ -98,4 +98,4 @@ def test_file_and_hub_sources_name_their_split(tmp_path):
 ])
 def test_eval_run_names_say_what_ran(artifact, name):
     method = "dense" if artifact is None else "saap"
-    assert tracking.eval_run_name(artifact, method, "tiny") == name
+    assert registry.eval_run_name(artifact, method, "tiny") == name

@@ -132,6 +132,15 @@ def default_ladder(top_l: int, clusters: int) -> list[int]:
     return out
 
 
+def max_trials(num_layers: int, settings: ProfileSettings, top_l: int, clusters: int) -> int:
+    """The most settings :func:`search` can answer: the base, every remaining group in each of
+    ``max_groups`` rounds, then every ladder rung."""
+    groups = len(layer_groups(list(range(num_layers)), settings.group))
+    rounds = sum(groups - r for r in range(min(settings.max_groups, groups)))
+    ladder = settings.ladder if settings.ladder is not None else default_ladder(top_l, clusters)
+    return 1 + rounds + len({x for x in ladder if top_l < x < clusters})
+
+
 def search(layers: Sequence[int], top_l: int, clusters: int, settings: ProfileSettings, dense_correct: int,
            prompts: int, score: Callable[[dict[int, int]], tuple[int, float]]) -> ProfileResult:
     """The greedy search of the module docstring. ``score({layer: ℓ})`` answers the profiling prompts
@@ -247,6 +256,12 @@ def profile(cfg: Any, ps: ProfileSettings, loaded: Any, params: dict[int, Any], 
     from runtime_kernels.saap.reference import SaapLayerParams
 
     prompts = profiling_prompts(cfg, ps, loaded.tokenizer, exclude)
+    bound = len(prompts) * (1 + max_trials(len(params), ps, s.top_l, s.clusters))
+    (log.warning if str(device).startswith("cpu") else log.info)(
+        "SAAP layer profile: up to %d greedy answers of %d-token prompts (dense + at most %d settings)%s", bound,
+        prompts[0].length, bound // len(prompts) - 1,
+        "; on a CPU that takes hours (smollm2: ~30 s per 8k answer): method.layer_profile.enabled=false skips it"
+        if str(device).startswith("cpu") else "")
     loop = eval_loop(cfg, device, "saap")
     max_new, batch = int(cfg.eval.max_new_tokens), ps.batch_tokens
     dense = cached_dense_answers(loaded, prompts, max_new, batch, loop)

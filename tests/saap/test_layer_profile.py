@@ -9,7 +9,7 @@ import pytest
 
 from calib.config import compose
 from calib.errors import UserError
-from calib.saap.layer_profile import ProfileSettings, default_ladder, layer_groups, search
+from calib.saap.layer_profile import ProfileSettings, default_ladder, layer_groups, max_trials, search
 
 LAYERS, C, TOP_L = list(range(1, 13)), 128, 8  # twelve sparse layers, groups of four: 1-4, 5-8, 9-12
 
@@ -65,6 +65,11 @@ def test_two_groups_ties_go_to_the_earlier_and_a_rung_that_never_passes():
     assert [t.step for t in res.trials][:6] == ["base", "group 1-4", "group 5-8", "group 9-12", "group 5-8",
                                                 "group 9-12"]
     assert res.trials[5].top_l_layers == {l: C for l in (1, 2, 3, 4, 9, 10, 11, 12)}
+    # the longest search: base + 3 groups + the 2 left + rungs 16, 32, 64 (the profile's cost bound)
+    assert len(res.trials) == 9 == max_trials(len(LAYERS), settings(max_drop=0.0), TOP_L, C)
+    # max_groups past the 3 groups: rounds of 3, 2 and 1; no rung strictly between ℓ = 8 and C = 128
+    assert max_trials(len(LAYERS), settings(max_groups=5, ladder=[4, 8, 200]), TOP_L, C) == 1 + (3 + 2 + 1) + 0
+    assert max_trials(len(LAYERS), settings(ladder=[16, 16, 100]), TOP_L, C) == 1 + (3 + 2) + 2
 
 
 def test_no_pass_within_max_groups_keeps_the_best_and_warns(caplog):

@@ -132,13 +132,19 @@ def default_ladder(top_l: int, clusters: int) -> list[int]:
     return out
 
 
+def ladder_rungs(settings: ProfileSettings, top_l: int, clusters: int) -> list[int]:
+    """The ℓ the ladder tries, ascending: ``settings.ladder`` (default :func:`default_ladder`) strictly
+    between ``top_l`` and ``clusters``."""
+    ladder = settings.ladder if settings.ladder is not None else default_ladder(top_l, clusters)
+    return sorted(x for x in set(ladder) if top_l < x < clusters)
+
+
 def max_trials(num_layers: int, settings: ProfileSettings, top_l: int, clusters: int) -> int:
     """The most settings :func:`search` can answer: the base, every remaining group in each of
     ``max_groups`` rounds, then every ladder rung."""
     groups = len(layer_groups(list(range(num_layers)), settings.group))
     rounds = sum(groups - r for r in range(min(settings.max_groups, groups)))
-    ladder = settings.ladder if settings.ladder is not None else default_ladder(top_l, clusters)
-    return 1 + rounds + len({x for x in ladder if top_l < x < clusters})
+    return 1 + rounds + len(ladder_rungs(settings, top_l, clusters))
 
 
 def search(layers: Sequence[int], top_l: int, clusters: int, settings: ProfileSettings, dense_correct: int,
@@ -180,8 +186,7 @@ def search(layers: Sequence[int], top_l: int, clusters: int, settings: ProfileSe
         return result
     raised = [l for g in chosen for l in g]
     result.top_l_layers, result.passed = {l: clusters for l in raised}, True
-    ladder = settings.ladder if settings.ladder is not None else default_ladder(top_l, clusters)
-    for value in sorted(x for x in set(ladder) if top_l < x < clusters):
+    for value in ladder_rungs(settings, top_l, clusters):
         if run({l: value for l in raised}, f"ladder {value}").correct >= need:
             result.top_l_layers = {l: value for l in raised}
             break
@@ -256,12 +261,12 @@ def profile(cfg: Any, ps: ProfileSettings, loaded: Any, params: dict[int, Any], 
     from runtime_kernels.saap.reference import SaapLayerParams
 
     prompts = profiling_prompts(cfg, ps, loaded.tokenizer, exclude)
-    bound = len(prompts) * (1 + max_trials(len(params), ps, s.top_l, s.clusters))
-    (log.warning if str(device).startswith("cpu") else log.info)(
-        "SAAP layer profile: up to %d greedy answers of %d-token prompts (dense + at most %d settings)%s", bound,
-        prompts[0].length, bound // len(prompts) - 1,
+    trials, on_cpu = max_trials(len(params), ps, s.top_l, s.clusters), str(device).startswith("cpu")
+    (log.warning if on_cpu else log.info)(
+        "SAAP layer profile: up to %d greedy answers of %d-token prompts (dense + at most %d settings)%s",
+        len(prompts) * (1 + trials), prompts[0].length, trials,
         "; on a CPU that takes hours (smollm2: ~30 s per 8k answer): method.layer_profile.enabled=false skips it"
-        if str(device).startswith("cpu") else "")
+        if on_cpu else "")
     loop = eval_loop(cfg, device, "saap")
     max_new, batch = int(cfg.eval.max_new_tokens), ps.batch_tokens
     dense = cached_dense_answers(loaded, prompts, max_new, batch, loop)

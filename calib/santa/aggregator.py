@@ -1,4 +1,4 @@
-"""The SANTA REINFORCE aggregator (santa.txt App. K Alg. 1 lines 10-15, App. L; SPEC §5.4).
+"""The SANTA REINFORCE aggregator (santa.txt App. K Alg. 1 lines 10-15, App. L).
 
 Whenever at least one result file is in ``inbox/``, the aggregator validates them (malformed ones
 go to ``quarantine/``), claims the rest for the next iteration ``k`` and commits update ``k``::
@@ -37,6 +37,10 @@ and repairs before doing anything else:
   claim started).
 * killed while quarantining: the reason file is written before the rename, so the garbage file is
   either still in ``inbox/`` (judged again) or already in ``quarantine/``.
+* a claim manifest that is missing, does not parse, or names anything but plain result files of its
+  claim (a path separator, ``..``, an absolute path, a symlink) is not trusted: the claim is taken
+  from the regular result files in ``claimed/k/`` themselves, recorded as its new manifest. Before
+  the commit nothing of ``k`` was counted, so files still in ``inbox/`` are simply claimed later.
 * killed anywhere: temp files (``.<name>.tmp-*``) are hidden from every reader and swept once
   older than ``temp_max_age_s``.
 
@@ -45,6 +49,11 @@ already counted, or that repeats ids of another file in the same claim, is quara
 result counts at most once even if a file were replayed into the inbox. Results never enter theta
 unvalidated: schedule length and sum, reward finite in [0, 1], a policy iteration that has a
 snapshot; a non-finite update is rejected (its files are quarantined, theta is unchanged).
+
+Every inbox entry passes :meth:`Aggregator.judge`, which no entry can crash or block (directories,
+FIFOs, symlinks, unreadable, oversized or deeply nested files are refused with a reason); refused
+entries are moved to ``quarantine/`` with their reason and counted (``quarantined`` in the history
+and the ``num_quarantined`` metric). One that cannot even be moved is skipped from then on.
 
 Single aggregator: :class:`calib.santa.lease.Lease` (O_EXCL lease file + heartbeat, taken over when
 unchanged for ``lease_ttl_s``; works on NFS, no flock). The commit in step 4 uses ``link``, which
@@ -60,6 +69,7 @@ import logging
 import math
 import os
 import signal
+import stat
 import sys
 import threading
 import time
@@ -75,22 +85,20 @@ from calib.santa.inbox import (
     MalformedResult,
     PolicySnapshot,
     ResultRecord,
-    atomic_write_json,
-    exclusive_publish_json,
-    is_temp_name,
     list_results,
     move_claimed,
     parse_result_file,
     policy_iterations,
     quarantine,
-    read_json,
     read_manifest,
     read_policy,
+    regular_results,
     sweep_temp_files,
     write_manifest,
 )
 from calib.santa.lease import Lease, LeaseHeld, LeaseLost
 from calib.santa.policy import NonFiniteUpdate, reinforce_update, softmax
+from calib.santa.volume import atomic_write_json, entry_kind, exclusive_publish_json, is_temp_name, read_json
 
 log = logging.getLogger("calib.santa.aggregator")
 
@@ -136,7 +144,8 @@ class IterationRecord:
         return {"baseline": self.baseline, "num_results": float(self.num_results),
                 "grad_norm": float(np.linalg.norm(self.gradient)),
                 "policy_entropy": float(-(p * np.log(np.maximum(p, 1e-300))).sum()),
-                "staleness_mean": float(np.mean(stale)), "staleness_max": float(max(stale))}
+                "staleness_mean": float(np.mean(stale)), "staleness_max": float(max(stale)),
+                "num_quarantined": float(len(self.quarantined))}
 
     def to_json(self) -> dict[str, Any]:
         obj = asdict(self)
@@ -162,6 +171,18 @@ class AggregatorSummary:
 FaultHook = Callable[[str, int], None]
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """What :meth:`Aggregator.judge` made of one entry: usable (``ok``), refused (``reason``) or gone."""
+
+    records: list[ResultRecord]  # the entry's records when usable, else []
+    reason: str = ""  # why it must be quarantined; "" when usable or when the entry vanished
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.records)
+
+
 class Aggregator:
     """The aggregator's state over one shared directory; :func:`run_aggregator` drives it."""
 
@@ -181,6 +202,7 @@ class Aggregator:
         self.thetas: dict[int, np.ndarray] = {}
         self.quarantined: list[str] = []
         self._claim_quarantined: list[str] = []
+        self.stuck: set[str] = set()  # inbox entries refused but impossible to move: skipped from now on
         self.last_record: IterationRecord | None = None  # the newest committed iteration's record
         self.lease: Lease | None = None  # checked before every claim and commit
 
@@ -214,11 +236,11 @@ class Aggregator:
     def _history_or_rebuild(self, j: int) -> IterationRecord:
         try:
             return IterationRecord.from_json(read_json(self.layout.history_file(j)))
-        except (FileNotFoundError, ValueError, TypeError):
+        except (OSError, ValueError, TypeError):
             pass
-        files = read_manifest(self.layout, j)
-        if files is None:
-            raise CorruptState(f"iteration {j} is committed but has neither history nor claim manifest")
+        files = self._claim_files(j)
+        if not files:
+            raise CorruptState(f"iteration {j} is committed but has neither history nor claimed files")
         records, used = self._load_claimed(j, files, quarantine_bad=False)
         snap = read_policy(self.layout, j)
         record = self._compute(j, used, records, lr=snap.lr if snap.lr is not None else self.lr)
@@ -233,22 +255,41 @@ class Aggregator:
 
     def _pending_claim(self, k: int) -> int | None:
         layout = self.layout
-        later = [int(p.name) for p in layout.claimed.iterdir() if p.name.isdigit() and int(p.name) > k]
+        later = [int(p.name) for p in layout.claimed.iterdir()
+                 if p.name.isascii() and p.name.isdigit() and int(p.name) > k]
         if later:
             raise CorruptState(f"claimed/{max(later)} exists but the newest snapshot is policy-{k - 1}")
         d = layout.claim_dir(k)
-        if not d.exists():
+        mode = os.lstat(d).st_mode if os.path.lexists(d) else None
+        if mode is None:
             return None
-        if read_manifest(layout, k) is not None:
-            log.warning("iteration %d was claimed but not committed: redoing it from its manifest", k)
+        if not stat.S_ISDIR(mode):  # a link or file the aggregator never makes: out of the way
+            self._quarantine(d, f"claimed/{k} is {entry_kind(mode)}, not a claim folder", origin="claimed")
+            return None
+        if self._claim_files(k):
+            log.warning("iteration %d was claimed but not committed: redoing it from its claim", k)
             return k
-        leftovers = [p for p in d.iterdir() if not is_temp_name(p.name)]
-        if leftovers:
-            raise CorruptState(f"{d} holds {leftovers[0].name} but no readable manifest")
-        for p in d.iterdir():
-            p.unlink()
-        d.rmdir()
+        self._abandon_claim(k)  # killed while writing the manifest (or it was refused): claim afresh
+        if os.path.lexists(d):  # something foreign is left in it: move the whole folder out of the way
+            self._quarantine(d, f"claimed/{k} holds no usable claim", origin="claimed")
         return None
+
+    def _claim_files(self, k: int) -> list[str]:
+        """The files of claim ``k``: its manifest's list, or, when the manifest is missing or not
+        trusted (:func:`read_manifest`), the regular result files in ``claimed/k/``, which then
+        become its manifest (other entries named like results are quarantined, never read)."""
+        files = read_manifest(self.layout, k)
+        if files is not None:
+            return files
+        d = self.layout.claim_dir(k)
+        files = regular_results(d)
+        for name in sorted(set(list_results(d)) - set(files)):
+            self._quarantine(d / name, "not a regular file", origin=f"claimed/{k}")
+        if files:
+            log.warning("claimed/%d/manifest.json is missing or not trusted: the claim is its %d result files",
+                        k, len(files))
+            write_manifest(self.layout, k, files)
+        return files
 
     # ------------------------------------------------------------------------------ claiming
 
@@ -257,13 +298,24 @@ class Aggregator:
             self.thetas[iteration] = read_policy(self.layout, iteration).theta
         return self.thetas[iteration]
 
-    def _validate(self, path: Path, seen: set[str], k: int) -> list[ResultRecord]:
-        """Parse a result file for update ``k`` and check it against the committed state.
+    def judge(self, path: Path, seen: set[str], k: int) -> Verdict:
+        """Whether the entry ``path`` may count in update ``k``: the one place entries are accepted.
 
-        Raises MalformedResult: bad content, a policy iteration >= k or without a snapshot, or a
-        result id already counted (``self.counted``) or seen in another file of this claim (``seen``).
+        Usable: a complete, valid result file (:func:`parse_result_file` opens no link, FIFO or
+        directory and bounds size and nesting before parsing) whose policy iterations are older than
+        ``k`` and have snapshots, and whose result ids are neither counted (``self.counted``) nor seen
+        in another file of this claim (``seen``). Anything else gets the reason it is refused.
         """
-        records = parse_result_file(path, self.num_layers, self.budget)
+        try:
+            records = parse_result_file(path, self.num_layers, self.budget)
+            self._check_against_state(records, seen, k)
+        except FileNotFoundError:
+            return Verdict([])
+        except (OSError, ValueError) as exc:  # MalformedResult is a ValueError
+            return Verdict([], str(exc) or type(exc).__name__)
+        return Verdict(records)
+
+    def _check_against_state(self, records: list[ResultRecord], seen: set[str], k: int) -> None:
         for r in records:
             if r.policy_iteration >= k:
                 raise MalformedResult(f"policy_iteration {r.policy_iteration} is newer than policy-{k - 1}")
@@ -274,13 +326,21 @@ class Aggregator:
         dup = next((r.result_id for r in records if r.result_id in self.counted or r.result_id in seen), None)
         if dup is not None:
             raise MalformedResult(f"result_id {dup} was already counted")
-        return records
 
     def _quarantine(self, path: Path, reason: str, origin: str) -> None:
-        target = quarantine(self.layout, path, reason, origin=origin)
-        self.quarantined.append(target.name)
-        self._claim_quarantined.append(target.name)
-        log.warning("quarantined %s: %s", path.name, reason)
+        """Move ``path`` to quarantine/ with its reason and count it; if it cannot be moved, skip it
+        from now on (its reason file says so) rather than judge it again at every poll."""
+        try:
+            name = quarantine(self.layout, path, reason, origin=origin).name
+            log.warning("quarantined %s: %s", path.name, reason)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            name = path.name
+            self.stuck.add(name)
+            log.warning("refused %s (%s) but cannot move it to quarantine (%s): skipping it", name, reason, exc)
+        self.quarantined.append(name)
+        self._claim_quarantined.append(name)
 
     def claim_inbox(self) -> int | None:
         """Validate the inbox, claim the good files for iteration current+1; None if nothing to claim."""
@@ -288,16 +348,14 @@ class Aggregator:
         good: list[str] = []
         seen: set[str] = set()
         for name in list_results(self.layout.inbox):
-            path = self.layout.inbox / name
-            try:
-                records = self._validate(path, seen, k)
-            except FileNotFoundError:
+            if name in self.stuck:
                 continue
-            except MalformedResult as exc:
-                self._quarantine(path, str(exc), origin="inbox")
-                continue
-            seen.update(r.result_id for r in records)
-            good.append(name)
+            verdict = self.judge(self.layout.inbox / name, seen, k)
+            if verdict.reason:
+                self._quarantine(self.layout.inbox / name, verdict.reason, origin="inbox")
+            elif verdict.ok:
+                seen.update(r.result_id for r in verdict.records)
+                good.append(name)
         if not good:
             return None
         self.check_lease()
@@ -311,19 +369,17 @@ class Aggregator:
         seen: set[str] = set()
         for name in sorted(files):
             path = self.layout.claim_dir(k) / name
-            try:
-                recs = self._validate(path, seen, k)
-            except FileNotFoundError:
+            verdict = self.judge(path, seen, k)
+            if verdict.reason and not quarantine_bad:
+                raise CorruptState(f"committed claimed/{k}/{name} is malformed: {verdict.reason}")
+            if verdict.reason:
+                self._quarantine(path, verdict.reason, origin=f"claimed/{k}")
+            elif not verdict.ok:
                 log.warning("claimed/%d/%s listed in the manifest is gone (quarantined before a crash?)", k, name)
-                continue
-            except MalformedResult as exc:
-                if not quarantine_bad:
-                    raise CorruptState(f"committed claimed/{k}/{name} is malformed: {exc}") from None
-                self._quarantine(path, str(exc), origin=f"claimed/{k}")
-                continue
-            seen.update(r.result_id for r in recs)
-            records += recs
-            used.append(name)
+            else:
+                seen.update(r.result_id for r in verdict.records)
+                records += verdict.records
+                used.append(name)
         return records, used
 
     # ------------------------------------------------------------------------------ committing
@@ -343,10 +399,10 @@ class Aggregator:
 
     def commit(self, k: int) -> IterationRecord | None:
         """Move the manifest's files, compute and commit iteration ``k``; None if nothing valid remained."""
-        files = read_manifest(self.layout, k)
-        if files is None:
-            raise CorruptState(f"claimed/{k}/manifest.json vanished")
-        move_claimed(self.layout, k, files, lambda i: self.fault("after-first-move", k) if i == 0 else None)
+        files = self._claim_files(k)
+        unmoved = move_claimed(self.layout, k, files, lambda i: self.fault("after-first-move", k) if i == 0 else None)
+        for name in unmoved:
+            self._quarantine(self.layout.inbox / name, f"could not be moved into claimed/{k}", origin="inbox")
         self.fault("after-moves", k)
         records, used = self._load_claimed(k, files, quarantine_bad=True)
         try:
@@ -375,13 +431,15 @@ class Aggregator:
 
     def _abandon_claim(self, k: int) -> None:
         """Nothing valid in claim ``k``: drop its manifest so ``k`` is claimed afresh later."""
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):
             self.layout.manifest_file(k).unlink()
         d = self.layout.claim_dir(k)
-        for p in d.iterdir():
-            if is_temp_name(p.name):
-                p.unlink()
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(FileNotFoundError):
+            for p in d.iterdir():
+                if is_temp_name(p.name):
+                    with contextlib.suppress(OSError):
+                        p.unlink()
+        with contextlib.suppress(OSError):  # stays if something else is in it; the next claim reuses it
             d.rmdir()
 
     def notify(self, record: IterationRecord) -> None:

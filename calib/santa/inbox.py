@@ -8,14 +8,13 @@ Layout under ``rl.dir`` (a local folder or a Kubernetes ReadWriteMany volume)::
     claimed/<i>/manifest.json     the files update <i> consumed, written before they are moved here
     claimed/<i>/result-...jsonl   those files
     history/<i>.json              update <i>: baseline, gradient, result_ids, theta before/after
-    quarantine/<name>             malformed files, each beside <name>.reason.json
+    quarantine/<name>             refused inbox entries, each beside <name>.reason.json
     aggregator.lease              who runs the aggregator (see :mod:`calib.santa.lease`)
     done.json                     written when the aggregator reached its iteration target
 
-Every file that a reader may see is written to a hidden temp name in the same folder, flushed,
-fsync'ed and then renamed (or hard-linked, for the policy commit) onto its final name, and the folder
-is fsync'ed; so a reader sees either nothing or the whole file. Hidden temp names start with ``.``
-and contain ``.tmp-``; those older than a configured age belong to a dead writer and are swept.
+Every file that a reader may see is published atomically (hidden temp + fsync + rename, see
+:mod:`calib.santa.volume`), so a reader sees either nothing or the whole file; hidden temp files
+older than a configured age belong to a dead writer and are swept.
 
 A result record (one line of a result file)::
 
@@ -24,18 +23,21 @@ A result record (one line of a result file)::
      "schedule": [s_1, ..., s_L], "reward": r, "created": <unix time>}
 
 ``batch_size``/``index`` make a file cut short at a line boundary detectable: a file is valid only if
-it holds exactly ``batch_size`` records with indices ``0..E-1`` of one ``batch_id``.
+it holds exactly ``batch_size`` records with indices ``0..E-1`` of one ``batch_id``. Anyone who can
+write the volume can drop anything into ``inbox/``: entries are read without blocking or following
+links, with sizes and JSON nesting bounded before parsing, and names from listings and manifests are
+plain file names (:func:`is_result_name`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
+import hashlib
 import json
-import math
 import os
 import re
 import socket
+import stat
 import time
 import uuid
 from dataclasses import dataclass
@@ -44,10 +46,23 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from calib.santa.volume import (
+    UnsafeFile,
+    atomic_write_bytes,
+    atomic_write_json,
+    fsync_dir,
+    is_temp_name,
+    loads_json,
+    read_json,
+    read_regular,
+)
+
 POLICY_RE = re.compile(r"^policy-(\d+)\.json$")
 RESULT_SUFFIX = ".jsonl"
-TEMP_MARK = ".tmp-"
+REASON_SUFFIX = ".reason.json"
 MAX_RESULT_BYTES = 16 * 1024 * 1024  # a result file is a few KiB; anything this large is garbage
+MAX_LINE_BYTES = 1024 * 1024  # one record is well under a KiB per hundred layers
+MAX_NAME_BYTES = 180  # a quarantined name plus REASON_SUFFIX and a temp suffix stays within NAME_MAX (255)
 LEASE_NAME = "aggregator.lease"
 DONE_NAME = "done.json"
 
@@ -105,105 +120,6 @@ class Layout:
         for d in (self.policy, self.inbox, self.claimed, self.history, self.quarantine):
             d.mkdir(parents=True, exist_ok=True)
         return self
-
-
-def is_temp_name(name: str) -> bool:
-    """Hidden temp files (``.<final>.tmp-<unique>``): in progress, or left by a dead writer."""
-    return name.startswith(".") and TEMP_MARK in name
-
-
-# ----------------------------------------------------------------------------- atomic files
-
-
-def fsync_dir(path: Path) -> None:
-    """fsync a directory so a rename/link in it is durable (a no-op where directories can't be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def temp_path(final: Path) -> Path:
-    return final.parent / f".{final.name}{TEMP_MARK}{uuid.uuid4().hex}"
-
-
-def write_temp(final: Path, data: bytes, line_delay_s: float = 0.0) -> Path:
-    """Write ``data`` to a fresh hidden temp file beside ``final``, fsync it and return its path.
-
-    ``line_delay_s`` pauses after each line (tests widen the window in which a writer can be killed).
-    """
-    tmp = temp_path(final)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        if line_delay_s > 0:
-            for line in data.splitlines(keepends=True):
-                os.write(fd, line)
-                time.sleep(line_delay_s)
-        else:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return tmp
-
-
-def atomic_write_bytes(final: Path, data: bytes, *, line_delay_s: float = 0.0) -> None:
-    """temp + fsync + rename (+ fsync of the folder): readers see all of ``data`` or no file."""
-    tmp = write_temp(final, data, line_delay_s)
-    try:
-        os.replace(tmp, final)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    fsync_dir(final.parent)
-
-
-def atomic_write_json(final: Path, obj: Any) -> None:
-    atomic_write_bytes(final, (json.dumps(obj, sort_keys=True, allow_nan=False) + "\n").encode())
-
-
-def exclusive_publish_json(final: Path, obj: Any) -> bool:
-    """Publish ``final`` atomically only if it does not exist yet; False if it already does.
-
-    Uses ``link(tmp, final)``, which fails with EEXIST atomically (also on NFS), so two writers can
-    never both publish the same name. On a filesystem without hard links it falls back to
-    exists-check + rename (not exclusive against a concurrent writer; the lease covers that case).
-    """
-    tmp = write_temp(final, (json.dumps(obj, sort_keys=True, allow_nan=False) + "\n").encode())
-    try:
-        try:
-            os.link(tmp, final)
-        except FileExistsError:
-            return False
-        except OSError as exc:
-            if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
-                raise
-            if final.exists():
-                return False
-            os.replace(tmp, final)
-        fsync_dir(final.parent)
-        return True
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-
-
-def read_json(path: Path) -> Any:
-    """Parse a JSON file strictly: NaN/Infinity literals are rejected."""
-    return json.loads(path.read_bytes(), parse_constant=_reject_constant)
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"non-finite JSON constant {name}")
 
 
 # ---------------------------------------------------------------------------------- policy
@@ -308,22 +224,25 @@ def _is_number(x: Any) -> bool:
 def parse_result_file(path: Path, num_layers: int, budget: int) -> list[ResultRecord]:
     """Read and validate one published result file; raise :class:`MalformedResult` with the reason.
 
-    Checks: size, UTF-8, newline-terminated, every line a JSON object (NaN/Infinity rejected), the
-    fields of each record (schedule of ``num_layers`` non-negative ints summing to ``budget``, reward
-    finite in [0, 1], ``policy_iteration`` an int >= 0), unique ``result_id`` within the file, and
-    the batch is complete (one ``batch_id``, ``batch_size`` records, indices ``0..batch_size-1``).
+    Checks: a regular file of at most ``MAX_RESULT_BYTES`` (:func:`~calib.santa.volume.read_regular`:
+    no FIFO, link or directory is ever opened for reading), UTF-8, newline-terminated, every line at
+    most ``MAX_LINE_BYTES`` long, nested at most ``MAX_JSON_DEPTH`` deep (checked before parsing)
+    and a JSON object (NaN/Infinity rejected), the fields of each record (schedule of ``num_layers``
+    non-negative ints summing to ``budget``, reward a number in [0, 1], ``policy_iteration`` an int
+    >= 0), unique ``result_id`` within the file, and the batch is complete (one ``batch_id``,
+    ``batch_size`` records, indices ``0..batch_size-1``). A vanished file raises ``FileNotFoundError``.
     """
-    size = path.stat().st_size
-    if size == 0 or size > MAX_RESULT_BYTES:
-        raise MalformedResult(f"file size {size} bytes is out of range")
-    raw = path.read_bytes()
+    try:
+        raw = read_regular(path, MAX_RESULT_BYTES)
+    except UnsafeFile as exc:
+        raise MalformedResult(str(exc)) from None
     if not raw.endswith(b"\n"):
         raise MalformedResult("file does not end with a newline (truncated)")
     try:
-        lines = raw.decode("utf-8").splitlines()
+        raw.decode("utf-8")
     except UnicodeDecodeError:
         raise MalformedResult("file is not UTF-8") from None
-    records = [_parse_record(line, n + 1, num_layers, budget) for n, line in enumerate(lines)]
+    records = [_parse_record(line, n + 1, num_layers, budget) for n, line in enumerate(raw.split(b"\n")[:-1])]
     ids = {r.result_id for r in records}
     if len(ids) != len(records):
         raise MalformedResult("duplicate result_id inside the file")
@@ -334,11 +253,17 @@ def parse_result_file(path: Path, num_layers: int, budget: int) -> list[ResultRe
     return sorted(records, key=lambda r: r.index)
 
 
-def _parse_record(line: str, lineno: int, num_layers: int, budget: int) -> ResultRecord:
+def _load_line(line: bytes, lineno: int) -> Any:
+    if len(line) > MAX_LINE_BYTES:
+        raise MalformedResult(f"line {lineno}: {len(line)} bytes is longer than {MAX_LINE_BYTES}")
     try:
-        obj = json.loads(line, parse_constant=_reject_constant)
-    except ValueError as exc:
-        raise MalformedResult(f"line {lineno}: not JSON ({exc})") from None
+        return loads_json(line)
+    except ValueError as exc:  # nested too deep, not JSON, NaN/Infinity, an integer too long to parse
+        raise MalformedResult(f"line {lineno}: not valid JSON ({exc})") from None
+
+
+def _parse_record(line: bytes, lineno: int, num_layers: int, budget: int) -> ResultRecord:
+    obj = _load_line(line, lineno)
     if not isinstance(obj, dict):
         raise MalformedResult(f"line {lineno}: not a JSON object")
     rid, it, sched, reward = obj.get("result_id"), obj.get("policy_iteration"), obj.get("schedule"), obj.get("reward")
@@ -352,24 +277,46 @@ def _parse_record(line: str, lineno: int, num_layers: int, budget: int) -> Resul
         raise MalformedResult(f"line {lineno}: schedule must list {num_layers} layers (got {n})")
     if not all(_is_int(x) and x >= 0 for x in sched) or sum(sched) != budget:
         raise MalformedResult(f"line {lineno}: schedule must be non-negative integers summing to {budget}")
-    if not _is_number(reward) or not math.isfinite(reward) or not 0.0 <= reward <= 1.0:
-        raise MalformedResult(f"line {lineno}: reward must be a finite number in [0, 1] (got {reward!r})")
+    # a comparison, not math.isfinite: NaN fails it, and a huge integer compares without overflowing
+    if not _is_number(reward) or not 0.0 <= reward <= 1.0:
+        raise MalformedResult(f"line {lineno}: reward must be a finite number in [0, 1] (got {repr(reward)[:40]})")
     if not isinstance(bid, str) or not bid or not _is_int(bsize) or bsize < 1 or not _is_int(index):
         raise MalformedResult(f"line {lineno}: batch_id, batch_size and index are required")
-    created = obj.get("created", 0.0)
+    created, worker = obj.get("created"), obj.get("worker")
+    created = float(created) if _is_number(created) and -1e18 < created < 1e18 else 0.0  # no float overflow
     return ResultRecord(result_id=rid, policy_iteration=int(it), schedule=tuple(int(x) for x in sched),
                         reward=float(reward), batch_id=bid, batch_size=int(bsize), index=int(index),
-                        worker=str(obj.get("worker", "")), budget=int(budget),
-                        created=float(created) if _is_number(created) else 0.0)
+                        worker=worker if isinstance(worker, str) else "", budget=int(budget),
+                        created=created)
+
+
+def is_result_name(name: Any) -> bool:
+    """A published result's name: a plain file name (no path separator, not hidden) ending ``.jsonl``.
+
+    Every name that the aggregator reads from a listing or a claim manifest passes this test, so a
+    name can never point outside the folder it is joined to (``..``, absolute paths, ``a/b``).
+    """
+    return (isinstance(name, str) and name.endswith(RESULT_SUFFIX) and not name.startswith(".")
+            and not any(c in name for c in ("/", "\\", "\0")))
 
 
 def list_results(directory: Path) -> list[str]:
-    """Published result files in ``directory`` (hidden temp files excluded), sorted by name."""
+    """Published result names in ``directory`` (hidden temp files excluded), sorted; entries of any type."""
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
         return []
-    return sorted(n for n in names if n.endswith(RESULT_SUFFIX) and not n.startswith("."))
+    return sorted(n for n in names if is_result_name(n))
+
+
+def regular_results(directory: Path) -> list[str]:
+    """The result names in ``directory`` that are regular files (not links, FIFOs or directories)."""
+    out = []
+    for name in list_results(directory):
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISREG(os.lstat(directory / name).st_mode):
+                out.append(name)
+    return out
 
 
 class InboxWriter:
@@ -420,20 +367,37 @@ def make_batch(worker: str, policy_iteration: int, budget: int,
 
 
 def quarantine(layout: Layout, path: Path, reason: str, *, origin: str) -> Path:
-    """Move a malformed file to ``quarantine/`` beside a ``<name>.reason.json``.
+    """Move the entry ``path`` (of any type) into ``quarantine/`` beside ``<name>.reason.json``.
 
-    The reason is written first, then the file is renamed, so a crash in between leaves the file
-    where it was (it is judged again) and, at worst, a reason file that is rewritten.
+    One rename, so a directory, FIFO or socket moves like a file and a symlink is moved, never
+    followed. The reason is written first, then the entry is renamed, so a crash in between leaves
+    the entry where it was (it is judged again) and, at worst, a reason file that is rewritten. If
+    the rename fails the reason file says ``"moved": false`` and the ``OSError`` propagates; a
+    vanished entry raises ``FileNotFoundError`` and leaves no reason file.
     """
     layout.quarantine.mkdir(parents=True, exist_ok=True)
-    target = layout.quarantine / path.name
-    if target.exists():  # the same name twice (a replayed garbage file): keep both
-        target = layout.quarantine / f"{path.stem}-{uuid.uuid4().hex[:8]}{path.suffix}"
-    atomic_write_json(target.with_name(target.name + ".reason.json"),
-                      {"file": path.name, "origin": origin, "reason": reason, "time": time.time()})
-    os.replace(path, target)
+    target = layout.quarantine / _quarantine_name(layout.quarantine, path.name)
+    note = {"file": path.name, "origin": origin, "reason": reason, "moved": True, "time": time.time()}
+    reason_file = target.with_name(target.name + REASON_SUFFIX)
+    atomic_write_json(reason_file, note)
+    try:
+        os.replace(path, target)
+    except FileNotFoundError:
+        reason_file.unlink(missing_ok=True)
+        raise
+    except OSError as exc:
+        atomic_write_json(reason_file, dict(note, moved=False, error=str(exc)))
+        raise
     fsync_dir(layout.quarantine)
     return target
+
+
+def _quarantine_name(folder: Path, name: str) -> str:
+    if len(os.fsencode(name)) > MAX_NAME_BYTES:  # room for the reason file's and temp files' suffixes
+        name = f"long-{hashlib.sha256(os.fsencode(name)).hexdigest()[:32]}{RESULT_SUFFIX}"
+    if os.path.lexists(folder / name):  # the same name twice (a replayed garbage file): keep both
+        name = f"{Path(name).stem}-{uuid.uuid4().hex[:8]}{Path(name).suffix}"
+    return name
 
 
 def write_manifest(layout: Layout, iteration: int, files: list[str]) -> None:
@@ -444,32 +408,52 @@ def write_manifest(layout: Layout, iteration: int, files: list[str]) -> None:
 
 
 def read_manifest(layout: Layout, iteration: int) -> list[str] | None:
-    """The files claimed by ``iteration``, or None when there is no (readable) manifest."""
+    """The files claimed by ``iteration``, or None when there is no trustworthy manifest.
+
+    The manifest is refused (None) unless it parses, names its own iteration, and lists only plain
+    result names (:func:`is_result_name`: no separator, ``..`` or absolute path) each of which,
+    where it exists in ``claimed/<iteration>/`` or ``inbox/``, is a regular file and not a link.
+    The caller then recovers from the claim folder itself (:func:`regular_results`).
+    """
     try:
         obj = read_json(layout.manifest_file(iteration))
-    except (FileNotFoundError, ValueError):
+    except (OSError, ValueError):  # missing, unreadable, not JSON, or too deep to parse
         return None
     if not isinstance(obj, dict) or obj.get("iteration") != iteration:
         return None
     files = obj.get("files")
-    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+    if not isinstance(files, list) or not all(is_result_name(f) for f in files):
         return None
+    for name in files:
+        for folder in (layout.claim_dir(iteration), layout.inbox):
+            try:
+                if not stat.S_ISREG(os.lstat(folder / name).st_mode):
+                    return None
+            except FileNotFoundError:
+                continue
     return files
 
 
-def move_claimed(layout: Layout, iteration: int, files: list[str], after_each=None) -> None:
+def move_claimed(layout: Layout, iteration: int, files: list[str], after_each=None) -> list[str]:
     """Rename the manifest's files from ``inbox/`` into ``claimed/<iteration>/`` (idempotent).
 
-    ``after_each(i)`` is called after the i-th rename (the aggregator's fault points).
+    Returns the names that could not be moved (an error other than "already moved"); they stay in
+    ``inbox/``. ``after_each(i)`` is called after the i-th rename (the aggregator's fault points).
     """
     dest = layout.claim_dir(iteration)
+    unmoved = []
     for i, name in enumerate(files):
-        with contextlib.suppress(FileNotFoundError):  # already moved before a crash
+        try:
             os.replace(layout.inbox / name, dest / name)
+        except FileNotFoundError:  # already moved before a crash
+            pass
+        except OSError:
+            unmoved.append(name)
         if after_each is not None:
             after_each(i)
     fsync_dir(dest)
     fsync_dir(layout.inbox)
+    return unmoved
 
 
 def sweep_temp_files(layout: Layout, max_age_s: float, now: float | None = None) -> list[Path]:
@@ -477,7 +461,7 @@ def sweep_temp_files(layout: Layout, max_age_s: float, now: float | None = None)
     now = time.time() if now is None else now
     folders = [layout.root, layout.inbox, layout.policy, layout.history, layout.quarantine]
     with contextlib.suppress(FileNotFoundError):
-        folders += [p for p in layout.claimed.iterdir() if p.is_dir()]
+        folders += [p for p in layout.claimed.iterdir() if p.is_dir() and not p.is_symlink()]
     swept = []
     for folder in folders:
         try:
@@ -487,10 +471,11 @@ def sweep_temp_files(layout: Layout, max_age_s: float, now: float | None = None)
         for e in entries:
             if not is_temp_name(e.name):
                 continue
-            try:
-                if now - e.stat(follow_symlinks=False).st_mtime > max_age_s:
+            try:  # a directory with a temp name is no writer's file: left alone
+                st = e.stat(follow_symlinks=False)
+                if not stat.S_ISDIR(st.st_mode) and now - st.st_mtime > max_age_s:
                     os.unlink(e.path)
                     swept.append(Path(e.path))
-            except FileNotFoundError:
+            except OSError:  # vanished meanwhile, or not ours to delete: tried again next sweep
                 continue
     return swept

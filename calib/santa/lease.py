@@ -1,6 +1,6 @@
 """The single-aggregator lease on a shared, possibly network, filesystem (no flock).
 
-SPEC §5.4: only one aggregator may run. ``flock``/``fcntl`` locks are not reliable on network
+Only one aggregator may run. ``flock``/``fcntl`` locks are not reliable on network
 filesystems (NFS clients may emulate them per host or not at all, and a lock held by a vanished pod
 lingers until the server's lock recovery), so the lease is a plain file,
 ``<rl.dir>/aggregator.lease``, handled only with operations that are atomic on local filesystems
@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from calib.santa.inbox import TEMP_MARK, atomic_write_bytes, fsync_dir
+from calib.santa.volume import TEMP_MARK, UnsafeFile, atomic_write_bytes, fsync_dir, loads_json, read_regular
+
+MAX_LEASE_BYTES = 64 * 1024  # a lease holds one small JSON object
 
 
 class LeaseHeld(RuntimeError):
@@ -75,7 +77,7 @@ class Lease:
                 self._start_heartbeat()
                 return
             try:
-                content = self.path.read_bytes()
+                content = _read_lease(self.path)
             except FileNotFoundError:
                 continue  # released meanwhile: try again at once
             now = time.monotonic()
@@ -128,8 +130,8 @@ class Lease:
             os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
         except FileExistsError:
             return  # another contender is taking this very lease over
-        with contextlib.suppress(FileNotFoundError):
-            if self.path.read_bytes() == stale:
+        with contextlib.suppress(OSError):  # gone, or not removable (a directory): wait as for a live lease
+            if _read_lease(self.path) == stale:
                 self.path.unlink()
 
     def _start_heartbeat(self) -> None:
@@ -149,8 +151,8 @@ class Lease:
 
     def _is_mine(self) -> bool:
         try:
-            obj = json.loads(self.path.read_bytes())
-        except (FileNotFoundError, ValueError):
+            obj = loads_json(read_regular(self.path, MAX_LEASE_BYTES))
+        except (OSError, ValueError):
             return False
         return isinstance(obj, dict) and obj.get("owner") == self.owner
 
@@ -184,18 +186,28 @@ class Lease:
 _LIVE_OWNERS: set[str] = set()  # owners of the leases this process holds now
 
 
+def _read_lease(path: Path) -> bytes:
+    """The lease file's bytes, read without blocking; an entry that is not a small regular file (a
+    FIFO, a directory, an empty or huge file) reads as its description, judged stale like any content."""
+    try:
+        return read_regular(path, MAX_LEASE_BYTES)
+    except UnsafeFile as exc:
+        return f"not a lease: {exc}".encode()
+
+
 def _written_by_dead_local_process(content: bytes) -> bool:
     try:
-        obj = json.loads(content)
+        obj = loads_json(content)
         pid, host = int(obj["pid"]), str(obj["host"])
     except (ValueError, KeyError, TypeError):
         return False
-    if host != socket.gethostname():
+    if host != socket.gethostname() or not 0 < pid < 2**31:  # os.kill needs a C int; <= 0 names groups
         return False
     if pid == os.getpid():
         # our pid: a lease held in this process is alive; otherwise it is a previous life of this
         # (restarted) container, whose pid was reused
-        return obj.get("owner") not in _LIVE_OWNERS
+        owner = obj.get("owner")
+        return not isinstance(owner, str) or owner not in _LIVE_OWNERS
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

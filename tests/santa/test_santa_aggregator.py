@@ -321,3 +321,83 @@ def test_aggregator_stops_when_its_lease_is_taken_over(tmp_path):
     t.join(timeout=20)
     assert not t.is_alive() and len(errors) == 1 and isinstance(errors[0], LeaseLost)
     assert json.loads((tmp_path / "aggregator.lease").read_text())["owner"] == "other"
+
+
+# ------------------------------------------------------------------ untrusted claim manifests
+
+
+def _victim(tmp_path: Path) -> tuple[Path, Path, tuple[bytes, int]]:
+    """rl.dir = tmp_path/rl and a file outside it holding a valid batch (counting it would show)."""
+    victim = tmp_path / "victim.txt"
+    publish_lines(tmp_path, "victim.txt", result_lines(0, [[4, 4, 4], [12, 0, 0]], [1.0, 0.0], tag="victim", budget=N))
+    os.replace(tmp_path / "inbox" / "victim.txt", victim)
+    os.rmdir(tmp_path / "inbox")
+    return tmp_path / "rl", victim, (victim.read_bytes(), victim.stat().st_mtime_ns)
+
+
+def _write_manifest(root: Path, k: int, files: list) -> None:
+    (root / "claimed" / str(k)).mkdir(parents=True, exist_ok=True)
+    (root / "claimed" / str(k) / "manifest.json").write_text(json.dumps({"iteration": k, "files": files, "time": 0}))
+
+
+@pytest.mark.parametrize("entry", ["../../victim.txt", "ABSOLUTE", "result-a.jsonl/../../../victim.txt", ".."])
+def test_a_manifest_naming_paths_outside_its_claim_is_not_trusted(tmp_path, entry):
+    root, victim, before = _victim(tmp_path)
+    run_aggregator(root, L, N, iterations=0, **FAST)
+    good = random_batch(np.random.default_rng(3), np.zeros(L), 0, N, 3, "a")
+    publish_lines(root, "result-a.jsonl", good)
+    # as if an aggregator died after claiming iteration 1, with a manifest someone rewrote
+    _write_manifest(root, 1, [str(victim) if entry == "ABSOLUTE" else entry, "result-a.jsonl"])
+    summary = run_aggregator(root, L, N, iterations=1, **FAST)
+    assert summary.committed == [1]
+    assert (victim.read_bytes(), victim.stat().st_mtime_ns) == before and os.listdir(root / "quarantine") == []
+    facts = check_rl_dir(root, L, N)
+    assert facts.counted == [r["result_id"] for r in good] and facts.claimed_files == ["result-a.jsonl"]
+
+
+def test_a_manifest_listing_symlinks_is_recovered_from_the_claim_folder(tmp_path):
+    root, victim, before = _victim(tmp_path)
+    run_aggregator(root, L, N, iterations=0, **FAST)
+    moved = random_batch(np.random.default_rng(4), np.zeros(L), 0, N, 3, "b")
+    waiting = random_batch(np.random.default_rng(5), np.zeros(L), 0, N, 2, "c")
+    publish_lines(root, "result-c.jsonl", waiting)
+    _write_manifest(root, 1, ["result-b.jsonl", "result-link.jsonl"])
+    (root / "claimed" / "1" / "result-b.jsonl").write_bytes(
+        "".join(json.dumps(r) + "\n" for r in moved).encode())  # moved before the crash
+    (root / "claimed" / "1" / "result-link.jsonl").symlink_to(victim)  # a valid batch, if followed
+    summary = run_aggregator(root, L, N, iterations=2, **FAST)
+    assert summary.committed == [1, 2]
+    assert (victim.read_bytes(), victim.stat().st_mtime_ns) == before
+    assert os.readlink(root / "quarantine" / "result-link.jsonl") == str(victim)  # moved, never read
+    facts = check_rl_dir(root, L, N)
+    hist = [json.loads((root / "history" / f"{k}.json").read_text()) for k in (1, 2)]
+    assert hist[0]["files"] == ["result-b.jsonl"] and hist[1]["files"] == ["result-c.jsonl"]
+    assert sorted(facts.counted) == sorted(r["result_id"] for r in moved + waiting)
+    assert json.loads((root / "claimed" / "1" / "manifest.json").read_text())["files"] == ["result-b.jsonl"]
+
+
+def test_a_manifest_whose_inbox_entry_became_a_symlink_is_not_trusted(tmp_path):
+    root, victim, before = _victim(tmp_path)
+    run_aggregator(root, L, N, iterations=0, **FAST)
+    publish_lines(root, "result-a.jsonl", random_batch(np.random.default_rng(6), np.zeros(L), 0, N, 3, "a"))
+    _write_manifest(root, 1, ["result-a.jsonl", "result-v.jsonl"])  # died after the manifest, before moving
+    (root / "inbox" / "result-v.jsonl").symlink_to(victim)
+    summary = run_aggregator(root, L, N, iterations=1, **FAST)
+    assert summary.committed == [1] and summary.quarantined == ["result-v.jsonl"]
+    assert (victim.read_bytes(), victim.stat().st_mtime_ns) == before
+    assert check_rl_dir(root, L, N).claimed_files == ["result-a.jsonl"]
+
+
+def test_a_committed_iteration_with_a_traversing_manifest_is_rebuilt_from_its_files(tmp_path):
+    root, victim, before = _victim(tmp_path)
+    run_aggregator(root, L, N, iterations=0, **FAST)
+    good = random_batch(np.random.default_rng(7), np.zeros(L), 0, N, 3, "a")
+    publish_lines(root, "result-a.jsonl", good)
+    run_aggregator(root, L, N, iterations=1, **FAST)
+    (root / "history" / "1.json").unlink()  # as if killed between snapshot and history
+    _write_manifest(root, 1, ["../../victim.txt"])
+    assert run_aggregator(root, L, N, iterations=1, **FAST).iteration == 1
+    assert (victim.read_bytes(), victim.stat().st_mtime_ns) == before
+    hist = json.loads((root / "history" / "1.json").read_text())
+    assert hist["rebuilt"] is True and hist["result_ids"] == [r["result_id"] for r in good]
+    check_rl_dir(root, L, N)

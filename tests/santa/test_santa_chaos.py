@@ -1,9 +1,13 @@
 """Chaos: real worker and aggregator processes on one rl.dir, killed with SIGKILL at random instants.
 
-Acceptance (issue 7): every policy snapshot parses, iterations are consecutive, every published result
-is counted at most once, no partial file is ever consumed, temp files of dead workers are swept, and
-garbage in the inbox goes to quarantine/ and never reaches theta. ``check_rl_dir`` recomputes every
-committed theta from the claimed files independently.
+The aggregator is killed several times in one run: inside protocol crash windows (``--crash-at``) and
+from outside at random instants, while workers are killed at random (one of them mid-write) and
+poison lands in the inbox mid-run (garbage files, deep nesting, a directory, a FIFO, a symlink to a
+file outside rl.dir, non-UTF-8 bytes). Acceptance: every policy snapshot parses and never changes
+once visible, iterations are consecutive, every published result is counted at most once and none
+is lost (quarantined or left uncounted in a claim), no partial file is ever consumed, temp files of
+dead workers are swept, and poison goes to quarantine/ and never reaches theta. ``check_rl_dir``
+recomputes every committed theta from the claimed files independently.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 L, N = 4, 16
 TEMP_MAX_AGE_S = 1.0
+GARBAGE = ("truncated", "nan", "length")  # regular files that santa_checks can still read in the inbox
+POISON = ("deep", "binary", "dir", "fifo", "symlink")  # dropped only while at least half the run remains
 
 
 @dataclass
@@ -35,12 +41,15 @@ class Chaos:
     root: Path
     rng: random.Random
     env: dict[str, str]
+    outside: Path  # a valid batch outside rl.dir, the target of a poison symlink
     workers: list[subprocess.Popen] = field(default_factory=list)
     aggregator: subprocess.Popen | None = None
+    crash_pending: str = ""  # the crash window the running aggregator will die in, if any
     worker_kills: int = 0
     aggregator_kills: int = 0
     garbage: list[str] = field(default_factory=list)
     seeds: int = 0
+    snapshots: dict[str, bytes] = field(default_factory=dict)  # each policy file as first seen
 
     def start_worker(self, *extra: str) -> subprocess.Popen:
         self.seeds += 1
@@ -56,14 +65,35 @@ class Chaos:
                 "--budget", str(N), "--iterations", str(iterations), "--poll-s", "0.02", "--lease-ttl-s", "3",
                 "--temp-max-age-s", str(TEMP_MAX_AGE_S)]
 
-    def start_aggregator(self, iterations: int, *extra: str) -> subprocess.Popen:
+    def start_aggregator(self, iterations: int, crash_point: str = "") -> subprocess.Popen:
+        """Start an aggregator; with ``crash_point`` it SIGKILLs itself in that window 1-3 iterations on."""
+        extra: tuple[str, ...] = ()
+        if crash_point:
+            extra = ("--crash-at", f"{crash_point}:{max(self.committed(), 0) + self.rng.randint(1, 3)}")
+        self.crash_pending = crash_point
         self.aggregator = subprocess.Popen([*self.aggregator_cmd(iterations), *extra], env=self.env,
                                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         return self.aggregator
 
+    def kill_aggregator(self) -> None:
+        self.aggregator.send_signal(signal.SIGKILL)
+        self.aggregator.wait()
+        self.aggregator_kills += 1
+
     def committed(self) -> int:
         policy = self.root / "policy"
         return sum(1 for n in os.listdir(policy) if not n.startswith(".")) - 1 if policy.exists() else -1
+
+    def watch_snapshots(self) -> None:
+        """Every visible snapshot parses, iterations are consecutive, and none changes once seen."""
+        if not (self.root / "policy").exists():
+            return
+        names = [n for n in os.listdir(self.root / "policy") if not n.startswith(".")]
+        assert sorted(names) == sorted(f"policy-{i}.json" for i in range(len(names))), sorted(names)
+        for name in names:
+            data = (self.root / "policy" / name).read_bytes()
+            assert self.snapshots.setdefault(name, data) == data, f"{name} was rewritten"
+            assert json.loads(data)["iteration"] == int(name[7:-5])
 
     def kill_random_worker(self) -> None:
         alive = [w for w in self.workers if w.poll() is None]
@@ -76,14 +106,23 @@ class Chaos:
 
     def inject_garbage(self, kind: str) -> None:
         name = f"result-garbage-{len(self.garbage)}-{kind}.jsonl"
+        path = self.root / "inbox" / name
         recs = result_lines(0, [[4, 4, 4, 4], [16, 0, 0, 0]], [1.0, 0.0], tag=name, budget=N)
-        if kind == "truncated":
-            data = ("".join(json.dumps(r) + "\n" for r in recs))[:-25].encode()
-        elif kind == "nan":
-            data = ("".join(json.dumps(dict(r, reward=float("nan"))) + "\n" for r in recs)).encode()
-        else:  # wrong schedule length
-            data = ("".join(json.dumps(dict(r, schedule=[8, 8])) + "\n" for r in recs)).encode()
-        publish_lines(self.root, name, data)
+        lines = "".join(json.dumps(r) + "\n" for r in recs)
+        if kind == "dir":
+            path.mkdir()
+            (path / "result-inner.jsonl").write_text(lines)
+        elif kind == "fifo":
+            os.mkfifo(path)
+        elif kind == "symlink":
+            path.symlink_to(self.outside)
+        else:
+            data = {"truncated": lines[:-25].encode(),
+                    "nan": "".join(json.dumps(dict(r, reward=float("nan"))) + "\n" for r in recs).encode(),
+                    "length": "".join(json.dumps(dict(r, schedule=[8, 8])) + "\n" for r in recs).encode(),
+                    "deep": b"[" * 100_000 + b"]" * 100_000 + b"\n",
+                    "binary": b"\xff\xfe" + self.rng.randbytes(64) + b"\n"}[kind]
+            publish_lines(self.root, name, data)
         self.garbage.append(name)
 
 
@@ -106,48 +145,65 @@ def kill_mid_write(chaos: Chaos) -> Path:
     return temps[0]
 
 
-def run_chaos(root: Path, *, seed: int, workers: int, iterations: int, aggregator_kills: int, budget_s: float) -> None:
+def _outside_batch(root: Path) -> tuple[Path, list[str]]:
+    """A valid batch in a file outside rl.dir: counting it would mean a symlink was followed."""
+    recs = result_lines(0, [[4, 4, 4, 4]] * 2, [1.0, 0.0], tag="outside", budget=N)
+    path = root.parent / "outside" / "result-outside.jsonl"
+    path.parent.mkdir(parents=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return path, [r["result_id"] for r in recs]
+
+
+def run_chaos(root: Path, *, seed: int, workers: int, iterations: int, crash_kills: int, aggregator_kills: int,
+              budget_s: float) -> None:
     rng = random.Random(seed)
     env = dict(os.environ, PYTHONPATH=python_path(REPO, HERE), SANTA_TEST_EVAL_SLEEP_S="0.05")
-    chaos = Chaos(root=root, rng=rng, env=env)
+    outside, outside_ids = _outside_batch(root)
+    outside_before = (outside.read_bytes(), outside.stat().st_mtime_ns)
+    chaos = Chaos(root=root, rng=rng, env=env, outside=outside)
     (root / "inbox").mkdir(parents=True)
     dead_temp = root / "inbox" / ".result-deadworker-0.jsonl.tmp-0"  # left by a worker killed long ago
     dead_temp.write_text('{"result_id": "half')
     os.utime(dead_temp, (time.time() - 3600, time.time() - 3600))
-    for kind in ("truncated", "nan", "length"):
+    for kind in GARBAGE:
         chaos.inject_garbage(kind)
-    # the first aggregator kills itself inside a random crash window (under real concurrency)
-    crash_point = crash_point_0 = rng.choice(CRASH_POINTS)
-    chaos.start_aggregator(iterations, "--crash-at", f"{crash_point}:{rng.randint(2, 4)}")
+    # the first aggregators kill themselves inside random crash windows (under real concurrency) ...
+    crash_plan = [rng.choice(CRASH_POINTS) for _ in range(crash_kills)]
+    windows = list(crash_plan)
+    chaos.start_aggregator(iterations, crash_plan.pop(0) if crash_plan else "")
     for _ in range(workers):
         chaos.start_worker()
     partial = None
-    # random kills once >= 6 iterations are committed, i.e. after the crash-window kill (iteration <= 4)
-    kill_at = sorted(max(6, rng.uniform(0.2, 0.85) * iterations) for _ in range(aggregator_kills))
+    poison_at = max(3, iterations // 4)  # every kind of poison lands once here, more at random until half-way
+    # ... then others are killed from outside at random instants, at distinct iterations
+    kill_at = sorted(rng.uniform(0.3, 0.7) * iterations for _ in range(aggregator_kills))
     start = time.monotonic()
     try:
         while (rc := chaos.aggregator.poll()) != 0:
-            if rc == -signal.SIGKILL and crash_point:  # died in its crash window: restart it
-                crash_point = ""
+            if rc == -signal.SIGKILL and chaos.crash_pending:  # died in its crash window: restart it
                 chaos.aggregator_kills += 1
-                chaos.start_aggregator(iterations)
+                chaos.start_aggregator(iterations, crash_plan.pop(0) if crash_plan else "")
                 continue
             assert rc is None, f"aggregator failed: {chaos.aggregator.stderr.read()}"
             assert time.monotonic() - start < budget_s, f"chaos run exceeded {budget_s}s at {chaos.committed()}"
             time.sleep(rng.uniform(0.05, 0.3))
-            if partial is None and chaos.committed() >= 2:
+            chaos.watch_snapshots()
+            done = chaos.committed()
+            if partial is None and done >= 2:
                 partial = kill_mid_write(chaos)
-            if kill_at and chaos.committed() >= kill_at[0]:
-                kill_at.pop(0)
+            if poison_at is not None and done >= poison_at:
+                poison_at = None
+                for kind in POISON:
+                    chaos.inject_garbage(kind)
+            if kill_at and not chaos.crash_pending and done >= kill_at[0]:
+                kill_at = [max(k, done + 1) for k in kill_at[1:]]
                 time.sleep(rng.uniform(0.0, 0.1))
-                chaos.aggregator.send_signal(signal.SIGKILL)
-                chaos.aggregator.wait()
-                chaos.aggregator_kills += 1
+                chaos.kill_aggregator()
                 chaos.start_aggregator(iterations)
             elif rng.random() < 0.35:
                 chaos.kill_random_worker()
             elif rng.random() < 0.3:
-                chaos.inject_garbage(rng.choice(["truncated", "nan", "length"]))
+                chaos.inject_garbage(rng.choice(GARBAGE + POISON if done < iterations // 2 else GARBAGE))
         # done.json: the surviving workers stop by themselves
         for w in chaos.workers:
             assert w.wait(timeout=30) in (0, -signal.SIGKILL)
@@ -157,31 +213,39 @@ def run_chaos(root: Path, *, seed: int, workers: int, iterations: int, aggregato
                 p.kill()
                 p.wait()
     print(f"chaos seed {seed}: {iterations} iterations in {time.monotonic() - start:.1f}s, "
-          f"{chaos.worker_kills} worker kills, {chaos.aggregator_kills} aggregator kills, "
-          f"(one in its {crash_point_0} window), {len(chaos.garbage)} garbage files")
-    assert chaos.aggregator_kills == aggregator_kills + 1 and not crash_point  # + the crash-window kill
+          f"{chaos.worker_kills} worker kills, {chaos.aggregator_kills} aggregator kills "
+          f"({crash_kills} in the windows {windows}), {len(chaos.garbage)} garbage files")
+    assert chaos.aggregator_kills == crash_kills + aggregator_kills and not crash_plan and not kill_at
     assert chaos.worker_kills >= 3 and partial is not None
     assert not dead_temp.exists()  # swept while the run went on
     # After every writer is gone, one more (idle) aggregator start sweeps what dead writers left.
     time.sleep(TEMP_MAX_AGE_S + 0.2)
     final = subprocess.run(chaos.aggregator_cmd(iterations), env=env, capture_output=True, text=True, timeout=60)
     assert final.returncode == 0, final.stderr
+    chaos.watch_snapshots()  # every snapshot still parses and holds what it held when first seen
+    quarantined = {n for n in os.listdir(root / "quarantine") if not n.endswith(".reason.json")}
+    poison = {g for g in chaos.garbage if g.rsplit("-", 1)[1][:-6] in POISON}
+    assert poison <= quarantined, f"poison left in the inbox: {sorted(poison - quarantined)}"
     facts = check_rl_dir(root, L, N)  # snapshots parse, consecutive, each theta recomputed, no double count
     assert facts.iterations == iterations
     assert facts.temps == [] and not partial.exists()
-    # garbage is quarantined (or still waits, if injected after the last claim); nothing a worker published is
+    # garbage is quarantined (or still waits, if injected after the last claim); nothing a worker published is,
+    # and what a worker published sits in a committed claim (counted: check_rl_dir) or still waits in the inbox
     assert sorted(facts.quarantined + [n for n in facts.inbox if "garbage" in n]) == sorted(chaos.garbage)
-    garbage_ids = {r["result_id"] for g in chaos.garbage for r in result_lines(0, [[0]] * 2, [0, 0], tag=g, budget=N)}
-    assert len(garbage_ids) == 2 * len(chaos.garbage) and not garbage_ids & set(facts.counted)
     assert all(name.startswith("result-w") for name in facts.claimed_files)
+    assert not (root / "claimed" / str(iterations + 1)).exists()
+    garbage_ids = {r["result_id"] for g in chaos.garbage for r in result_lines(0, [[0]] * 2, [0, 0], tag=g, budget=N)}
+    assert len(garbage_ids) == 2 * len(chaos.garbage) and not (garbage_ids | set(outside_ids)) & set(facts.counted)
+    assert (outside.read_bytes(), outside.stat().st_mtime_ns) == outside_before
+    assert os.readlink(root / "quarantine" / next(g for g in poison if g.endswith("-symlink.jsonl"))) == str(outside)
 
 
 @pytest.mark.timeout(180)
 def test_chaos_killed_workers_and_aggregator(tmp_path):
-    run_chaos(tmp_path / "rl", seed=0, workers=3, iterations=30, aggregator_kills=2, budget_s=120)
+    run_chaos(tmp_path / "rl", seed=0, workers=3, iterations=30, crash_kills=2, aggregator_kills=3, budget_s=120)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_chaos_long(tmp_path):
-    run_chaos(tmp_path / "rl", seed=1, workers=6, iterations=150, aggregator_kills=8, budget_s=400)
+    run_chaos(tmp_path / "rl", seed=1, workers=6, iterations=150, crash_kills=4, aggregator_kills=8, budget_s=400)

@@ -18,8 +18,6 @@ from calib.santa.inbox import (
     Layout,
     MalformedResult,
     PolicySnapshot,
-    atomic_write_json,
-    exclusive_publish_json,
     list_results,
     make_batch,
     parse_result_file,
@@ -27,6 +25,7 @@ from calib.santa.inbox import (
     sweep_temp_files,
 )
 from calib.santa.lease import Lease, LeaseHeld, LeaseLost
+from calib.santa.volume import atomic_write_json, exclusive_publish_json
 
 
 def test_inbox_writer_publishes_one_complete_file_and_no_temp(tmp_path):
@@ -136,6 +135,24 @@ def test_sweep_removes_only_old_hidden_temps(tmp_path):
     assert all(p.exists() for p in [young, *keep])
 
 
+def test_sweep_deletes_no_directory_and_follows_no_link(tmp_path):
+    layout = Layout(tmp_path / "rl").ensure()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    theirs = elsewhere / ".notes.tmp-1"  # outside rl.dir, reachable only through the link below
+    (layout.claimed / "7").symlink_to(elsewhere)
+    temp_dir = layout.inbox / ".result-x.jsonl.tmp-dir"
+    temp_dir.mkdir()
+    fifo = layout.inbox / ".result-y.jsonl.tmp-fifo"
+    os.mkfifo(fifo)
+    theirs.write_text("x")
+    past = time.time() - 100
+    for p in (theirs, temp_dir, fifo):
+        os.utime(p, (past, past))
+    assert sweep_temp_files(layout, max_age_s=50) == [fifo]  # a dead writer's leftover of any kind but a folder
+    assert temp_dir.is_dir() and theirs.exists()
+
+
 # ---------------------------------------------------------------------------------- lease
 
 
@@ -210,3 +227,30 @@ def test_only_one_of_many_contenders_gets_a_stale_lease(tmp_path):
     assert len(results) == 1 and json.loads(path.read_text())["owner"] == results[0]
     for le in leases:
         le.release()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("kind", ["deep", "fifo", "empty"])
+def test_a_garbage_lease_file_is_taken_over_without_hanging_or_crashing(tmp_path, kind):
+    path = tmp_path / "aggregator.lease"
+    if kind == "deep":
+        path.write_bytes(b"[" * 200_000 + b"]" * 200_000)
+    elif kind == "fifo":
+        os.mkfifo(path)  # reading it without a writer would block
+    else:
+        path.write_bytes(b"")
+    lease = Lease(path, ttl_s=0.3)
+    lease.acquire(wait_s=5.0, poll_s=0.05)  # unchanged for a TTL: stale, whatever it holds
+    assert json.loads(path.read_text())["owner"] == lease.owner
+    lease.release()
+
+
+def test_a_garbage_lease_written_over_ours_means_it_is_lost(tmp_path):
+    path = tmp_path / "aggregator.lease"
+    lease = Lease(path, ttl_s=60.0)
+    lease.acquire(wait_s=0)
+    path.write_bytes(b"[" * 100_000)
+    with pytest.raises(LeaseLost):
+        lease.check()
+    lease.release()
+    assert path.read_bytes() == b"[" * 100_000

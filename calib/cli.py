@@ -10,6 +10,7 @@ line and also write it to ``result.json`` in the job's output directory (each jo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -99,13 +100,63 @@ def _run_hydra(cmd: str, args: list[str], fn: Callable[[Any], dict[str, Any]]) -
     main()
 
 
+def check_tracking_store(tracking_uri: str) -> None:
+    """A one-line :class:`UserError` when ``tracking_uri`` is an SQLite file that SQLite cannot read
+    (a corrupt or foreign file), instead of the store's traceback. Other stores are not probed."""
+    import sqlite3
+
+    if not tracking_uri.startswith("sqlite:///"):
+        return
+    path = Path(tracking_uri[len("sqlite:///"):])
+    if not path.exists():
+        return  # a fresh store is created
+    if not path.is_file():
+        raise UserError(f"the tracking store {path} is not a file: move it aside or point CALIB_HOME elsewhere")
+    try:
+        with contextlib.closing(sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True, timeout=30)) as db:
+            db.execute("SELECT count(*) FROM sqlite_master").fetchone()
+    except sqlite3.OperationalError:
+        return  # locked or unreadable: left to the store, which reports it
+    except sqlite3.DatabaseError as exc:
+        raise UserError(f"the tracking store {path} is not a usable SQLite database ({exc}): move it aside "
+                        "(a fresh one is created) or point CALIB_HOME / MLFLOW_TRACKING_URI elsewhere") from None
+
+
+def check_eval_artifact_method(cfg: Any) -> None:
+    """``eval``'s ``+method`` against the artifact's method (:func:`calib.registry.check_eval_method`)
+    before the model loads, where the method can be told cheaply; ``evaluate`` checks the loaded one."""
+    from calib import registry, tracking
+
+    if cfg.get("method") is None:
+        return
+    artifact = cfg.get("artifact")
+    if not artifact:
+        registry.check_eval_method(cfg.method, None, None)
+        return
+    target = tracking.resolve_target(cfg.get("tracking"))
+    if registry.parse_model_uri(artifact) is not None:
+        tracking.configure(target)  # the registry lives in the project's store
+    method = registry.artifact_method(artifact, target.tracking_uri)
+    if method is not None:
+        registry.check_eval_method(cfg.method, artifact, method)
+
+
 def check_command_data(cmd: str, cfg: Any) -> None:
-    """The data checks of ``run`` / ``eval`` (:mod:`calib.data.checks`) before Hydra starts and anything
-    heavy loads: a bad JSONL file or a dataset missing offline fails in one line within a second."""
+    """The data checks of ``run`` / ``eval`` (:mod:`calib.data.checks`), ``rl.dir`` of ``worker`` /
+    ``aggregator`` and the tracking store, before Hydra starts and anything heavy loads: a bad JSONL
+    file, a dataset missing offline or an ``rl.dir`` that is a file fails in one line within a second."""
+    from calib import tracking
     from calib.data import EVAL_NEEDS, check_data
 
-    if cmd == "eval":
+    if cmd != "worker":  # workers never touch MLflow
+        check_tracking_store(tracking.resolve_target(cfg.get("tracking")).tracking_uri)
+    if cmd in ("worker", "aggregator"):
+        from calib.santa.commands import settings
+
+        settings(cfg).require_dir(cmd)
+    elif cmd == "eval":
         check_data(cfg.data, EVAL_NEEDS)
+        check_eval_artifact_method(cfg)
     elif cmd == "run" and cfg.get("method") is not None and "name" in cfg.method:
         import importlib
 
@@ -157,7 +208,9 @@ def cmd_ls(args: list[str]) -> None:
     parser.add_argument("name_filter", nargs="?", default=None)
     parser.add_argument("--json", action="store_true", help="one JSON object per version")
     ns = parser.parse_args(args)
-    tracking.configure(tracking.resolve_target())
+    target = tracking.resolve_target()
+    check_tracking_store(target.tracking_uri)
+    tracking.configure(target)
     rows = registry.list_versions(ns.name_filter)
     if ns.json:
         for r in rows:
@@ -182,7 +235,9 @@ def cmd_promote(args: list[str]) -> None:
     if len(positional) != 2 or not positional[1].isdigit() or not alias:
         raise UserError(usage)
     name, version = positional
-    tracking.configure(tracking.resolve_target())
+    target = tracking.resolve_target()
+    check_tracking_store(target.tracking_uri)
+    tracking.configure(target)
     uri = registry.promote(name, version, alias)
     print(f"{uri} -> version {version}")
     tags = registry.version_tags(name, version)
@@ -207,7 +262,12 @@ def cmd_ui(args: list[str]) -> None:
     if ns.workers < 1:
         raise UserError(f"--workers must be >= 1 (got {ns.workers})")
     settings = ui.UiSettings(host=ns.host, port=ns.port, workers=ns.workers, jobs=ns.jobs)
+    if not ui.is_loopback(ns.host):
+        print(f"warning: the MLflow UI has no authentication: anyone who reaches {ns.host}:{ns.port} can read "
+              "every run and move registry aliases such as champion (bind 127.0.0.1 and use an SSH tunnel)",
+              file=sys.stderr, flush=True)
     target = tracking.resolve_target()
+    check_tracking_store(target.tracking_uri)
     experiment_id = tracking.configure(target)
     command = ui.server_command(target.tracking_uri, target.registry_uri, target.artifact_root, settings) + server_args
     ui.save_headline_view(experiment_id)
@@ -228,6 +288,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     cmd, rest = args[0], args[1:]
     try:
+        if cmd in ("run", "eval", "worker", "aggregator", "ls", "promote", "ui"):
+            from calib.paths import check_home
+
+            check_home()  # every command writes its store or caches under the home
         if cmd in ("run", "eval", "worker", "aggregator"):
             cmd_hydra(cmd, rest)
         elif cmd == "ls":

@@ -199,6 +199,46 @@ def parse_model_uri(uri: Any) -> ModelRef | None:
     return ModelRef(name, version=version) if name and version.isdigit() else None
 
 
+def check_eval_method(method_cfg: Any, artifact: Any, artifact_method: str | None) -> None:
+    """``calib eval`` takes the method from the artifact (``artifact_method``; ``None``: no artifact, dense
+    only). A ``+method`` group (``method_cfg``) naming another method is a mistake the eval would
+    otherwise answer for the artifact's method: a one-line :class:`UserError`."""
+    wanted = None if method_cfg is None else method_cfg.get("name")
+    if wanted is None or str(wanted) == artifact_method:
+        return
+    if artifact_method is None:
+        raise UserError(f"+method={wanted} but no artifact: eval measures the method of artifact=<models:/... or "
+                        "dir> (without one, dense only); add the artifact or drop +method")
+    raise UserError(f"{artifact} artifact is {artifact_method!r} but +method={wanted}: eval takes the method "
+                    f"from the artifact; drop +method or evaluate a {wanted} artifact")
+
+
+def artifact_method(uri: Any, tracking_uri: str | None = None) -> str | None:
+    """The method of artifact ``uri`` told without loading it: a registry version's ``method`` tag, a
+    directory's ``manifest.json``; ``None`` when it cannot be told so (loading it will say why)."""
+    import json
+
+    ref = parse_model_uri(uri)
+    if ref is None:
+        from runtime_kernels.artifact import local_path
+
+        local = local_path(str(uri))
+        try:
+            return str(json.loads((local / "manifest.json").read_text())["method"]) if local else None
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking_uri)
+    try:
+        mv = (client.get_model_version_by_alias(ref.name, ref.alias) if ref.alias
+              else client.get_model_version(ref.name, str(ref.version)))
+    except MlflowException:
+        return None
+    return (mv.tags or {}).get("method") or None
+
+
 def eval_run_name(artifact: Any, method: str, model: str) -> str:
     """``eval saap-tiny@candidate`` / ``eval saap-tiny-v3`` for a registry URI, ``eval saap-tiny`` for a
     directory, ``eval dense-tiny`` without an artifact."""

@@ -7,7 +7,8 @@ first page slow, so ``calib ui`` asks for one worker and turns the job runner of
 
 The server runs in its own process group; on Ctrl-C or SIGTERM :func:`serve` signals the whole group,
 waits up to :data:`STOP_GRACE_S` for it to exit and kills what is left, so no server worker or job
-runner outlives the command.
+runner outlives the command. The UI has no authentication: it binds 127.0.0.1 unless ``--host`` says
+otherwise, and then ``calib ui`` warns (:func:`is_loopback`).
 
 The printed URLs open the runs table with MLflow 3's "Model training" navigation
 (``workflowType=machine_learning``; older 3.x UIs pick it from the experiment's kind tag, which
@@ -55,6 +56,19 @@ def server_command(tracking_uri: str, registry_uri: str, artifact_root: str | No
 def server_env(settings: UiSettings) -> dict[str, str]:
     """The server's environment: ours, with the job runner switched per ``settings.jobs``."""
     return {**os.environ, JOB_EXECUTION_ENV: "true" if settings.jobs else "false"}
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` keeps the server on this machine: ``localhost`` or a loopback address
+    (``127.0.0.0/8``, ``::1``). A wildcard (``0.0.0.0``, ``::``) or any other name or address is not."""
+    import ipaddress
+
+    if host.lower() in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def runs_table_url(host: str, port: int, experiment_id: str, view: str | None = None) -> str:

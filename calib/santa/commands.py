@@ -124,9 +124,13 @@ class RLSettings:
                 f"rl.lease_wait_s must be >= 0 or null (got {self.lease_wait_s})")
 
     def require_dir(self, command: str) -> Path:
+        """``rl.dir``, which must be set and be (or be creatable as) a writable directory."""
+        from calib.paths import check_writable_dir
+
         if self.dir is None:
             raise UserError(f"`python -m calib {command}` needs the shared folder: add rl.dir=/path/to/shared/dir "
                             "(the same for the aggregator and every worker)")
+        check_writable_dir(self.dir, f"rl.dir={self.dir}")
         return self.dir
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
@@ -13,8 +15,6 @@ from calib.errors import UserError
 
 
 def calib_cli(*args: str, env_home=None, timeout: int = 180) -> subprocess.CompletedProcess:
-    import os
-
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
     if env_home is not None:
         env["CALIB_HOME"] = str(env_home)
@@ -72,6 +72,77 @@ def test_ui_dry_run_prints_url_and_store(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "http://127.0.0.1:5123" in proc.stdout
     assert f"sqlite:///{tmp_path / 'artifacts' / 'mlflow.db'}" in proc.stdout
+
+
+# ------------------------------------------------------------------ bad environment and bad paths
+def test_calib_home_under_a_regular_file(tmp_path):
+    (tmp_path / "afile").write_text("not a directory\n")
+    for args in (["ls"], ["run", f"+method={config.available_methods()[0]}"]):
+        proc = calib_cli(*args, env_home=tmp_path / "afile" / "home")
+        assert_one_line_error(proc, f"CALIB_HOME={tmp_path / 'afile' / 'home'}", f"{tmp_path / 'afile'} is a file")
+
+
+def test_calib_home_unwritable(tmp_path):
+    """A folder without write permission; root passes permission bits, so as root a folder of procfs, which
+    refuses new files to everyone."""
+    locked = tmp_path / "locked"
+    if os.geteuid() == 0:
+        if not Path("/proc/self").is_dir():
+            pytest.skip("root passes permission bits and there is no procfs to refuse a write")
+        locked = Path("/proc/self")
+    else:
+        locked.mkdir()
+        locked.chmod(0o500)
+    try:
+        proc = calib_cli("ls", env_home=locked / "calib-home")
+    finally:
+        if locked.is_relative_to(tmp_path):
+            locked.chmod(0o700)
+    assert_one_line_error(proc, "CALIB_HOME=", "is not writable: cannot create files in")
+    assert not (locked / "calib-home").exists()
+
+
+@pytest.mark.parametrize("command, below", [("worker", ""), ("aggregator", "rl")])
+def test_rl_dir_that_is_a_file(tmp_path, command, below):
+    """``rl.dir=/etc/passwd`` (a file) or a folder below one: refused before the model loads."""
+    (tmp_path / "passwd").write_text("root:x:0:0::/root:/bin/sh\n")
+    rl_dir = tmp_path / "passwd" / below if below else tmp_path / "passwd"
+    proc = calib_cli(command, f"rl.dir={rl_dir}", env_home=tmp_path / "home")
+    assert_one_line_error(proc, f"rl.dir={rl_dir}", f"{tmp_path / 'passwd'} is a file, not a directory")
+
+
+def test_ls_on_a_corrupt_tracking_store(tmp_path):
+    db = tmp_path / "home" / "artifacts" / "mlflow.db"
+    db.parent.mkdir(parents=True)
+    db.write_bytes(bytes(range(256)) * 64)  # 16 KiB that are no SQLite header
+    before = db.read_bytes()
+    proc = calib_cli("ls", env_home=tmp_path / "home")
+    assert_one_line_error(proc, str(db), "not a usable SQLite database")
+    assert db.read_bytes() == before  # the check only reads
+
+
+def test_eval_refuses_a_method_other_than_the_artifacts(tmp_path):
+    """``+method=saap`` with a SALE artifact used to evaluate SALE and exit 0; without an artifact, dense."""
+    from tests.spine.helpers import write_test_artifact
+
+    art = write_test_artifact(tmp_path / "sale")
+    proc = calib_cli("eval", "+method=saap", f"artifact={art}", env_home=tmp_path / "home")
+    assert_one_line_error(proc, f"{art} artifact is 'sale' but +method=saap")
+    proc = calib_cli("eval", "+method=saap", env_home=tmp_path / "home")
+    assert_one_line_error(proc, "+method=saap but no artifact")
+
+
+@pytest.mark.slow
+def test_eval_refuses_a_method_other_than_the_registered_artifacts(calib_home, tmp_path):
+    """The same through the registry (``models:/sale-tiny@candidate``): refused before the model loads."""
+    from calib import registry, tracking
+    from tests.spine.helpers import write_test_artifact
+
+    art = write_test_artifact(tmp_path / "sale")
+    with tracking.start_run(tracking.resolve_target(), "t") as run:
+        registry.publish(art, run.info.run_id)
+    proc = calib_cli("eval", "+method=saap", "artifact=models:/sale-tiny@candidate", env_home=calib_home)
+    assert_one_line_error(proc, "models:/sale-tiny@candidate artifact is 'sale' but +method=saap")
 
 
 def test_method_override_parsing():

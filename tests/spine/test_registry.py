@@ -106,3 +106,30 @@ def test_cli_ls_and_promote(calib_home, tmp_path):
                         capture_output=True, text=True, env=env, timeout=120)
     assert ok.returncode == 0, ok.stderr
     assert "models:/sale-tiny@prod" in ok.stdout
+
+
+def test_eval_method_must_be_the_artifacts(tmp_path):
+    from omegaconf import OmegaConf
+
+    saap = OmegaConf.create({"name": "saap"})
+    registry.check_eval_method(None, "models:/sale-tiny@candidate", "sale")  # no +method: the artifact's
+    registry.check_eval_method(OmegaConf.create({"name": "sale"}), "models:/sale-tiny@candidate", "sale")
+    registry.check_eval_method(None, None, None)  # dense
+    with pytest.raises(UserError, match=r"models:/sale-tiny@candidate artifact is 'sale' but \+method=saap"):
+        registry.check_eval_method(saap, "models:/sale-tiny@candidate", "sale")
+    with pytest.raises(UserError, match=r"\+method=saap but no artifact"):
+        registry.check_eval_method(saap, None, None)
+
+
+def test_artifact_method_without_loading(calib_home, tmp_path):
+    art = write_test_artifact(tmp_path / "saap", method="saap")
+    assert registry.artifact_method(art) == "saap"
+    assert registry.artifact_method(art.as_uri()) == "saap"
+    assert registry.artifact_method(tmp_path / "missing") is None  # loading it says why
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "manifest.json").write_text("{not json")
+    assert registry.artifact_method(tmp_path / "bad") is None
+    _publish_one(tmp_path, "a1")
+    assert registry.artifact_method("models:/sale-tiny@candidate") == "sale"
+    assert registry.artifact_method("models:/sale-tiny/1") == "sale"
+    assert registry.artifact_method("models:/sale-tiny@nope") is None

@@ -51,6 +51,7 @@ def test_cli_dry_run_prints_the_runs_table_and_a_light_command(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "calib", "ui", "--dry-run", "--port", "5123", "--", "--dev"],
                           capture_output=True, text=True, env=env, timeout=180)
     assert proc.returncode == 0, proc.stderr
+    assert not [ln for ln in proc.stderr.splitlines() if ln.startswith("warning:")]  # loopback: no warning
     lines = proc.stdout.splitlines()
     assert lines[0].endswith(": http://127.0.0.1:5123/#/experiments/1/runs?workflowType=machine_learning")
     assert "viewStateShareKey=calib-headlines" in lines[1]
@@ -59,6 +60,26 @@ def test_cli_dry_run_prints_the_runs_table_and_a_light_command(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "calib", "ui", "--workers", "0"], capture_output=True, text=True,
                          env=env, timeout=180)
     assert bad.returncode == 2 and bad.stderr.strip() == "error: --workers must be >= 1 (got 0)"
+
+
+@pytest.mark.parametrize("host, loopback", [("127.0.0.1", True), ("127.8.0.1", True), ("localhost", True),
+                                             ("::1", True), ("[::1]", True), ("0.0.0.0", False), ("::", False),
+                                             ("192.168.1.7", False), ("box.lan", False)])
+def test_is_loopback(host, loopback):
+    assert ui.is_loopback(host) is loopback
+
+
+def test_cli_warns_when_the_ui_leaves_this_machine(tmp_path):
+    """Any --host but loopback: one stderr line saying the UI has no authentication (127.0.0.1: none, in
+    the dry run above)."""
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}, "CALIB_HOME": str(tmp_path),
+           "PYTHONPATH": python_path()}
+    proc = subprocess.run([sys.executable, "-m", "calib", "ui", "--dry-run", "--host", "0.0.0.0", "--port", "5124"],
+                          capture_output=True, text=True, env=env, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    warnings = [ln for ln in proc.stderr.splitlines() if ln.startswith("warning:")]
+    assert len(warnings) == 1 and "no authentication" in warnings[0] and "0.0.0.0:5124" in warnings[0]
+    assert "--host 0.0.0.0" in proc.stdout.splitlines()[-1]
 
 
 def _processes() -> dict[int, tuple[str, int, int]]:

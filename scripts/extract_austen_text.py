@@ -1,10 +1,15 @@
 """Extract one of Jane Austen's novels as plain text from Debian's ``r-cran-janeaustenr`` package.
 
-This is how ``artifacts/texts/persuasion.txt`` (the real-text NLL measure of ``calib.perplexity``) was
-made, so anyone can rebuild it offline from a package registry::
+This is how ``artifacts/texts/persuasion.txt`` (the real-text NLL measure of ``calib.perplexity``) and
+the book corpus ``artifacts/texts/austen/<novel>.txt.gz`` (``calib.data.corpus``) were made, so anyone
+can rebuild them offline from a package registry::
 
-    apt-get download r-cran-janeaustenr          # Debian 13: 1.0.0-1, MIT; the novels are public domain
+    apt-get download r-cran-janeaustenr          # Debian 12/13: 1.0.0-1, MIT; the novels are public domain
     python scripts/extract_austen_text.py r-cran-janeaustenr_*.deb persuasion artifacts/texts/persuasion.txt
+    python scripts/extract_austen_text.py r-cran-janeaustenr_*.deb all artifacts/texts/austen
+
+``all`` writes each novel gzipped (level 9, no name, mtime 0: the same bytes on every run) and prints
+the sha256 of each decompressed text, the values ``calib.data.corpus.BOOKS`` checks on load.
 
 The package holds the six novels as R character vectors (one element per line of the Project Gutenberg
 text, header and licence already removed) in R's lazy-load database ``data/Rdata.rdb``; its index
@@ -17,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import hashlib
+import io
 import struct
 import subprocess
 import sys
@@ -26,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 DATA_DIR = "usr/lib/R/site-library/janeaustenr/data"
+NOVELS = ("emma", "mansfieldpark", "northangerabbey", "persuasion", "prideprejudice", "sensesensibility")
 NILVALUE, REFSXP, SYMSXP, LISTSXP, CHARSXP, LGLSXP, INTSXP, REALSXP, STRSXP, VECSXP = (
     254, 255, 1, 2, 9, 10, 13, 14, 16, 19)
 
@@ -102,19 +110,40 @@ def read_object(data_dir: Path, name: str) -> list[str | None]:
     return RUnserializer(raw).item()["values"]
 
 
+def novel_text(lines: list[str | None]) -> str:
+    """The novel as one text: its lines joined, outer blank lines dropped, one final newline."""
+    return "\n".join(line or "" for line in lines).strip() + "\n"
+
+
+def write_gzip(path: Path, text: str) -> None:
+    """``text`` gzipped at level 9 with no file name and mtime 0, so a rebuild gives the same bytes."""
+    buf = io.BytesIO()
+    with gzip.GzipFile(filename="", mode="wb", compresslevel=9, fileobj=buf, mtime=0) as gz:
+        gz.write(text.encode("utf-8"))
+    path.write_bytes(buf.getvalue())
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("deb", type=Path, help="r-cran-janeaustenr_*.deb (apt-get download r-cran-janeaustenr)")
-    parser.add_argument("novel", help="emma | mansfieldpark | northangerabbey | persuasion | prideprejudice | "
-                                      "sensesensibility")
-    parser.add_argument("out", type=Path)
+    parser.add_argument("novel", choices=[*NOVELS, "all"], help="one novel, or all six (out is then a directory)")
+    parser.add_argument("out", type=Path, help="the text file, or with `all` the directory of <novel>.txt.gz")
     args = parser.parse_args(argv)
+    names = NOVELS if args.novel == "all" else (args.novel,)
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run(["dpkg-deb", "-x", str(args.deb), tmp], check=True)
-        lines = read_object(Path(tmp) / DATA_DIR, args.novel)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(line or "" for line in lines).strip() + "\n", encoding="utf-8")
-    print(f"{args.out}: {len(lines)} lines, {args.out.stat().st_size} bytes", file=sys.stderr)
+        texts = {name: novel_text(read_object(Path(tmp) / DATA_DIR, name)) for name in names}
+    if args.novel != "all":
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(texts[args.novel], encoding="utf-8")
+        print(f"{args.out}: {texts[args.novel].count(chr(10))} lines, {args.out.stat().st_size} bytes", file=sys.stderr)
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name, text in texts.items():
+        path = args.out / f"{name}.txt.gz"
+        write_gzip(path, text)
+        digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
+        print(f"{name}: {path} {path.stat().st_size} bytes, text sha256 {digest}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Prompts for calibration and evaluation: RULER-style synthetic tasks, JSONL files, HF datasets.
+"""Prompts for calibration and evaluation: RULER-style synthetic tasks, books, JSONL files, HF datasets.
 
 Public API::
 
@@ -12,12 +12,13 @@ Public API::
 Importing this package needs neither hydra nor omegaconf (the GPU training script uses it bare).
 """
 
+from calib.data.books import BOOK_TASKS
 from calib.data.checks import EVAL_NEEDS, check_data
 from calib.data.prompt import Prompt, PromptFormatter
 from calib.data.scoring import SCORING_RULES, contains_answer, dataset_hash, exact_match, is_correct, normalize_answer
 from calib.data.sources import build_prompts, evaluation_prompts, take_in_turn
 from calib.data.synthetic import TASKS
 
-__all__ = ["EVAL_NEEDS", "SCORING_RULES", "TASKS", "Prompt", "PromptFormatter", "build_prompts", "check_data",
-           "contains_answer", "dataset_hash", "evaluation_prompts", "exact_match", "is_correct",
+__all__ = ["BOOK_TASKS", "EVAL_NEEDS", "SCORING_RULES", "TASKS", "Prompt", "PromptFormatter", "build_prompts",
+           "check_data", "contains_answer", "dataset_hash", "evaluation_prompts", "exact_match", "is_correct",
            "normalize_answer", "take_in_turn"]

@@ -8,7 +8,9 @@ need none). ``eval`` scores held-out answers; each method recipe says its own in
 :func:`check_data` reads those rows and raises a one-line ``UserError`` for an empty or malformed
 file, a held-out part that shares a prompt with calibration, a dataset missing from the offline
 cache, or rows without an answer where one is needed. Synthetic prompts always have answers and are
-held out by seed (checked by ``calib.config.validate_common``), so they need no check here.
+held out by seed (checked by ``calib.config.validate_common``), so they need no check here. Book
+prompts are held out by book: their settings are checked, the books of each purpose read and verified,
+and ``book_text`` (no answer) refused where answers are needed.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ def check_data(data_cfg: Any, needs: DataNeeds) -> None:
     source = cfg_get(data_cfg, "source", "synthetic")
     if source == "synthetic":
         return
+    if source == "books":
+        check_books(data_cfg, needs)
+        return
     limit = cfg_get(data_cfg, "num_prompts")
     tasks = cfg_get(data_cfg, "tasks") or []
     tasks = [str(t) for t in ([tasks] if isinstance(tasks, str) else tasks)]
@@ -48,3 +53,23 @@ def check_data(data_cfg: Any, needs: DataNeeds) -> None:
         rows = select_tasks(source_rows(data_cfg, purpose, None if limit is None else int(limit)), tasks, origin)
         if reason:
             require_answers(rows, reason, purpose, str(source))
+
+
+def check_books(data_cfg: Any, needs: DataNeeds) -> None:
+    """A ``data=books`` config: its settings, the shipped books of each purpose, answers where needed."""
+    from calib.data.books import ANSWERED_TASKS, check_book_settings
+    from calib.data.corpus import SPLIT, read_book
+
+    def as_list(key: str) -> list:
+        value = cfg_get(data_cfg, key)
+        return [] if value is None else [value] if isinstance(value, (str, int)) else list(value)
+
+    tasks = [str(t) for t in as_list("tasks")]
+    check_book_settings(tasks, as_list("lengths"), cfg_get(data_cfg, "num_prompts"),
+                        cfg_get(data_cfg, "synthetic_share") or 0.0, [str(t) for t in as_list("synthetic_tasks")])
+    for purpose, reason in needs.items():
+        for name in SPLIT[purpose]:
+            read_book(name)
+        if reason and "book_text" in tasks:
+            raise UserError(f"{reason}, but data.tasks has book_text (plain book text, no question or answer); "
+                            f"use {' or '.join(ANSWERED_TASKS)}")

@@ -1,6 +1,6 @@
-"""Prompt sources behind ``build_prompts``: synthetic tasks, a local JSONL file, an HF dataset.
+"""Prompt sources behind ``build_prompts``: synthetic tasks, books, a local JSONL file, an HF dataset.
 
-All three return :class:`~calib.data.prompt.Prompt` lists and fail with a one-line
+All four return :class:`~calib.data.prompt.Prompt` lists and fail with a one-line
 :class:`~calib.errors.UserError` on bad input (unknown task, empty dataset, missing file, ...).
 
 Held-out data: synthetic prompts are drawn from ``seed`` (evaluation passes another seed). JSONL and
@@ -9,12 +9,14 @@ reads ``eval_path`` / ``eval_split`` when set (checked not to share a prompt wit
 otherwise both purposes share one file or split and a row goes to evaluation iff a hash of its prompt
 text falls below ``eval_fraction`` — so the two sets never overlap. For these sources ``tasks`` selects
 rows by their task (empty: every row) and ``lengths`` only matters to HF's ``truncate_to_lengths``.
+Book prompts (:mod:`calib.data.books`) are held out by book: each purpose reads its own novels.
 """
 
 from __future__ import annotations
 
 from typing import Any, Iterable, Sequence
 
+from calib.data.books import ANSWERED_TASKS, BOOK_TASKS, book_prompts, check_book_settings
 from calib.data.prompt import Prompt, PromptFormatter
 from calib.data.rows import PURPOSES, SourceRow, cap_per_task, cfg_get, select_tasks, source_rows
 from calib.data.scoring import scoring_rule
@@ -124,6 +126,40 @@ def _truncate(prompts: list[Prompt], lengths: list[int], tokenizer) -> list[Prom
 
 
 # --------------------------------------------------------------------------------------------------
+# Books
+
+
+def in_turn_counts(names: Sequence[str], total: int) -> dict[str, int]:
+    """How many of ``total`` items each name gets when ``names`` take them in turn."""
+    return {name: len(range(k, total, len(names))) for k, name in enumerate(names)}
+
+
+def books_source_prompts(data_cfg, tokenizer, *, tasks: list[str], lengths: list[int], num_prompts: int,
+                         seed: int, purpose: str, cells: set[tuple[str, int]] | None = None) -> list[Prompt]:
+    """``num_prompts`` book prompts per (task, length) from ``purpose``'s books. For calibration,
+    ``data.synthetic_share`` of each length's prompts are synthetic-task prompts of ``data.synthetic_tasks``
+    instead (the tasks taking the kept and the replaced places in turn); evaluation ignores the share."""
+    share = cfg_get(data_cfg, "synthetic_share") or 0.0
+    synthetic_tasks = [str(t) for t in _as_list(cfg_get(data_cfg, "synthetic_tasks"), "synthetic_tasks")]
+    check_book_settings(tasks, lengths, num_prompts, share, synthetic_tasks)
+    _check_context_limit(tokenizer, lengths)
+    chat, scoring = cfg_get(data_cfg, "chat_template"), cfg_get(data_cfg, "scoring")
+    mixed = purpose == "calibration" and share > 0
+    jobs, synthetic = [], []
+    for n in lengths:
+        replaced = int(share * len(tasks) * num_prompts + 0.5) if mixed else 0
+        kept = in_turn_counts(tasks, len(tasks) * num_prompts - replaced)
+        jobs += [(t, n, i) for t in tasks for i in range(kept[t]) if cells is None or (t, n) in cells]
+        synthetic += [(t, n, c) for t, c in in_turn_counts(synthetic_tasks, replaced).items() if c]
+    jobs.sort(key=lambda job: (tasks.index(job[0]), lengths.index(job[1]), job[2]))  # task-major, as synthetic
+    prompts = book_prompts(tokenizer, jobs, seed=seed, purpose=purpose, chat_template=chat, scoring=scoring)
+    for t, n, c in synthetic:
+        prompts += synthetic_prompts(tokenizer, tasks=[t], lengths=[n], num_prompts=c, seed=seed,
+                                     chat_template=chat, scoring=scoring)
+    return prompts
+
+
+# --------------------------------------------------------------------------------------------------
 
 
 def build_prompts(data_cfg, tokenizer, *, seed: int | None = None, lengths=None, tasks=None,
@@ -131,10 +167,10 @@ def build_prompts(data_cfg, tokenizer, *, seed: int | None = None, lengths=None,
                   cells: set[tuple[str, int]] | None = None) -> list[Prompt]:
     """Prompts from the ``data`` config node; keyword arguments override the node's values.
 
-    ``data_cfg``: ``source`` (synthetic | jsonl | hf), ``tasks``, ``lengths``, ``num_prompts`` (per task
-    and length), ``seed``, plus the source's own keys (conf/data/*.yaml). ``purpose`` picks the held-out
-    part of file/hub sources ("evaluation") — synthetic prompts are held out by seed instead.
-    ``cells``: synthetic prompts are built only for these (task, length) pairs (other sources ignore it).
+    ``data_cfg``: ``source`` (synthetic | books | jsonl | hf), ``tasks``, ``lengths``, ``num_prompts`` (per
+    task and length), ``seed``, plus the source's own keys (conf/data/*.yaml). ``purpose`` picks the
+    held-out part of book, file and hub sources ("evaluation") — synthetic prompts are held out by seed.
+    ``cells``: synthetic and book prompts are built only for these (task, length) pairs (others ignore it).
     """
     if purpose not in PURPOSES:
         raise ValueError(f"purpose must be one of {PURPOSES}, got {purpose!r}")
@@ -150,18 +186,31 @@ def build_prompts(data_cfg, tokenizer, *, seed: int | None = None, lengths=None,
                                  num_prompts=int(n if n is not None else 1), seed=seed,
                                  chat_template=cfg_get(data_cfg, "chat_template"),
                                  scoring=cfg_get(data_cfg, "scoring"), cells=cells)
+    if source == "books":
+        return books_source_prompts(data_cfg, tokenizer, tasks=[str(t) for t in tasks], lengths=lengths,
+                                    num_prompts=int(n if n is not None else 1), seed=seed, purpose=purpose,
+                                    cells=cells)
     if source in ("jsonl", "hf"):
         return file_prompts(data_cfg, tokenizer, tasks=[str(t) for t in tasks], lengths=[int(x) for x in lengths],
                             num_prompts=None if n is None else int(n), purpose=purpose)
-    raise UserError(f"unknown data.source {source!r}: use synthetic, jsonl or hf")
+    raise UserError(f"unknown data.source {source!r}: use synthetic, books, jsonl or hf")
 
 
 def evaluation_prompts(cfg: Any, tokenizer) -> list[Prompt]:
     """The held-out prompts of ``eval`` from the full config: ``eval.seed``, ``eval.lengths``,
     ``eval.tasks`` and ``eval.num_prompts`` (per task and length). File/hub sources give their held-out
-    rows, of ``eval.tasks`` when set (null: every task), at most ``eval.num_prompts`` per task."""
+    rows, of ``eval.tasks`` when set (null: every task), at most ``eval.num_prompts`` per task. Books:
+    ``book_text`` has no answer to score and is refused; ``eval.cells`` naming no book task (a model's
+    default cells for synthetic tasks) select nothing and are ignored."""
     ev = cfg.eval
     cells = None if cfg_get(ev, "cells") is None else parse_cells(cfg_get(ev, "cells"))
+    if cfg_get(cfg.data, "source") == "books":
+        tasks = _as_list(cfg_get(ev, "tasks"), "tasks")
+        if "book_text" in tasks:
+            raise UserError(f"eval scores answers, but eval.tasks has book_text (plain book text, no question); "
+                            f"use {' or '.join(ANSWERED_TASKS)}")
+        if cells is not None:
+            cells = {c for c in cells if c[0] in BOOK_TASKS} or None
     prompts = build_prompts(cfg.data, tokenizer, seed=int(ev.seed), lengths=cfg_get(ev, "lengths"),
                             tasks=cfg_get(ev, "tasks"), num_prompts=int(ev.num_prompts), purpose="evaluation",
                             cells=cells)

@@ -211,12 +211,11 @@ def runtime_settings(runtime: Any) -> dict[str, Any]:
 
 def with_statistics(options: dict[str, dict[str, Any]], method: str) -> dict[str, dict[str, Any]]:
     """``options`` plus what eval needs that serving does not, for SAAP: the selectivity count
-    (``hf.apply`` serves without it: it ranks the buckets a second time per step), and SAAP at every
-    static-loop step (``serve_min_kv_ratio=0``: serving runs a step dense where the cache is too short
-    for SAAP to pay off, which on a 135M model at 1k tokens is every step; eval measures the method)."""
+    (``hf.apply`` serves without it: it ranks the buckets a second time per step). Eval also applies
+    with ``serve="method"``: the method at every step, where serving falls back to dense attention."""
     if method != "saap":
         return options
-    return {**options, "saap": {**options.get("saap", {}), "stats": True, "serve_min_kv_ratio": 0.0}}
+    return {**options, "saap": {**options.get("saap", {}), "stats": True}}
 
 
 def runtime_options(cfg: Any, method: str) -> dict[str, dict[str, Any]]:
@@ -305,6 +304,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
                                  tracking_uri=target.tracking_uri)
         if artifact.manifest.data.seed is not None and int(artifact.manifest.data.seed) == int(cfg.eval.seed):
             raise UserError(f"eval.seed={cfg.eval.seed} is the artifact's calibration seed: pick another eval.seed")
+    registry.check_eval_method(cfg.get("method"), cfg.get("artifact"), artifact.method if artifact else None)
     runtime_options(cfg, artifact.method if artifact else "dense")  # a bad override fails before any work
     prompts = evaluation_prompts(cfg, loaded.tokenizer)
     if not prompts:
@@ -327,7 +327,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         timings = {"time_dense_s": time.perf_counter() - t0}
         sparse, settings = None, {}
         if artifact is not None:
-            runtime = hf.apply(loaded.model, artifact, options=with_statistics(runtime_options(cfg, method), method))
+            runtime = hf.apply(loaded.model, artifact, options=with_statistics(runtime_options(cfg, method), method),
+                               serve="method")
             settings = runtime_settings(runtime)
             mlflow.log_params({f"runtime.{k}": str(v) for k, v in settings.items()})
             try:

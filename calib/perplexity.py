@@ -167,7 +167,7 @@ def real_text_nll(loaded: Any, *, chunk_tokens: int, chunks: int, decode_tokens:
     dense = mean_nll(loaded.model, pieces, decode_tokens)
     sparse = None
     if artifact is not None:
-        runtime = hf.apply(loaded.model, artifact, options=options)
+        runtime = hf.apply(loaded.model, artifact, options=options, serve="method")
         try:
             sparse = mean_nll(loaded.model, pieces, decode_tokens, runtime)
         finally:

@@ -75,6 +75,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from runtime_kernels.serving_policy import choose_dense_layers, graph_ms
+
 try:  # transformers' Cache base class, so `isinstance(cache, Cache)` checks in model code hold
     from transformers.cache_utils import Cache as _HFCache
 except ImportError:  # pragma: no cover - transformers is needed to use this module at all
@@ -235,6 +237,10 @@ class StaticGenerator:
     def __init__(self, model: Any, *, batch: int, max_len: int, graphs: bool | None = None,
                  bucket: int = DEFAULT_BUCKET, compile: bool = False) -> None:
         self.model = model
+        if getattr(model, "calib_attention", None) is None:  # dense decode steps run flash-decoding on the
+            from runtime_kernels import hf                    # valid length, not SDPA on the masked view
+
+            hf.attach(model)
         # decode steps only: prefill calls self.model, eagerly
         self._decode_model = torch.compile(model) if compile else model
         self.compile = bool(compile)
@@ -289,14 +295,55 @@ class StaticGenerator:
         self.pos.add_(1)
 
     def _before_view(self, view: int) -> None:
-        """Bring the cache view and method state to ``view`` keys (outside any graph)."""
+        """Bring the cache view and method state to ``view`` keys (outside any graph) and, under
+        ``serve="fastest"``, choose the layers the step runs densely (:mod:`runtime_kernels.serving_policy`)."""
         self.cache.view = view
         state = self._state()
         runtime = getattr(state, "decode", None) if state is not None else None
+        if runtime is None:
+            return
+        valid = int(self.pos[0].item()) + 1  # the host knows it anyway: one sync per view length
         hook = getattr(runtime, "before_graph", None)
-        if hook is not None:
-            valid = int(self.pos[0].item()) + 1  # the host knows it anyway: one sync per view length
-            hook(self.cache, valid, view)
+
+        def prepare(layers: set[int] | None) -> None:
+            if hook is not None:
+                hook(self.cache, valid, view, layers)
+
+        if state.serve != "fastest":
+            state.serve_dense = frozenset()
+            prepare(None)
+            return
+        k = self.cache.keys[0]
+        shape_key = f"B{k.shape[0]}|T{view}|Hq{self.model.config.num_attention_heads}|Hkv{k.shape[1]}|D{k.shape[3]}|{k.dtype}"
+        state.serve_dense = choose_dense_layers(runtime, len(self.cache.keys), shape_key, self.device, prepare,
+                                                lambda layer: self._time_layer(runtime, state, layer, view))
+
+    def _time_layer(self, runtime: Any, state: Any, layer: int, view: int) -> tuple[float, float] | None:
+        """Device ms of one decode attention call of ``layer`` at ``view``: the method's, flash-decoding's
+        (a random query on the real cache; each a CUDA graph replay, :func:`serving_policy.graph_ms`);
+        None without CUDA graphs (nothing to compare with: the method runs)."""
+        from runtime_kernels.hf import AttentionCall
+
+        if not self.graphs:
+            return None
+        k, v = self.cache.keys[layer][:, :, :view], self.cache.values[layer][:, :, :view]
+        heads = self.model.config.num_attention_heads
+        q = torch.randn(k.shape[0], heads, 1, k.shape[3], device=self.device, dtype=k.dtype)
+        cache_len = self.pos + 1
+        ctx = AttentionCall(None, self.pos[:, None], state.rotary_emb, None, cache_len)
+        scale = k.shape[3] ** -0.5
+        stats = runtime.stats_checkpoint() if hasattr(runtime, "stats_checkpoint") else None
+
+        def method() -> torch.Tensor | None:
+            return runtime.decode(layer, q, k, v, scale, ctx)
+
+        if method() is None:  # the method does not take this step (no index, ...): dense
+            return float("inf"), 0.0
+        method_ms = graph_ms(method)
+        dense_ms = graph_ms(lambda: flash_decode(q, k, v, scale, cache_len))
+        if hasattr(runtime, "stats_restore"):
+            runtime.stats_restore(stats)
+        return method_ms, dense_ms
 
     def _warm_up(self, view: int) -> None:
         """Two steps on a side stream, undone: Triton autotuning, lazy init and torch.compile's
@@ -367,7 +414,7 @@ class StaticGenerator:
                 self.token[b:b + 1].copy_(self._prefill_rows(ids, slice(b, b + 1)))
         self.cache.length.copy_(torch.tensor(lengths))
         self.pos.copy_(self.cache.length)
-        self._graph, self._graph_view = None, -1
+        self._graph_view = -1  # the graph itself goes at the next capture: its pool must outlive it
         return self.token.clone()
 
     def _prefill_rows(self, input_ids: torch.Tensor, rows: slice) -> torch.Tensor:

@@ -17,7 +17,13 @@ sampling in prefill and decode) and
   ``decode(layer, q, k, v, scale, ctx) -> out | None`` with ``q: [B, Hq, 1, D]`` and the full cache;
 * optionally ``pop_stats() -> dict`` (method statistics since the last call, which ``calib eval``
   reports) and ``stats_checkpoint() -> object`` / ``stats_restore(object)``, with which the static loop
-  keeps its uncaptured warm-up steps out of those statistics.
+  keeps its uncaptured warm-up steps out of those statistics;
+* optionally ``cost_signature(layer) -> str | None`` (decode): layers of equal signatures cost the same,
+  ``None`` never beats dense (:mod:`runtime_kernels.serving_policy`).
+
+``serve="fastest"`` (the default) runs a method only where it measured faster than dense attention on
+this GPU (per layer, batch and length: :mod:`runtime_kernels.serving_policy`); ``serve="method"`` runs
+it wherever it can, which is what ``calib eval`` measures accuracy with.
 
 ``ctx`` is an :class:`AttentionCall` carrying the module, the position ids and the model's rotary
 embedding (for de-RoPE). Under :class:`runtime_kernels.generate.StaticGenerator` (a preallocated cache,
@@ -41,10 +47,12 @@ import torch
 from runtime_kernels.artifact import load_artifact
 from runtime_kernels.errors import ArtifactError
 from runtime_kernels.manifest import Artifact, facts_from_hf_config
+from runtime_kernels.serving_policy import PrefillChooser
 
 log = logging.getLogger(__name__)
 
 ATTN_NAME = "calib_sparse"
+SERVE_MODES = ("fastest", "method")
 
 # method -> "module:factory"; the factory is ``from_artifact(artifact, model) -> runtime``.
 RUNTIMES: dict[str, str] = {
@@ -79,6 +87,10 @@ class CalibAttention:
     warned: set[str] = field(default_factory=set)
     static_len: torch.Tensor | None = None  # set by generate.StaticGenerator during its decode steps
     static_rows: slice | None = None  # set by generate.StaticGenerator during a one-row prefill
+    serve: str = "fastest"  # SERVE_MODES (module docstring)
+    serve_dense: frozenset[int] = frozenset()  # layers the current static decode graph runs densely
+    prefill_identity: str | None = None  # the prefill artifact's content hash: its timings' cache key
+    prefill_chooser: PrefillChooser = field(default_factory=PrefillChooser)
 
     def warn_once(self, key: str, message: str) -> None:
         if key not in self.warned:
@@ -111,7 +123,7 @@ _WARNED_DRY_RUN: set[str] = set()  # dry-run artifacts apply() has warned about
 
 
 def apply(model: Any, *artifacts: str | os.PathLike | Artifact, tracking_uri: str | None = None,
-          options: dict[str, dict[str, Any]] | None = None) -> CalibAttention:
+          options: dict[str, dict[str, Any]] | None = None, serve: str = "fastest") -> CalibAttention:
     """Enable the artifacts' methods on ``model``; returns the attached :class:`CalibAttention`.
 
     Each artifact may be a directory, ``models:/name@alias``/``models:/name/version`` or an already
@@ -119,6 +131,7 @@ def apply(model: Any, *artifacts: str | os.PathLike | Artifact, tracking_uri: st
     per method, e.g. ``{"saap": {"top_l": 32}}`` (SAAP: buckets visited instead of the artifact's ℓ;
     ``"top_l_layers": {3: 192}``: per-layer ℓ on top of that, layers not named keep ``top_l``;
     ``"ranking": "density"``: the same number of keys spent by predicted mass per key, reference path).
+    ``serve``: ``"fastest"`` or ``"method"`` (module docstring).
     Raises :class:`ArtifactError` for an artifact calibrated for another model, two methods of the
     same phase, or an option the method's runtime does not take.
     """
@@ -157,19 +170,35 @@ def apply(model: Any, *artifacts: str | os.PathLike | Artifact, tracking_uri: st
                 raise ArtifactError(f"two {phase} methods given ({runtimes[phase].method} and {art.method}); combine "
                                     "one prefill method (sale, sampleattention) with one decode method (saap, santa)")
             runtimes[phase] = rt
-    return attach(model, prefill=runtimes["prefill"], decode=runtimes["decode"], artifacts=loaded)
+    prefill_art = next((a for a in loaded if runtimes["prefill"] is not None and a.method == runtimes["prefill"].method), None)
+    return attach(model, prefill=runtimes["prefill"], decode=runtimes["decode"], artifacts=loaded, serve=serve,
+                  prefill_identity=None if prefill_art is None else artifact_identity(prefill_art))
+
+
+def artifact_identity(art: Artifact) -> str:
+    """A short hash of an artifact's tensors (their recorded sha256s): what its prefill timings depend on."""
+    import hashlib
+
+    digest = hashlib.sha256("".join(sorted(f"{t.name}:{t.sha256}" for t in art.manifest.tensors)).encode())
+    return digest.hexdigest()[:16]
 
 
 def attach(model: Any, *, prefill: Any | None = None, decode: Any | None = None,
-           artifacts: list[Artifact] | None = None) -> CalibAttention:
+           artifacts: list[Artifact] | None = None, serve: str = "method",
+           prefill_identity: str | None = None) -> CalibAttention:
     """Attach method runtime objects directly (calibration uses this to score candidate settings).
 
-    ``apply`` is this plus artifact loading and verification. Replaces any earlier attachment.
+    ``apply`` is this plus artifact loading and verification. Replaces any earlier attachment. ``serve``
+    defaults to ``"method"`` here: calibration scores the method itself; a prefill method is timed
+    against dense only with a ``prefill_identity`` (the key its timings are cached under).
     """
+    if serve not in SERVE_MODES:
+        raise ArtifactError(f"serve must be one of {', '.join(SERVE_MODES)} (got {serve!r})")
     remove(model)
     _register()
     fallback = model.config._attn_implementation or "sdpa"
-    state = CalibAttention(prefill, decode, list(artifacts or []), fallback, _rotary(model))
+    state = CalibAttention(prefill, decode, list(artifacts or []), fallback, _rotary(model), serve=serve,
+                           prefill_identity=prefill_identity)
     model.calib_attention = state
     for module in model.modules():
         if hasattr(module, "layer_idx") and hasattr(module, "q_proj"):
@@ -202,9 +231,14 @@ def _set_impl(model: Any, name: str) -> None:
 
 
 def _register() -> None:
+    """Register the attention function, and SDPA's mask builder under the same name: transformers then
+    passes ``None`` for an unpadded causal batch (SDPA's ``is_causal`` fast path, and what the prefill
+    methods take as unpadded) instead of a dense ``[B, 1, T, T]`` mask."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     AttentionInterface.register(ATTN_NAME, _untraced_attention_forward())
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
 
 
 @functools.cache
@@ -254,10 +288,10 @@ def calib_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
             state.decode.observe_prefill(layer, query, key, value, ctx)
         if state.prefill is not None:
             if _plain_prefill(attention_mask, query.shape[0], q_len, k_len):
-                out = state.prefill.prefill(layer, query, key, value, scale, ctx)
+                out = _prefill(state, layer, module, query, key, value, attention_mask, scale, ctx, dropout, kwargs)
             else:
                 state.warn_once("padded", "calib: padded or chunked prefill falls back to dense attention")
-    elif state.decode is not None:
+    elif state.decode is not None and not (state.static_len is not None and layer in state.serve_dense):
         if state.static_len is not None:  # the 4D mask only hides the view's tail: the length says it
             ctx = AttentionCall(module, kwargs.get("position_ids"), state.rotary_emb, None, state.static_len)
         out = state.decode.decode(layer, query, key, value, scale, ctx)
@@ -268,3 +302,23 @@ def calib_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if out is None:
         return _dense(state)(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _prefill(state: CalibAttention, layer: int, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+             value: torch.Tensor, mask: torch.Tensor | None, scale: float, ctx: AttentionCall, dropout: float,
+             kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The prefill method's output ``[B, Hq, T, D]`` for this call, or None (dense): under
+    ``serve="fastest"`` only where it measured faster than dense at this layer and shape."""
+    def method() -> torch.Tensor | None:
+        return state.prefill.prefill(layer, query, key, value, scale, ctx)
+
+    if state.serve != "fastest" or state.prefill_identity is None:
+        return method()
+
+    def dense() -> torch.Tensor:
+        out = _dense(state)(module, query, key, value, mask, dropout=dropout, scaling=scale, **kwargs)[0]
+        return out.transpose(1, 2)
+
+    signature = (f"{state.prefill.method}|{state.prefill_identity}|layer{layer}|{tuple(query.shape[1:2])}"
+                 f"{tuple(key.shape[1:2])}|D{query.shape[-1]}|{query.dtype}")
+    return state.prefill_chooser.run(signature, query, key, method, dense)

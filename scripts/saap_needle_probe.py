@@ -162,7 +162,8 @@ def probe(cfg: Any, artifact_path: str) -> dict[str, Any]:
     prompts = evaluation_prompts(cfg, loaded.tokenizer)
     new, batch_tokens = int(cfg.eval.max_new_tokens), int(cfg.eval.get("batch_tokens") or 0)
     dense = answer_prompts(loaded, prompts, new, batch_tokens=batch_tokens)
-    state = hf.apply(loaded.model, artifact, options=with_statistics(runtime_options(cfg, "saap"), "saap"))
+    state = hf.apply(loaded.model, artifact, options=with_statistics(runtime_options(cfg, "saap"), "saap"),
+                     serve="method")
     try:
         sparse = answer_prompts(loaded, prompts, new, state, desc="saap", batch_tokens=batch_tokens, loop="eager")
         recorder = NeedleRecorder(state.decode)

@@ -221,7 +221,7 @@ class AnswerScorer:
     """``score`` of :func:`search` on a model: answers ``prompts`` greedily with SAAP's runtime built
     from the just-trained ``per_layer`` params (one :class:`SaapLayerParams` per model layer, dense ones
     included) at ``top_l`` with ``{layer: ℓ}`` on top of ``base_layers``, through ``loop`` (as
-    ``calib eval`` on this device), selectivity counted at every step (``serve_min_kv_ratio=0``)."""
+    ``calib eval`` on this device), SAAP and its selectivity count at every step (``hf.attach``'s ``serve="method"``)."""
 
     loaded: Any
     prompts: list[Any]
@@ -237,8 +237,7 @@ class AnswerScorer:
         from runtime_kernels import hf
         from runtime_kernels.saap import SaapDecode
 
-        runtime = SaapDecode(self.per_layer, self.top_l, top_l_layers={**self.base_layers, **setting}, stats=True,
-                             serve_min_kv_ratio=0.0)
+        runtime = SaapDecode(self.per_layer, self.top_l, top_l_layers={**self.base_layers, **setting}, stats=True)
         state = hf.attach(self.loaded.model, decode=runtime)
         try:
             return answer_prompts(self.loaded, self.prompts, self.max_new_tokens, state, desc="saap ℓ profile",

@@ -124,7 +124,7 @@ class AttentionPositions:
     position_ids: torch.Tensor | None = None
 
 
-SERVE_MIN_KV_RATIO = 3.0  # SaapDecode.pays_off: a static step runs SAAP where K + V bytes >= this x classifier's
+INDEX_CHUNK = 8192  # cache positions de-RoPE'd and assigned at a time when an index is built from the cache
 
 
 class SaapDecode:
@@ -159,8 +159,7 @@ class SaapDecode:
     phase = "decode"
 
     def __init__(self, layers: list[SaapLayerParams], top_l: int, *, impl: str = "auto", stats: bool = True,
-                 ranking: str = "mass", top_l_layers: dict[int, int] | None = None,
-                 serve_min_kv_ratio: float = SERVE_MIN_KV_RATIO) -> None:
+                 ranking: str = "mass", top_l_layers: dict[int, int] | None = None) -> None:
         if ranking not in RANKINGS:
             raise ArtifactError(f"SAAP ranking must be one of {RANKINGS}, got {ranking!r}")
         per_layer = {int(k): int(v) for k, v in (top_l_layers or {}).items()}
@@ -173,7 +172,6 @@ class SaapDecode:
         self.ranking = ranking
         self.impl = impl
         self.stats = stats
-        self.serve_min_kv_ratio = float(serve_min_kv_ratio)  # pays_off: 0 runs SAAP at every length
         self.index: dict[int, BucketIndex] = {}
         self._prefill_ctx: AttentionPositions | None = None  # the rotary module, for before_graph
         self._rot: torch.Tensor | None = None  # [B, D, D] de-RoPE map of this step's query position
@@ -239,15 +237,12 @@ class SaapDecode:
 
     @classmethod
     def from_artifact(cls, artifact, model, *, top_l: int | None = None, ranking: str = "mass",
-                      top_l_layers: dict[int, int] | None = None, stats: bool = False,
-                      serve_min_kv_ratio: float = SERVE_MIN_KV_RATIO) -> "SaapDecode":
+                      top_l_layers: dict[int, int] | None = None, stats: bool = False) -> "SaapDecode":
         """The runtime of a ``saap`` artifact; ``top_l`` overrides the artifact's ℓ (an ℓ sweep),
         ``top_l_layers`` (``{layer: ℓ}``) the ℓ of some layers (default: the artifact's optional
         ``top_l_layers`` hyper-parameter), ``ranking`` picks mass or density bucket selection
         (:func:`reference.select_buckets`). ``stats`` is off for serving (``hf.apply``'s default): the
-        selectivity count ranks the buckets a second time per step; ``calib eval`` turns it on.
-        ``serve_min_kv_ratio``: :meth:`pays_off`'s rule for static-cache steps; ``calib eval`` sets 0
-        (SAAP at every length)."""
+        selectivity count ranks the buckets a second time per step; ``calib eval`` turns it on."""
         hp = artifact.manifest.hyperparameters
         n_layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
         if n_layers is None:
@@ -262,7 +257,7 @@ class SaapDecode:
         if top_l_layers is None:
             top_l_layers = {int(k): int(v) for k, v in (hp.get("top_l_layers") or {}).items()}
         return cls(layers, int(hp["top_l"] if top_l is None else top_l), ranking=ranking, top_l_layers=top_l_layers,
-                   stats=stats, serve_min_kv_ratio=serve_min_kv_ratio)
+                   stats=stats)
 
     def _params(self, layer: int, device: torch.device, dtype: torch.dtype = torch.float32) -> SaapLayerParams:
         """Layer ``layer``'s tensors on ``device``, the classifier weights ``w1, w2`` in the serving dtype
@@ -287,21 +282,14 @@ class SaapDecode:
         cos, sin = ctx.rotary_emb(torch.empty(0, dtype=torch.float32, device=x.device), pos)
         return derope(x, cos, sin)
 
-    def pays_off(self, layer: int, k: torch.Tensor) -> bool:
-        """Whether a serving step of layer ``layer`` on the cache view ``k [B, Hkv, T, D]`` should run SAAP:
-        the dense K + V bytes of the step are at least :attr:`serve_min_kv_ratio` times the classifier's
-        weight bytes (the cost SAAP adds whatever it skips). Measured end to end on Llama-3.1-8B shapes:
-        SAAP loses at a ratio of 1.8 (32k, B=1: 0.98x dense) and wins at 7 (128k, B=1: 1.33x) and 14
-        (32k, B=8: 1.68x); 3 sits between. A host decision from shapes (no sync), the same for every
-        step of a CUDA graph; eager calls always run SAAP, and ``calib eval`` sets the ratio to 0 so that
-        its static loop does too (it measures the method at every length)."""
+    def cost_signature(self, layer: int) -> str | None:
+        """What a decode step of ``layer`` costs depends on (:mod:`runtime_kernels.serving_policy`); None
+        for a layer that reads every key anyway (dense, or ℓ >= C), where flash-decoding is exact and cheaper."""
         p = self.layers[layer]
-        if p.dense or p.w1 is None:
-            return False
-        kv_bytes = 2 * k.numel() * k.element_size()
-        weight = k.element_size() if k.element_size() == 2 else 4  # classifier weights serve in the model's dtype
-        cls_bytes = (p.w1.numel() + p.w2.numel()) * weight
-        return kv_bytes >= self.serve_min_kv_ratio * cls_bytes
+        if p.dense or p.w1 is None or self.layer_top_l(layer) >= p.w2.shape[-1]:
+            return None
+        return (f"saap|C{p.w2.shape[-1]}|l{self.layer_top_l(layer)}|hidden{p.w1.shape[-1]}|sink{p.sink}|"
+                f"recent{p.recent}|{self.ranking}|stats{int(self.stats)}|{self.impl}")
 
     def _query_derope(self, layer: int, q: torch.Tensor, ctx, first: int) -> torch.Tensor:
         """The de-RoPE'd query ``[B, Hq, D]`` (float32) of ``q [B, Hq, 1, D]`` at its position.
@@ -325,21 +313,26 @@ class SaapDecode:
         return batch > 1 and getattr(ctx, "attention_mask", None) is not None
 
     def observe_prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx) -> None:
-        """Build layer ``layer``'s index from the prompt: ``k [B, Hkv, T, D]`` RoPE'd."""
+        """Build layer ``layer``'s index from the prompt: ``k [B, Hkv, T, D]`` RoPE'd. Under the static
+        loop (``ctx.rows`` set) the index is built later from the cache, by :meth:`before_graph`, and only
+        for the layers the step will run SAAP in: the prompt's forward pass pays nothing."""
         self.index.pop(layer, None)
+        self._prefill_ctx = AttentionPositions(ctx.rotary_emb)
         p = self.layers[layer]
-        if p.dense or self._padded(ctx, k.shape[0]) or k.shape[2] != q.shape[2]:
+        if p.dense or self._padded(ctx, k.shape[0]) or k.shape[2] != q.shape[2] or getattr(ctx, "rows", None) is not None:
             return
         self.build_index(layer, k, ctx)
 
     def build_index(self, layer: int, k: torch.Tensor, ctx) -> None:
         """Index the prompt's keys ``k [B, Hkv, T, D]`` (RoPE'd, positions ``0 .. T-1``) for layer
-        ``layer``; ``ctx`` needs ``rotary_emb`` (an :class:`AttentionPositions` will do)."""
+        ``layer``; ``ctx`` needs ``rotary_emb`` (an :class:`AttentionPositions` will do). Keys are
+        de-RoPE'd and assigned :data:`INDEX_CHUNK` positions at a time (memory bounded at any length)."""
         p = self.layers[layer]
         self._prefill_ctx = AttentionPositions(ctx.rotary_emb)
         pp = self._params(layer, k.device)
-        self.index[layer] = BucketIndex.build(self._derope(k, self._prefill_ctx, 0), pp.centroids, sink=p.sink,
-                                              recent=p.recent)
+        kb = [BucketIndex._assign(self._derope(k[:, :, s:s + INDEX_CHUNK], self._prefill_ctx, s), pp.centroids, s, p.sink)
+              for s in range(0, k.shape[2], INDEX_CHUNK)]
+        self.index[layer] = BucketIndex.from_assignments(torch.cat(kb, -1), pp.centroids, sink=p.sink, recent=p.recent)
 
     def advance(self, layer: int, q: torch.Tensor, k: torch.Tensor, ctx) -> tuple[BucketIndex, torch.Tensor] | None:
         """One decode step's index upkeep: the new (last) key of ``k [B, Hkv, T, D]`` appended to layer
@@ -364,27 +357,28 @@ class SaapDecode:
         idx.append(self._derope(k[:, :, -1:], ctx, t - 1))
         return idx, self._query_derope(layer, q, ctx, t - 1)
 
-    def before_graph(self, cache, valid: int, view: int) -> None:
-        """Static-cache hook (:class:`runtime_kernels.generate.StaticGenerator`), outside any graph: every
-        layer's index absorbs the keys of ``cache`` (``keys[layer] [B, Hkv, max_len + 1, D]``, ``valid``
-        written) that arrived since it was last brought up to date, but the newest one, which the next
-        step writes."""
-        for layer, idx in self.index.items():
-            n = valid - 1 - idx.length
-            if n <= 0:
+    def before_graph(self, cache, valid: int, view: int, layers: "set[int] | None" = None) -> None:
+        """Static-cache hook (:class:`runtime_kernels.generate.StaticGenerator`), outside any graph: the index
+        of every SAAP layer in ``layers`` (None: all) is built from ``cache`` (``keys[layer] [B, Hkv,
+        max_len + 1, D]``, ``valid`` written) or absorbs the keys that arrived since it was last brought up to
+        date, but the newest one, which the next step writes. Indexes of other layers are dropped."""
+        for layer, p in enumerate(self.layers):
+            if p.dense or p.w1 is None or (layers is not None and layer not in layers):
+                self.index.pop(layer, None)
                 continue
-            k = cache.keys[layer][:, :, idx.length:valid - 1]
-            idx.append(self._derope(k, self._prefill_ctx, idx.length))
+            idx = self.index.get(layer)
+            if idx is None:
+                self.build_index(layer, cache.keys[layer][:, :, :valid - 1], self._prefill_ctx)
+                continue
+            if valid - 1 > idx.length:
+                idx.append(self._derope(cache.keys[layer][:, :, idx.length:valid - 1], self._prefill_ctx, idx.length))
 
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                ctx) -> torch.Tensor | None:
         """``q [B, Hq, 1, D]``, ``k, v [B, Hkv, T, D]`` (the cache, new token last) -> ``[B, Hq, 1, D]`` or None.
 
-        With ``ctx.cache_len [B]`` (a static-cache step) ``k, v`` are views longer than the valid keys,
-        and a step where SAAP cannot win (:meth:`pays_off`) runs dense (None: the loop's flash-decoding).
+        With ``ctx.cache_len [B]`` (a static-cache step) ``k, v`` are views longer than the valid keys.
         ``stats``: the step's selectivity is added on the device, eager or static (:meth:`_record`)."""
-        if getattr(ctx, "cache_len", None) is not None and not self.pays_off(layer, k):
-            return None
         step = self.advance(layer, q, k, ctx)
         if step is None:
             return None

@@ -218,7 +218,15 @@ class BucketIndex:
         b, hkv, t, _ = keys_derope.shape
         if centroids.shape[0] != hkv or centroids.shape[-1] != keys_derope.shape[-1]:
             raise ValueError(f"centroids {tuple(centroids.shape)} do not fit keys {tuple(keys_derope.shape)}")
-        kb = cls._assign(keys_derope, centroids, 0, sink)
+        return cls.from_assignments(cls._assign(keys_derope, centroids, 0, sink), centroids, sink=sink, recent=recent,
+                                    slack=slack, min_slack=min_slack)
+
+    @classmethod
+    def from_assignments(cls, kb: torch.Tensor, centroids: torch.Tensor, *, sink: int, recent: int,
+                         slack: float = 0.25, min_slack: int = 4) -> "BucketIndex":
+        """Index a prefilled cache from its keys' bucket ids ``kb [B, Hkv, T]`` int32 (-1 for the sink),
+        e.g. assigned a chunk of positions at a time to bound memory."""
+        b, hkv, t = kb.shape
         idx = cls(centroids=centroids, sink=sink, recent=recent, length=t, key_bucket_buf=kb,
                   slot_start=torch.zeros(b, hkv, centroids.shape[1] + 1, dtype=torch.int32, device=kb.device),
                   bucket_count=torch.zeros(b, hkv, centroids.shape[1], dtype=torch.int32, device=kb.device),

@@ -133,6 +133,10 @@ class SantaDecode:
         self._draws: torch.Tensor | None = None
         self._draws_key: tuple | None = None
 
+    def cost_signature(self, layer: int) -> str:
+        """What a decode step of ``layer`` costs depends on (:mod:`runtime_kernels.serving_policy`)."""
+        return f"santa|S{self.budget(layer)}|{self.tiling}|tile{self.tile}|{self.estimator}|{self.backend}"
+
     def budget(self, layer: int) -> int:
         """S of ``layer`` as run: ``max(1, schedule[layer])``."""
         if not 0 <= layer < len(self.schedule):

@@ -211,24 +211,27 @@ def test_santa_offsets_follow_position_layer_and_seed():
     assert torch.equal(rt.offsets(0, pos, 4, 512, 4)[..., :5], first)
 
 
-def test_saap_serves_dense_where_its_classifier_outweighs_the_keys_it_skips():
-    """``pays_off``: K + V bytes of the view against the classifier's weight bytes (x serve_min_kv_ratio)."""
-    rt = _saap(top_l=1)
-    p = rt.layers[1]
-    cls_bytes = (p.w1.numel() + p.w2.numel()) * 4  # float32 weights and cache
-    k = torch.zeros(2, HKV, 64, D)
-    kv_bytes = 2 * k.numel() * 4
-    rt.serve_min_kv_ratio = kv_bytes / cls_bytes
-    assert rt.pays_off(1, k) and not rt.pays_off(0, k)  # layer 0 is dense
-    rt.serve_min_kv_ratio = kv_bytes / cls_bytes * 1.01
-    assert not rt.pays_off(1, k)
-    # never paying off: the static loop generates the dense model's tokens even with one bucket
+def test_saap_serves_dense_in_the_layers_the_measured_policy_chose(tmp_path, monkeypatch):
+    """``serve="fastest"``: a layer group whose recorded cost is no faster than dense runs flash-decoding /
+    the model's attention, so with every SAAP layer recorded as slower the static loop generates the dense
+    model's tokens even with one bucket; recorded faster (or unmeasurable: no graphs), SAAP runs."""
+    from runtime_kernels import serving_policy
+
+    monkeypatch.setenv("CALIB_RUNTIME_CACHE", str(tmp_path))
+    serving_policy.forget_all()
     model, ids = _model(), _prompt(1, 60)
     dense = eager_generate(model, ids, 8)
-    rt.serve_min_kv_ratio = 1e9
-    hf.attach(model, decode=rt)
-    assert torch.equal(StaticGenerator(model, batch=1, max_len=80, graphs=False, bucket=8).generate(ids, 8), dense)
-    assert not torch.equal(eager_generate(model, ids, 8), dense)  # eager calls (calib eval) always run SAAP
+    rt = _saap(top_l=1)
+    state = hf.attach(model, decode=rt, serve="fastest")
+    assert not torch.equal(StaticGenerator(model, batch=1, max_len=80, graphs=False, bucket=8).generate(ids, 8), dense)
+    assert state.serve_dense == frozenset({0})  # layer 0 is dense; nothing timed without graphs
+    shape = f"B1|T64|Hq{HQ}|Hkv{HKV}|D{D}|{torch.float32}"
+    for layer in range(1, LAYERS):  # record every SAAP group as slower than dense at the first view
+        serving_policy.record(f"decode|{serving_policy.device_key(torch.device('cpu'))}|{rt.cost_signature(layer)}|{shape}",
+                              2.0, 1.0)
+    gen = StaticGenerator(model, batch=1, max_len=80, graphs=False, bucket=64)
+    assert torch.equal(gen.generate(ids, 4), dense[:, :4])  # 61-64 keys: one view, every layer dense
+    assert state.serve_dense == frozenset(range(LAYERS)) and not rt.index  # no index built for dense layers
 
 
 def _santa_stats_by_hand(schedule: list[int], tile: int, tiling: str, keys_per_call: list[list[int]]) -> dict:

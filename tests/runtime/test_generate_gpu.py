@@ -92,7 +92,7 @@ def test_graphed_saap_statistics_equal_the_loop_without_graphs(tiny):
     ids = _prompt(2, 520, tiny.config.vocab_size)
     runs = {}
     for graphs in (False, True):
-        rt = _saap(tiny, top_l=2, stats=True, serve_min_kv_ratio=0.0)  # calib eval's options
+        rt = _saap(tiny, top_l=2, stats=True)  # calib eval's options
         hf.attach(tiny, decode=rt)
         try:
             times = StepTimes()

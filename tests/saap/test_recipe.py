@@ -226,8 +226,8 @@ def test_eval_runtime_counts_saap_in_the_static_loop(result, loaded):
     answers = {}
     for top_l in (C, 1):
         options = with_statistics({"saap": {"top_l": top_l}}, "saap")
-        state = hf.apply(loaded.model, result["artifact_dir"], options=options)
-        assert state.decode.stats and state.decode.serve_min_kv_ratio == 0.0
+        state = hf.apply(loaded.model, result["artifact_dir"], options=options, serve="method")
+        assert state.decode.stats and state.serve == "method"
         try:
             answers[top_l] = {loop: answer_prompts(loaded, prompts, 5, state, batch_tokens=1000, loop=loop)
                               for loop in ("eager", "static")}

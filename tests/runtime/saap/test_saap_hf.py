@@ -108,11 +108,13 @@ def test_from_artifact_layout():
                                   top_l_layers={1: 4})  # a runtime option replaces the artifact's map
     assert (rt.layer_top_l(1), rt.layer_top_l(2)) == (4, 3)
     assert rt.layers[1].recent == 8 and torch.equal(rt.layers[2].w1, layers[2].w1)
-    short = torch.zeros(1, 1, 2, 16)  # a view whose K + V bytes are far below the classifier's
-    assert not rt.pays_off(1, short) and not rt.stats
+    assert not rt.stats  # serving counts nothing
+    # the serving policy's groups: a dense layer never runs SAAP; layers of one ℓ share a signature
+    C = rt.layers[1].w2.shape[-1]
+    assert rt.cost_signature(0) is None and rt.cost_signature(1) != rt.cost_signature(2)
     rt = SaapDecode.from_artifact(art, SimpleNamespace(config=SimpleNamespace(num_hidden_layers=3)), stats=True,
-                                  serve_min_kv_ratio=0.0)  # calib eval's options: SAAP at every length, counted
-    assert rt.pays_off(1, short) and not rt.pays_off(0, short) and rt.stats
+                                  top_l=2, top_l_layers={2: C})  # every bucket in layer 2: all keys, i.e. dense
+    assert rt.stats and rt.cost_signature(1) is not None and rt.cost_signature(2) is None
 
 
 def test_stats_count_the_visited_bucket_keys_by_hand():

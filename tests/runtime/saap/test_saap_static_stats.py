@@ -23,7 +23,7 @@ RECENT, BUCKET = 8, 8
 
 def _counting_saap(top_l: int) -> SaapDecode:
     """Statistics on and SAAP at every static step, as ``calib eval`` sets them."""
-    return _saap(top_l, recent=RECENT, stats=True, serve_min_kv_ratio=0.0)
+    return _saap(top_l, recent=RECENT, stats=True)
 
 
 def _probs64(q_de: torch.Tensor, p: SaapLayerParams) -> torch.Tensor:

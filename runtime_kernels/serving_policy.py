@@ -1,0 +1,198 @@
+"""Never slower: each attention layer runs the attached method only where it measured faster than dense.
+
+A sparse method wins only where what it skips outweighs what it adds (a classifier, a selection pass,
+a merge), which depends on the GPU, the batch, the length and the layer's own settings. Instead of
+thresholds tuned on one card, the serving path times both on the running GPU the first time it meets
+a shape and keeps the faster:
+
+* decode (:func:`choose_dense_layers`, called by the static loop before it captures a view's graph):
+  layers are grouped by the runtime's ``cost_signature(layer)`` (equal signatures cost the same; ``None``
+  means the layer never beats dense); for one layer of each group the method's decode attention and
+  flash-decoding are each captured in a small CUDA graph on the real cache view and replayed;
+* prefill (:class:`PrefillChooser`, called by ``runtime_kernels.hf``): the first call of a layer at a
+  length bucket runs the method once to warm it up, then times it and dense attention once each with
+  CUDA events on the real inputs.
+
+Decisions are cached per GPU, signature and shape in memory and in one JSON file
+(``$CALIB_RUNTIME_CACHE`` or ``~/.cache/calib-runtime``), so a process pays each timing once per machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+REPLAYS = 20  # graph replays per timed decode candidate
+_LOCK = threading.Lock()
+_MEMORY: dict[str, list[float]] = {}  # key -> [method_ms, dense_ms]
+_LOADED = False
+
+
+def cache_path() -> Path:
+    """The JSON file holding measured costs (``$CALIB_RUNTIME_CACHE/costs.json``)."""
+    root = os.environ.get("CALIB_RUNTIME_CACHE") or Path.home() / ".cache" / "calib-runtime"
+    return Path(root) / "costs.json"
+
+
+def _load() -> None:
+    global _LOADED
+    if _LOADED:
+        return
+    _LOADED = True
+    try:
+        data = json.loads(cache_path().read_text())
+    except (OSError, ValueError):
+        return
+    if isinstance(data, dict):
+        _MEMORY.update({k: v for k, v in data.items() if isinstance(v, list) and len(v) == 2
+                        and all(isinstance(x, (int, float)) for x in v)})
+
+
+def _store(key: str, method_ms: float, dense_ms: float) -> None:
+    """Remember a measurement in memory and, best effort, on disk (atomic replace; a read-only home
+    only loses the cache)."""
+    _MEMORY[key] = [float(method_ms), float(dense_ms)]
+    path = cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(_MEMORY, sort_keys=True))
+        tmp.replace(path)
+    except OSError:
+        pass
+
+
+def measured(key: str) -> list[float] | None:
+    """``[method_ms, dense_ms]`` recorded for ``key``, or None."""
+    with _LOCK:
+        _load()
+        return _MEMORY.get(key)
+
+
+def record(key: str, method_ms: float, dense_ms: float) -> None:
+    with _LOCK:
+        _load()
+        _store(key, method_ms, dense_ms)
+
+
+def forget_all() -> None:
+    """Drop every cached decision, in memory (tests; a changed driver or kernel)."""
+    global _LOADED
+    with _LOCK:
+        _MEMORY.clear()
+        _LOADED = True
+
+
+def device_key(device: torch.device) -> str:
+    """The GPU model and software a timing holds for."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return f"{name}|torch{torch.__version__}"
+
+
+def length_bucket(n: int) -> int:
+    """``n`` rounded up to one of eight steps per power of two (4096, 4608, ..., 7680, 8192, 9216, ...):
+    lengths in one bucket share a prefill decision."""
+    n = max(int(n), 1)
+    top = 1 << (n - 1).bit_length()
+    step = max(top // 16, 1)
+    return -(-n // step) * step
+
+
+def graph_ms(fn: Callable[[], Any], replays: int = REPLAYS) -> float:
+    """Device milliseconds of one call of ``fn`` as a CUDA graph replay (launch costs as inside the
+    serving loop's graph): two warm-up calls on a side stream (autotuning, lazy state), one capture,
+    ``replays`` timed replays."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    del graph
+    return start.elapsed_time(end) / replays
+
+
+def choose_dense_layers(runtime: Any, num_layers: int, shape_key: str, device: torch.device,
+                        prepare: Callable[[set[int]], None],
+                        time_layer: Callable[[int], tuple[float, float] | None]) -> frozenset[int]:
+    """The layers a static decode step should run densely: those whose ``runtime.cost_signature(layer)``
+    is None, and every layer of a signature group whose method time measured no faster than dense.
+
+    ``prepare(layers)`` readies the method's state for the layers that may run it (SAAP builds their
+    bucket index), before ``time_layer(layer) -> (method_ms, dense_ms)`` times one representative of each
+    group not yet measured for ``(device, signature, shape_key)``; ``None`` from it (nothing can be timed
+    here, e.g. no GPU) runs the method in that group, unrecorded. A runtime without ``cost_signature``
+    runs in every layer."""
+    signature = getattr(runtime, "cost_signature", None)
+    if signature is None:
+        prepare(set(range(num_layers)))
+        return frozenset()
+    groups: dict[str, list[int]] = {}
+    for layer in range(num_layers):
+        sig = signature(layer)
+        if sig is not None:
+            groups.setdefault(sig, []).append(layer)
+    keys = {sig: f"decode|{device_key(device)}|{sig}|{shape_key}" for sig in groups}
+    costs = {sig: measured(key) for sig, key in keys.items()}
+    prepare({layer for sig, members in groups.items() for layer in members
+             if costs[sig] is None or costs[sig][0] < costs[sig][1]})
+    for sig, members in groups.items():
+        if costs[sig] is None:
+            timed = time_layer(members[0])
+            costs[sig] = [0.0, 1.0] if timed is None else list(timed)
+            if timed is not None:
+                record(keys[sig], *timed)
+    method_layers = {layer for sig, members in groups.items() for layer in members if costs[sig][0] < costs[sig][1]}
+    return frozenset(set(range(num_layers)) - method_layers)
+
+
+class PrefillChooser:
+    """Per (layer signature, batch, length bucket): does the prefill method beat dense attention here?
+
+    :meth:`run` answers a prefill call. A decided shape runs the faster path; an undecided one runs the
+    method once (warm-up: Triton compiles and autotunes on first use), then times the method and dense
+    once each on the same inputs (CUDA events) and records the result."""
+
+    def run(self, signature: str | None, q: torch.Tensor, k: torch.Tensor,
+            method: Callable[[], torch.Tensor | None], dense: Callable[[], torch.Tensor]) -> torch.Tensor | None:
+        """The prefill output of ``method()`` or ``dense()`` (``None``: the caller's dense path), both
+        ``[B, Hq, T, D]``.
+        ``signature`` None: always the method (no GPU, or a runtime that gives none)."""
+        if signature is None or not q.is_cuda:
+            return method()
+        key = (f"prefill|{device_key(q.device)}|{signature}|B{q.shape[0]}|T{length_bucket(q.shape[2])}"
+               f"|Tk{length_bucket(k.shape[2])}")
+        costs = measured(key)
+        if costs is not None:
+            return method() if costs[0] < costs[1] else None
+        if method() is None:  # warm-up; None: the method does not take this call
+            return None
+        dense()  # warm-up: the first call selects and loads its kernel
+        method_ms, out = _event_ms(method)
+        dense_ms, dense_out = _event_ms(dense)
+        record(key, method_ms, dense_ms)
+        return out if method_ms < dense_ms else dense_out
+
+
+def _event_ms(fn: Callable[[], Any]) -> tuple[float, Any]:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    out = fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end), out

@@ -1,0 +1,90 @@
+"""The never-slower policy's bookkeeping: groups, the cost cache, length buckets (no GPU needed)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from runtime_kernels import serving_policy as sp
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("CALIB_RUNTIME_CACHE", str(tmp_path))
+    sp.forget_all()
+    yield
+    sp.forget_all()
+
+
+class _Runtime:
+    """Layers 0 and 3 never win (None); 1 and 2 share a signature, 4 has its own."""
+
+    def cost_signature(self, layer: int) -> str | None:
+        return {1: "a", 2: "a", 4: "b"}.get(layer)
+
+
+def test_groups_are_timed_once_and_the_slower_group_runs_dense():
+    timed, prepared = [], []
+
+    def time_layer(layer: int) -> tuple[float, float]:
+        timed.append(layer)
+        return (1.0, 2.0) if layer == 1 else (3.0, 2.0)  # group a wins, group b loses
+
+    dense = sp.choose_dense_layers(_Runtime(), 5, "B1|T256", torch.device("cpu"), prepared.append, time_layer)
+    assert dense == frozenset({0, 3, 4}) and timed == [1, 4] and prepared == [{1, 2, 4}]
+    # a second choice at the same shape reads the records: nothing timed, only the winners prepared
+    dense = sp.choose_dense_layers(_Runtime(), 5, "B1|T256", torch.device("cpu"), prepared.append,
+                                   lambda layer: pytest.fail("timed again"))
+    assert dense == frozenset({0, 3, 4}) and prepared[-1] == {1, 2}
+    # another shape is measured anew; a tie is not a win
+    dense = sp.choose_dense_layers(_Runtime(), 5, "B8|T256", torch.device("cpu"), prepared.append, lambda layer: (2.0, 2.0))
+    assert dense == frozenset(range(5))
+
+
+def test_unmeasurable_groups_run_the_method_and_record_nothing(tmp_path):
+    dense = sp.choose_dense_layers(_Runtime(), 5, "B1|T256", torch.device("cpu"), lambda layers: None, lambda layer: None)
+    assert dense == frozenset({0, 3})
+    assert not (tmp_path / "costs.json").exists()
+
+
+def test_a_runtime_without_signatures_runs_everywhere():
+    prepared = []
+    assert sp.choose_dense_layers(object(), 3, "B1", torch.device("cpu"), prepared.append, lambda layer: (9.0, 1.0)) == frozenset()
+    assert prepared == [{0, 1, 2}]
+
+
+def test_costs_persist_across_processes_and_bad_records_are_ignored(tmp_path):
+    sp.record("k1", 1.5, 2.5)
+    on_disk = json.loads((tmp_path / "costs.json").read_text())
+    assert on_disk == {"k1": [1.5, 2.5]}
+    on_disk.update({"bad": "x", "short": [1.0], "k2": [3.0, 1.0]})
+    (tmp_path / "costs.json").write_text(json.dumps(on_disk))
+    sp._LOADED = False  # a new process: the file is read once
+    sp._MEMORY.clear()
+    assert sp.measured("k1") == [1.5, 2.5] and sp.measured("k2") == [3.0, 1.0]
+    assert sp.measured("bad") is None and sp.measured("short") is None
+
+
+def test_a_corrupt_cost_file_is_an_empty_cache(tmp_path):
+    (tmp_path / "costs.json").write_text("{not json")
+    sp._LOADED = False
+    assert sp.measured("k") is None
+    sp.record("k", 1.0, 2.0)  # and it is replaced by a valid one
+    assert json.loads((tmp_path / "costs.json").read_text()) == {"k": [1.0, 2.0]}
+
+
+@pytest.mark.parametrize("n, bucket", [(1, 1), (100, 104), (4096, 4096), (4097, 4608), (5000, 5120), (8000, 8192),
+                                       (8192, 8192), (8193, 9216)])
+def test_length_buckets_are_eight_steps_per_power_of_two(n, bucket):
+    assert sp.length_bucket(n) == bucket
+    assert sp.length_bucket(n) >= n
+
+
+def test_prefill_without_a_gpu_always_runs_the_method():
+    calls = []
+    chooser = sp.PrefillChooser()
+    q = torch.zeros(1, 2, 8, 4)
+    out = chooser.run("sig", q, q, lambda: calls.append("m") or q, lambda: calls.append("d") or q)
+    assert out is q and calls == ["m"]

@@ -224,11 +224,13 @@ def cmd_ls(args: list[str]) -> None:
 def cmd_promote(args: list[str]) -> None:
     from calib import registry, tracking
 
-    usage = "usage: python -m calib promote <name> <version> [alias=champion] [--min-ci-low -0.05]"
+    usage = "usage: python -m calib promote <name> <version> [alias=champion] [--min-ci-low -0.05] [--strict]"
     parser = _Parser(prog="python -m calib promote", usage=usage.removeprefix("usage: "))
     parser.add_argument("words", nargs="*")
     parser.add_argument("--min-ci-low", type=float, default=registry.MIN_CI_LOW,
                         help="warn when the version's held-out CI lower bound of (sparse - dense) accuracy is below")
+    parser.add_argument("--strict", action="store_true",
+                        help="refuse instead of warning: a missing eval (pooled or on a suite of the model) or a low bound")
     ns = parser.parse_intermixed_args(args)
     positional = [a for a in ns.words if not a.startswith("alias=")]
     alias = next((a.split("=", 1)[1] for a in ns.words if a.startswith("alias=")), registry.CHAMPION)
@@ -238,12 +240,15 @@ def cmd_promote(args: list[str]) -> None:
     target = tracking.resolve_target()
     check_tracking_store(target.tracking_uri)
     tracking.configure(target)
+    tags = registry.version_tags(name, version)
+    warning = registry.promotion_warning(name, version, tags, ns.min_ci_low,
+                                         registry.model_eval_suites(tags.get("model", "")))
+    if warning and ns.strict:
+        raise UserError(f"{warning}; not promoted (--strict)")
     uri = registry.promote(name, version, alias)
     print(f"{uri} -> version {version}")
-    tags = registry.version_tags(name, version)
     if tags.get(registry.DRY_RUN_TAG) == "true":  # champion was refused above; other aliases pass with a warning
         print(f"warning: {name} v{version} is a dry run (random weights): for measuring cost only", file=sys.stderr)
-    warning = registry.promotion_warning(name, version, tags, ns.min_ci_low)
     if warning:
         print(f"warning: {warning}", file=sys.stderr)
 

@@ -1,8 +1,9 @@
-"""``eval``: held-out task accuracy, dense and with an artifact applied (SPEC §8).
+"""``eval``: held-out task accuracy, dense and with an artifact applied.
 
-The prompts come from the configured data source with ``eval.seed`` (never the calibration seed:
-checked against ``data.seed`` and the artifact's recorded seed), or its held-out rows for a JSONL
-file or HF dataset (``calib.data.rows``). Each prompt is answered greedily, first densely, then —
+The prompts come from each *suite* (a data source: :func:`eval_suites`; a real model's default is the
+synthetic tasks and the natural-text book suite side by side) with ``eval.seed`` (never the calibration
+seed: checked against ``data.seed`` and the artifact's recorded seed), or the held-out rows of a JSONL
+file or HF dataset (``calib.data.rows``); results are reported per suite too (``suite.<name>.*``). Each prompt is answered greedily, first densely, then —
 with ``artifact=...`` — with the artifact's method plugged in through ``runtime_kernels.hf.apply``.
 Accuracy follows each task's rule (``data.scoring``: exact match or contains); the difference is
 reported with a paired bootstrap 95% CI overall and per task and length. Method statistics (sparsity,
@@ -165,15 +166,17 @@ def _group_metrics(key: str, idx: list[int], d_all: np.ndarray, s_all: np.ndarra
 
 
 def summarize(dense: list[PromptResult], sparse: list[PromptResult] | None, resamples: int,
-              seed: int) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
-    """Per ``task@length`` accuracies, and flat metrics: overall and per-length (``len<L>.``, all tasks
-    pooled — the unit of SampleAttention's buckets) and per ``task@length`` paired-bootstrap CIs of
-    (sparse - dense) with the method's mean stats (sparsity, selectivity, CRA, ...)."""
+              seed: int, suites: dict[str, list[int]] | None = None) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+    """Per ``task@length`` accuracies, and flat metrics: overall, per suite (``suite.<name>.``, the
+    prompt indexes ``suites`` gives) and per length (``len<L>.``, all tasks pooled — the unit of
+    SampleAttention's buckets) and per ``task@length`` paired-bootstrap CIs of (sparse - dense) with the
+    method's mean stats (sparsity, selectivity, CRA, ...)."""
     by_task: dict[str, list[int]] = defaultdict(list)
-    by_length: dict[str, list[int]] = defaultdict(list)
+    by_length: dict[str, list[int]] = {f"suite.{name}": idx for name, idx in (suites or {}).items() if idx}
     for i, r in enumerate(dense):
         by_task[f"{r.task}@{r.length}"].append(i)
-        by_length[f"len{r.length}"].append(i)
+    for i, r in enumerate(dense):
+        by_length.setdefault(f"len{r.length}", []).append(i)
     d_all = np.array([r.correct for r in dense], dtype=float)
     s_all = np.array([r.correct for r in sparse], dtype=float) if sparse is not None else None
     tasks: dict[str, dict[str, float]] = {}
@@ -262,6 +265,64 @@ def _saap_options(cfg: Any, method: str) -> dict[str, dict[str, Any]]:
     return {"saap": opts}
 
 
+SUITE_HEADLINES = {"diff": "acc_delta", "diff_ci_low": "acc_delta_ci_low", "diff_ci_high": "acc_delta_ci_high",
+                   "dense_acc": "acc_dense", "sparse_acc": "acc_sparse"}  # suite metric -> summary name
+
+
+def suite_headlines(metrics: dict[str, float], suites: list[str]) -> dict[str, float]:
+    """``summary/<suite>.acc_delta`` (and its CI, dense and sparse accuracy) per suite, beside the
+    pooled ``summary/*``: what ``calib eval`` writes on a registered version per distribution."""
+    return {f"summary/{s}.{name}": metrics[f"suite.{s}.{src}"] for s in suites
+            for src, name in SUITE_HEADLINES.items() if f"suite.{s}.{src}" in metrics}
+
+
+def eval_suites(cfg: Any) -> list[str]:
+    """The data sources ``eval`` answers side by side: ``eval.suites``; else the model's ``eval_suites``
+    when the run's ``data`` is one of them (``data=synthetic``, the default, on a real model gives the
+    synthetic tasks and the natural-text books); else the run's ``data`` alone."""
+    from calib.config import available
+    from calib.data.rows import cfg_get
+
+    own = str(cfg_get(cfg.data, "source", "synthetic"))
+    named = cfg.eval.get("suites")
+    suites = [str(s) for s in named] if named else [str(s) for s in (cfg.model.get("eval_suites") or [])]
+    if not named and own not in suites:
+        return [own]
+    unknown = [s for s in suites if s not in available("data")]
+    if unknown:
+        raise UserError(f"eval.suites names {unknown[0]!r}; data sources: {', '.join(available('data'))}")
+    return suites
+
+
+def suite_config(cfg: Any, name: str) -> Any:
+    """``cfg`` with ``data`` = suite ``name``: the run's own ``data`` when it is that source (overrides
+    kept), else ``conf/data/<name>.yaml`` (interpolations such as ``eval.tasks: ${data.tasks}`` then
+    follow the suite's own tasks)."""
+    from omegaconf import OmegaConf
+
+    from calib.data.rows import cfg_get
+    from calib.paths import config_dir
+
+    if str(cfg_get(cfg.data, "source", "synthetic")) == name:
+        return cfg
+    out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+    out.data = OmegaConf.load(config_dir() / "data" / f"{name}.yaml")
+    return out
+
+
+def suite_prompts(cfg: Any, tokenizer: Any, suites: list[str]) -> tuple[list[Any], dict[str, list[int]]]:
+    """Every suite's held-out prompts, concatenated, and the indexes of each suite's prompts."""
+    from calib.data import evaluation_prompts
+
+    prompts: list[Any] = []
+    index: dict[str, list[int]] = {}
+    for name in suites:
+        part = evaluation_prompts(suite_config(cfg, name), tokenizer)
+        index[name] = list(range(len(prompts), len(prompts) + len(part)))
+        prompts += part
+    return prompts, index
+
+
 def real_text_metrics(cfg: Any, loaded: Any, artifact: Any, method: str) -> dict[str, float]:
     """``eval.nll``: mean next-token NLL on the shipped real text, dense and with the artifact
     (``calib.perplexity``); ``{}`` when ``eval.nll.chunks`` is 0."""
@@ -286,12 +347,14 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     """Run the held-out evaluation; returns the result JSON of SPEC §1."""
     import mlflow
 
-    from calib.data import EVAL_NEEDS, check_data, evaluation_prompts
+    from calib.data import EVAL_NEEDS, check_data
     from calib.models import load_model, resolve_device
     from runtime_kernels import hf
 
     validate_common(cfg)
-    check_data(cfg.data, EVAL_NEEDS)  # bad data fails before the model loads
+    suites = eval_suites(cfg)
+    for name in suites:
+        check_data(suite_config(cfg, name).data, EVAL_NEEDS)  # bad data fails before the model loads
     device = resolve_device(str(cfg.get("device", "auto")))
     target = tracking.resolve_target(cfg.get("tracking"))
     tracking.configure(target)  # before resolving models:/ URIs, so they resolve in the project's store
@@ -306,7 +369,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
             raise UserError(f"eval.seed={cfg.eval.seed} is the artifact's calibration seed: pick another eval.seed")
     registry.check_eval_method(cfg.get("method"), cfg.get("artifact"), artifact.method if artifact else None)
     runtime_options(cfg, artifact.method if artifact else "dense")  # a bad override fails before any work
-    prompts = evaluation_prompts(cfg, loaded.tokenizer)
+    prompts, suite_index = suite_prompts(cfg, loaded.tokenizer, suites)
     if not prompts:
         raise UserError("no evaluation prompts: check eval.tasks / eval.lengths / eval.num_prompts")
     method = artifact.method if artifact else "dense"
@@ -317,10 +380,11 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
                            "eval.seed": int(cfg.eval.seed), "eval.num_prompts": int(cfg.eval.num_prompts),
                            "eval.max_new_tokens": int(cfg.eval.max_new_tokens),
                            "eval.batch_tokens": int(cfg.eval.get("batch_tokens") or 0),
-                           "eval.loop": loop,
+                           "eval.loop": loop, "eval.suites": ",".join(suites),
                            "eval.top_l": cfg.eval.get("top_l"), "eval.ranking": cfg.eval.get("ranking"),
                            "eval.top_l_layers": str(cfg.eval.get("top_l_layers")), "eval.budget": cfg.eval.get("budget")})
-        tracking.log_eval_prompts(cfg.data, prompts, int(cfg.eval.seed))
+        for name, idx in suite_index.items():
+            tracking.log_eval_prompts(suite_config(cfg, name).data, [prompts[i] for i in idx], int(cfg.eval.seed))
         t0 = time.perf_counter()
         batch_tokens = int(cfg.eval.get("batch_tokens") or 0)
         dense = cached_dense_answers(loaded, prompts, int(cfg.eval.max_new_tokens), batch_tokens, loop)
@@ -338,11 +402,13 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
                 timings["time_sparse_s"] = time.perf_counter() - t0
             finally:
                 hf.remove(loaded.model)
-        tasks, metrics = summarize(dense, sparse, int(cfg.eval.bootstrap), int(cfg.seed))
+        tasks, metrics = summarize(dense, sparse, int(cfg.eval.bootstrap), int(cfg.seed), suite_index)
         metrics.update(timings)
         metrics.update(real_text_metrics(cfg, loaded, artifact, method))
         mlflow.log_metrics({k.replace("@", "_at_"): v for k, v in metrics.items()})
         summary = tracking.log_eval_summary(method, metrics, [r.stats for r in sparse or []])
+        summary.update(suite_headlines(metrics, suites))
+        mlflow.log_metrics(suite_headlines(metrics, suites))
         if artifact is not None and not runtime_options(cfg, method):  # the artifact's own operating point
             registry.record_eval(cfg.artifact, artifact.path, summary, seed=int(cfg.eval.seed),
                                  num_prompts=len(prompts), run_id=run.info.run_id)

@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from calib.errors import UserError
 from calib.tracking import DRY_RUN_TAG
@@ -136,21 +136,38 @@ def is_dry_run_version(client: Any, mv: Any) -> bool:
         return False
 
 
-def promotion_warning(name: str, version: str, tags: Mapping[str, str], min_ci_low: float = MIN_CI_LOW) -> str | None:
+def promotion_warning(name: str, version: str, tags: Mapping[str, str], min_ci_low: float = MIN_CI_LOW,
+                      suites: Sequence[str] = ()) -> str | None:
     """One line when version ``tags`` show no held-out eval, or a CI lower bound of (sparse - dense)
-    accuracy below ``min_ci_low``; ``None`` when the version passes."""
-    ci_low = tags.get(EVAL_TAG_PREFIX + "ci_low")
-    if ci_low is None:
-        return (f"{name} v{version} has no held-out eval yet "
-                f"(python -m calib eval artifact=models:/{name}/{version})")
-    try:
-        low = float(ci_low)
-    except ValueError:
-        return f"{name} v{version}: its eval.ci_low tag {ci_low!r} is not a number"
-    if low < min_ci_low:
-        return (f"{name} v{version}: held-out accuracy change {tags.get(EVAL_TAG_PREFIX + 'acc_delta', '?')}, "
-                f"95% CI lower bound {ci_low} < {min_ci_low:g} (--min-ci-low)")
+    accuracy below ``min_ci_low`` — pooled, and per suite of ``suites`` (the model's held-out data
+    sources, :func:`model_eval_suites`: a real model must hold accuracy on natural text too);
+    ``None`` when the version passes."""
+    how = f"python -m calib eval artifact=models:/{name}/{version}"
+    for prefix, label in [("", "held-out"), *((f"{s}.", f"{s} held-out") for s in suites)]:
+        ci_low = tags.get(f"{EVAL_TAG_PREFIX}{prefix}ci_low")
+        if ci_low is None:
+            return f"{name} v{version} has no {label} eval yet ({how})"
+        try:
+            low = float(ci_low)
+        except ValueError:
+            return f"{name} v{version}: its {EVAL_TAG_PREFIX}{prefix}ci_low tag {ci_low!r} is not a number"
+        if low < min_ci_low:
+            return (f"{name} v{version}: {label} accuracy change {tags.get(f'{EVAL_TAG_PREFIX}{prefix}acc_delta', '?')}, "
+                    f"95% CI lower bound {ci_low} < {min_ci_low:g} (--min-ci-low)")
     return None
+
+
+def model_eval_suites(model: str) -> list[str]:
+    """The held-out suites of model ``model`` (its ``conf/model`` file's ``eval_suites``) that a version
+    must be evaluated on before promotion; ``[]`` for an unknown model or one that lists none."""
+    from omegaconf import OmegaConf
+
+    from calib.paths import config_dir
+
+    path = config_dir() / "model" / f"{model}.yaml"
+    if not model or not path.is_file():
+        return []
+    return [str(s) for s in (OmegaConf.load(path).get("eval_suites") or [])]
 
 
 def version_tags(name: str, version: str) -> dict[str, str]:
@@ -250,6 +267,10 @@ def eval_tags(summary: Mapping[str, float], *, seed: int, num_prompts: int, run_
     """Readable version tags (``eval.acc_delta``, ``eval.ci_low``, ...) from ``calib eval``'s summary."""
     tags = {EVAL_TAG_PREFIX + tag: f"{float(summary[metric]):.4f}" for metric, tag in EVAL_TAGS.items()
             if metric in summary}
+    for metric, value in summary.items():  # per suite: summary/books.acc_delta_ci_low -> eval.books.ci_low
+        suite, dot, name = metric.removeprefix("summary/").partition(".")
+        if metric.startswith("summary/") and dot and f"summary/{name}" in EVAL_TAGS:
+            tags[f"{EVAL_TAG_PREFIX}{suite}.{EVAL_TAGS[f'summary/{name}']}"] = f"{float(value):.4f}"
     tags.update({EVAL_TAG_PREFIX + "seed": str(int(seed)), EVAL_TAG_PREFIX + "num_prompts": str(int(num_prompts)),
                  EVAL_TAG_PREFIX + "run_id": run_id})
     return tags

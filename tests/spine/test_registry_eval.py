@@ -70,6 +70,19 @@ def test_promotion_warning(tags, threshold, expected):
     assert registry.promotion_warning("sale-tiny", "2", tags, threshold) == expected
 
 
+@pytest.mark.parametrize("tags, expected", [
+    ({"eval.ci_low": "0.0"}, "sale-smollm2 v2 has no books held-out eval yet "
+                             "(python -m calib eval artifact=models:/sale-smollm2/2)"),
+    ({"eval.ci_low": "0.0", "eval.books.ci_low": "-0.3000", "eval.books.acc_delta": "-0.2000"},
+     "sale-smollm2 v2: books held-out accuracy change -0.2000, 95% CI lower bound -0.3000 < -0.05 (--min-ci-low)"),
+    ({"eval.ci_low": "0.0", "eval.books.ci_low": "-0.0100"}, None),
+])
+def test_promotion_needs_the_natural_text_suite_where_the_model_lists_it(tags, expected):
+    suites = registry.model_eval_suites("smollm2")
+    assert "books" in suites and registry.model_eval_suites("tiny") == [] and registry.model_eval_suites("nope") == []
+    assert registry.promotion_warning("sale-smollm2", "2", tags, -0.05, ["books"]) == expected
+
+
 def test_publish_names_the_run_after_the_version(calib_home, tmp_path):
     import mlflow
 
@@ -154,5 +167,14 @@ def test_cli_promote_warns_in_one_line(calib_home, tmp_path):
     assert low.returncode == 0 and "models:/sale-tiny@prod" in low.stdout
     assert len(low.stderr.strip().splitlines()) == 1 and "lower bound -0.1000 < -0.05" in low.stderr
     assert promote("--min-ci-low", "-0.2").stderr.strip() == ""
+    strict = promote("alias=gated", "--strict")  # the low bound refuses instead of warning
+    assert strict.returncode == 2 and strict.stderr.strip().splitlines() == [
+        "error: sale-tiny v1: held-out accuracy change -0.0250, 95% CI lower bound -0.1000 < -0.05 (--min-ci-low); "
+        "not promoted (--strict)"]
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    with pytest.raises(MlflowException):  # the alias was never set
+        MlflowClient().get_model_version_by_alias("sale-tiny", "gated")
     bad = promote("--min-ci-low", "x")
     assert bad.returncode == 2 and bad.stderr.startswith("error: argument --min-ci-low") and "Traceback" not in bad.stderr

@@ -10,8 +10,10 @@ The runtime owns this schema; calib imports it to write artifacts. An artifact d
 
 Writing is atomic: everything goes to a hidden sibling temp directory, is fsynced, and the directory
 is renamed into place, so a crash (or a full disk) never leaves a directory that looks complete.
-Reading (:func:`read_artifact`) recomputes every file and tensor sha256 and refuses any mismatch with
-a one-line :class:`ArtifactError`.
+Reading (:func:`read_artifact`) treats the directory as untrusted: it checks the manifest's size,
+nesting and every field's type, opens only regular files listed in it (see
+:mod:`runtime_kernels.manifest_checks`), recomputes every file and tensor sha256 and refuses a mismatch
+or a NaN/infinite tensor value with a one-line :class:`ArtifactError`.
 """
 
 from __future__ import annotations
@@ -29,6 +31,17 @@ from typing import Any, Mapping
 import torch
 
 from runtime_kernels.errors import ArtifactError
+from runtime_kernels.manifest_checks import (
+    MAX_MANIFEST_BYTES,
+    TENSOR_DTYPES,
+    check_finite,
+    check_record,
+    check_tensor_and_file_records,
+    check_value,
+    open_regular,
+    parse_manifest,
+    read_fd,
+)
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -150,7 +163,8 @@ def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
 
 def artifact_sha256(directory: str | os.PathLike) -> str:
     """One digest for a whole artifact: sha256 of its manifest bytes (which hold every file's sha256)."""
-    return file_sha256(Path(directory) / MANIFEST_NAME)
+    with open_regular(Path(directory), MANIFEST_NAME, f"artifact {directory}") as (fd, _):
+        return hashlib.sha256(read_fd(fd, MAX_MANIFEST_BYTES + 1)).hexdigest()
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -166,6 +180,14 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _check_writable(name: str, t: torch.Tensor) -> None:
+    """Refuse a tensor the reader would refuse (an unknown dtype, a NaN or infinite value)."""
+    if _dtype_name(t.dtype) not in TENSOR_DTYPES:
+        raise ValueError(f"tensor {name!r} has dtype {_dtype_name(t.dtype)}; artifacts hold {sorted(TENSOR_DTYPES)}")
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        raise ValueError(f"tensor {name!r} holds NaN or infinite values; the runtime refuses such an artifact")
 
 
 def write_artifact(
@@ -196,6 +218,7 @@ def write_artifact(
                     raise ValueError(f"duplicate tensor name {name!r}")
                 seen.add(name)
                 cpu[name] = t.detach().to("cpu").contiguous()
+                _check_writable(name, cpu[name])
                 records.append(TensorRecord(name, fname, list(cpu[name].shape), _dtype_name(cpu[name].dtype),
                                             tensor_sha256(cpu[name])))
             save_file(cpu, str(tmp / fname), metadata={"format": "pt"})
@@ -240,22 +263,81 @@ class Artifact:
 
 
 def read_manifest(directory: str | os.PathLike) -> Manifest:
-    """Parse ``manifest.json`` (no hash checks; use :func:`read_artifact` before using tensors)."""
-    path = Path(directory) / MANIFEST_NAME
-    if not path.is_file():
+    """Parse and type-check ``manifest.json`` (no hash checks; use :func:`read_artifact` before using
+    tensors). Reads it only if it is a regular file of at most ``MAX_MANIFEST_BYTES``."""
+    root = Path(directory)
+    path = root / MANIFEST_NAME
+    if not os.path.lexists(path):
         raise ArtifactError(f"{directory} is not an artifact directory (no {MANIFEST_NAME})")
-    try:
-        d = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ArtifactError(f"{path} is not valid JSON ({exc.msg if hasattr(exc, 'msg') else exc})") from None
+    with open_regular(root, MANIFEST_NAME, f"artifact {root}") as (fd, size):
+        if size > MAX_MANIFEST_BYTES:
+            raise ArtifactError(f"{path} is larger than {MAX_MANIFEST_BYTES} bytes: not a calib manifest")
+        data = read_fd(fd, MAX_MANIFEST_BYTES + 1)
+    return manifest_from_json(parse_manifest(data, path), f"artifact {root}")
+
+
+def manifest_from_json(d: Any, where: str) -> Manifest:
+    """The :class:`Manifest` of a parsed ``manifest.json``, after checking every field (one-line
+    :class:`ArtifactError` naming the first bad field); ``where`` starts each message."""
     if not isinstance(d, dict):
-        raise ArtifactError(f"{path} is not a JSON object")
-    version = d.get("schema_version")
-    if not isinstance(version, int) or version > SCHEMA_VERSION:
+        raise ArtifactError(f"{where}: manifest.json is not a JSON object")
+    if "schema_version" not in d:
+        raise ArtifactError(f"{where}: manifest is malformed: field schema_version is missing")
+    version = d["schema_version"]
+    check_value(version, int, "schema_version", where)
+    if version > SCHEMA_VERSION or version < 1:
         raise ArtifactError(
-            f"{path} has schema version {version!r}; this runtime reads <= {SCHEMA_VERSION}: upgrade runtime_kernels"
+            f"{where} has schema version {version!r}; this runtime reads 1..{SCHEMA_VERSION}: upgrade runtime_kernels"
         )
+    check_record(d, Manifest, "", where)
+    check_tensor_and_file_records(d, where)
+    check_finite(d, "", where)
     return Manifest.from_dict(d)
+
+
+def _read_listed_file(root: Path, rec: FileRecord, where: str) -> bytes:
+    """The bytes of a listed file, once its size and sha256 match the manifest."""
+    def wrong_size(size: int) -> ArtifactError:
+        return ArtifactError(f"{where}: {rec.file} is {size} bytes, manifest says {rec.bytes} (truncated or replaced)")
+
+    with open_regular(root, rec.file, where) as (fd, size):
+        if size != rec.bytes:
+            raise wrong_size(size)
+        data = read_fd(fd, rec.bytes + 1)
+    if len(data) != rec.bytes:  # the file changed while it was read
+        raise wrong_size(len(data))
+    if hashlib.sha256(data).hexdigest() != rec.sha256:
+        raise ArtifactError(f"{where}: {rec.file} sha256 does not match the manifest (tampered or corrupt)")
+    return data
+
+
+def _load_tensors(data: bytes, file: str, records: list[TensorRecord], where: str) -> dict[str, torch.Tensor]:
+    """The tensors ``records`` names, parsed from the verified bytes of ``file``; each must match its
+    record's dtype, shape and sha256 and, if floating point, hold no NaN or infinite value."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    try:
+        loaded = load(data)
+    except (SafetensorError, ValueError, TypeError, KeyError, RuntimeError, OverflowError) as exc:
+        reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        raise ArtifactError(f"{where}: cannot read {file} ({reason})") from None
+    out: dict[str, torch.Tensor] = {}
+    for rec in records:
+        t = loaded.get(rec.name)
+        if t is None:
+            raise ArtifactError(f"{where}: tensor {rec.name!r} is missing from {rec.file}")
+        if list(t.shape) != rec.shape or _dtype_name(t.dtype) != rec.dtype:
+            raise ArtifactError(f"{where}: tensor {rec.name!r} is {_dtype_name(t.dtype)}{list(t.shape)}, "
+                                f"manifest says {rec.dtype}{rec.shape}")
+        if tensor_sha256(t) != rec.sha256:
+            raise ArtifactError(f"{where}: tensor {rec.name!r} sha256 does not match the manifest (tampered)")
+        bad = int((~torch.isfinite(t)).sum()) if t.is_floating_point() else 0
+        if bad:
+            raise ArtifactError(f"{where}: tensor {rec.name!r} (tensors.{rec.name}) holds {bad} NaN or infinite "
+                                "value(s); no method can use them: recalibrate")
+        out[rec.name] = t
+    return out
 
 
 def read_artifact(
@@ -267,15 +349,15 @@ def read_artifact(
 ) -> Artifact:
     """Load and verify an artifact directory.
 
-    Checks, in order: manifest parses and its schema is known; ``method`` matches if given; the method
-    ABI is the one this runtime implements (``abi_versions[method]``) if given; every file's size and
-    sha256; every tensor's dtype, shape and sha256; the model facts (see :func:`check_model_facts`).
+    Checks, in order: the manifest parses, its schema is known and every field is well typed (see
+    :func:`manifest_from_json`); ``method`` matches if given; the method ABI is the one this runtime
+    implements (``abi_versions[method]``) if given; every listed file is a regular file inside the
+    directory with the recorded size and sha256; every tensor's dtype, shape, sha256 and finiteness; the
+    model facts (see :func:`check_model_facts`). Only files listed in the manifest are ever opened.
     Any failure raises :class:`ArtifactError` with a one-line reason.
     """
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    root = Path(directory)
+    root = Path(directory).resolve()
+    where = f"artifact {root}"
     manifest = read_manifest(root)
     if method is not None and manifest.method != method:
         raise ArtifactError(f"{root} is a {manifest.method!r} artifact, not {method!r}")
@@ -286,33 +368,14 @@ def read_artifact(
                 f"{root} has {manifest.method} ABI v{manifest.abi_version}; this runtime implements v{want}: "
                 "recalibrate with the matching calib version"
             )
-    for rec in manifest.files:
-        fpath = root / rec.file
-        if not fpath.is_file():
-            raise ArtifactError(f"{root}: file {rec.file} is missing")
-        size = fpath.stat().st_size
-        if size != rec.bytes:
-            raise ArtifactError(f"{root}: {rec.file} is {size} bytes, manifest says {rec.bytes} (truncated or replaced)")
-        if file_sha256(fpath) != rec.sha256:
-            raise ArtifactError(f"{root}: {rec.file} sha256 does not match the manifest (tampered or corrupt)")
-    tensors: dict[str, torch.Tensor] = {}
-    loaded: dict[str, dict[str, torch.Tensor]] = {}
+    by_file: dict[str, list[TensorRecord]] = {}
     for rec in manifest.tensors:
-        if rec.file not in loaded:
-            try:
-                loaded[rec.file] = load_file(str(root / rec.file))
-            except (SafetensorError, OSError) as exc:
-                raise ArtifactError(f"{root}: cannot read {rec.file} ({exc})") from None
-        t = loaded[rec.file].get(rec.name)
-        if t is None:
-            raise ArtifactError(f"{root}: tensor {rec.name!r} is missing from {rec.file}")
-        if list(t.shape) != rec.shape or _dtype_name(t.dtype) != rec.dtype:
-            raise ArtifactError(
-                f"{root}: tensor {rec.name!r} is {_dtype_name(t.dtype)}{list(t.shape)}, manifest says {rec.dtype}{rec.shape}"
-            )
-        if tensor_sha256(t) != rec.sha256:
-            raise ArtifactError(f"{root}: tensor {rec.name!r} sha256 does not match the manifest (tampered)")
-        tensors[rec.name] = t
+        by_file.setdefault(rec.file, []).append(rec)
+    tensors: dict[str, torch.Tensor] = {}
+    for rec in manifest.files:
+        data = _read_listed_file(root, rec, where)
+        if rec.file in by_file:
+            tensors.update(_load_tensors(data, rec.file, by_file[rec.file], where))
     if model is not None:
         check_model_facts(manifest.model, model, where=str(root))
     return Artifact(root, manifest, tensors)

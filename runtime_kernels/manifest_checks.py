@@ -28,6 +28,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+import numpy as np
+
 from runtime_kernels.errors import ArtifactError
 
 MAX_MANIFEST_BYTES = 8 << 20  # a manifest holds metadata and small tables; tensors live in safetensors
@@ -38,8 +40,12 @@ TENSOR_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16",
                            "int64", "int32", "int16", "int8", "uint8", "bool"})
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
-_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
-_BRACKETS = re.compile(r"[\[\]{}]")
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)  # a string literal, escapes included
+_NOT_BRACKET = bytes(c for c in range(256) if c not in b"[]{}")
+_STEP = np.zeros(256, dtype=np.int8)  # +1 for an opening bracket, -1 for a closing one
+_STEP[list(b"[{")] = 1
+_STEP[list(b"]}")] = -1
+_CHUNK = 1 << 20
 _PLAIN_LABEL = re.compile(r"[A-Za-z0-9_.\-]{1,80}")
 _FREE_FORM = ("metrics",)  # top-level fields whose numbers may be NaN or infinite (headline figures)
 _OPEN_FLAGS = (os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0)
@@ -49,22 +55,20 @@ _OPEN_FLAGS = (os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOL
 # ----------------------------------------------------------------------------------------- parsing
 
 
-def json_depth(text: str, limit: int) -> int:
-    """How deeply ``text``'s arrays and objects nest, counted without parsing; stops once past ``limit``.
+def json_depth(text: bytes) -> int:
+    """How deep ``[``/``{`` nest in ``text`` outside string literals (0 for a scalar), without parsing.
 
-    Exact for valid JSON (brackets inside strings are not counted); for invalid JSON it may be off,
-    which does not matter since the parser refuses that text anyway.
+    A scan in C and numpy, linear in ``len(text)`` and with bounded memory. Unbalanced text is
+    measured as written: ``json.loads`` stops at the first unmatched bracket, so its recursion never
+    goes deeper than this; an unterminated string can only make the measure larger.
     """
-    depth = deepest = 0
-    for m in _BRACKETS.finditer(_JSON_STRING.sub('""', text)):
-        if m.group() in "[{":
-            depth += 1
-            deepest = max(deepest, depth)
-            if deepest > limit:
-                break
-        else:
-            depth -= 1
-    return deepest
+    brackets = _JSON_STRING.sub(b"", text).translate(None, _NOT_BRACKET)  # e.g. b"[{}[]]"
+    depth = peak = 0
+    for start in range(0, len(brackets), _CHUNK):
+        steps = _STEP[np.frombuffer(brackets[start:start + _CHUNK], dtype=np.uint8)]  # [n] +1 / -1
+        running = depth + np.cumsum(steps, dtype=np.int64)
+        peak, depth = max(peak, int(running.max())), int(running[-1])
+    return peak
 
 
 def parse_manifest(data: bytes, path: Path) -> Any:
@@ -75,7 +79,7 @@ def parse_manifest(data: bytes, path: Path) -> Any:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise ArtifactError(f"{path} is not valid JSON (not UTF-8 text)") from None
-    if json_depth(text, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+    if json_depth(data) > MAX_JSON_DEPTH:
         raise ArtifactError(f"{path} nests deeper than {MAX_JSON_DEPTH} levels: not a calib manifest")
     try:
         return json.loads(text)

@@ -18,14 +18,13 @@ import contextlib
 import errno
 import json
 import os
-import re
 import stat
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+from runtime_kernels.manifest_checks import json_depth  # the one bounded-depth scan (manifests too)
 
 TEMP_MARK = ".tmp-"
 MAX_JSON_BYTES = 16 * 1024 * 1024  # snapshots, manifests and history records are far smaller
@@ -171,30 +170,6 @@ def read_regular(path: Path, max_bytes: int) -> bytes:
     if size > max_bytes:
         raise UnsafeFile(f"file grew beyond {max_bytes} bytes while being read")
     return b"".join(chunks)
-
-
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)  # a string literal, escapes included
-_NOT_BRACKET = bytes(c for c in range(256) if c not in b"[]{}")
-_STEP = np.zeros(256, dtype=np.int8)
-_STEP[list(b"[{")] = 1
-_STEP[list(b"]}")] = -1
-_CHUNK = 1 << 20
-
-
-def json_depth(text: bytes) -> int:
-    """How deep ``[``/``{`` nest in ``text`` outside string literals (0 for a scalar).
-
-    A scan in C and numpy, linear in ``len(text)`` and with bounded memory. Unbalanced text is
-    measured as written: ``json.loads`` stops at the first unmatched bracket, so its recursion never
-    goes deeper than this; an unterminated string can only make the measure larger.
-    """
-    brackets = _JSON_STRING.sub(b"", text).translate(None, _NOT_BRACKET)  # e.g. b"[{}[]]"
-    depth = peak = 0
-    for start in range(0, len(brackets), _CHUNK):
-        steps = _STEP[np.frombuffer(brackets[start:start + _CHUNK], dtype=np.uint8)]  # [n] +1 / -1
-        running = depth + np.cumsum(steps, dtype=np.int64)
-        peak, depth = max(peak, int(running.max())), int(running[-1])
-    return peak
 
 
 def loads_json(data: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:

@@ -1,0 +1,367 @@
+"""Serving speed of a real model with its calibrated artifacts, beside the same artifacts' held-out accuracy.
+
+    python scripts/bench_serving.py --model smollm2 --artifact saap=DIR --artifact santa=DIR \
+        --artifact sale=DIR --artifact sampleattention=DIR --accuracy saap=EVAL.json ... --json serving.json
+    python scripts/bench_serving.py --smoke         # CPU, the embedded tiny model: checks the script
+
+Every configuration (method x compiled) runs in its own process, which loads the model once and walks the
+grid, warming each point up before timing it. Prompts are windows of natural text (the shipped novel),
+one per batch row. All through :class:`runtime_kernels.generate.StaticGenerator` (preallocated cache, one
+CUDA graph per decode step) with ``hf.apply``'s serving default (``serve="fastest"``: a method runs only
+in the layers and shapes where it measured faster than dense on this GPU):
+
+* decode: median device ms of ``--steps`` graph replays at each ``B x T``; tokens/s = B / that;
+* TTFT: the prompt's forward pass and first token at ``--ttft-batches``, after one untimed prefill;
+* ragged: ``--ragged`` rows of lengths spread over [T/4, T], prefilled one by one and decoded together;
+  tokens/s of the whole generation (prefill included);
+* beside every row: the KV-read floor (the dense K+V bytes of a step / the copy rate measured here),
+  the ``no-attention`` step (everything but attention: the floor of any decode method), peak GPU memory,
+  and the held-out accuracy of the same artifact given with ``--accuracy`` (a ``calib eval`` result JSON).
+
+Methods: ``dense`` (the loop's default: flash-decoding on the valid length), ``sdpa`` (transformers'
+SDPA on the masked cache view, what the loop ran before), ``no-attention``, and each ``--artifact``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+for _path in (ROOT, ROOT / "scripts"):  # run from a checkout without `pip install -e .`
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+import torch  # noqa: E402
+
+DECODE_METHODS = ("saap", "santa")
+PREFILL_METHODS = ("sale", "sampleattention")
+
+
+@dataclass
+class Row:
+    """One measurement: ``kind`` decode, ttft or ragged at (T, B)."""
+
+    method: str
+    kind: str
+    length: int
+    batch: int
+    compiled: bool
+    ms: float | None = None  # decode: ms per step; ttft: ms; ragged: ms of the whole generation
+    tokens_per_s: float | None = None
+    kv_floor_ms: float | None = None
+    peak_gb: float | None = None
+    dense_layers: int | None = None  # decode: layers the serving policy ran densely at the last view
+    note: str = ""
+
+
+@dataclass
+class Setup:
+    """What a child process needs (parsed from the command line)."""
+
+    model: str
+    artifacts: dict[str, str]
+    lengths: list[int]
+    batches: list[int]
+    ttft_batches: list[int]
+    ragged: int
+    steps: int
+    gguf: str | None
+    smoke: bool
+    copy_tbps: float | None = None
+    rows: list[Row] = field(default_factory=list)
+
+
+# ------------------------------------------------------------------------------------------- pieces
+def load(setup: Setup):
+    """The model (eval mode, bf16 on CUDA) and its tokenizer, as ``calib`` loads them."""
+    from omegaconf import OmegaConf
+
+    import calib.config  # noqa: F401  (registers the ${calib_root:} resolver the model files use)
+    from calib.models import load_model
+
+    cfg = OmegaConf.load(ROOT / "conf" / "model" / f"{setup.model}.yaml")
+    if setup.gguf:
+        cfg.gguf.path = setup.gguf
+    return load_model(cfg, device="cpu" if setup.smoke else "cuda")
+
+
+def text_rows(tokenizer, batch: int, length: int, seed: int = 0) -> torch.Tensor:
+    """``[batch, length]`` token windows of the shipped novel at seeded offsets (rows overlap only where
+    the text is too short for all of them)."""
+    from calib.perplexity import real_text_path
+
+    ids = tokenizer(real_text_path().read_text(encoding="utf-8"), add_special_tokens=False, verbose=False)["input_ids"]
+    if len(ids) <= length:
+        raise SystemExit(f"the shipped text has {len(ids)} tokens, fewer than {length}")
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(ids) - length, (batch,), generator=gen).tolist()
+    return torch.tensor([ids[s:s + length] for s in starts])
+
+
+class NoAttention:
+    """Decode attention that reads no key or value (it returns the query): the step's cost outside
+    attention, the floor of every decode method. A measuring device, never a runtime."""
+
+    method = "none"
+    phase = "decode"
+
+    def observe_prefill(self, layer, q, k, v, ctx) -> None:
+        """Nothing to build."""
+
+    def decode(self, layer, q, k, v, scale, ctx):
+        return q.clone()
+
+
+def attach(model, method: str, setup: Setup) -> None:
+    """Put ``method``'s serving configuration on ``model``."""
+    from runtime_kernels import hf
+
+    hf.remove(model)
+    if method in setup.artifacts:
+        hf.apply(model, setup.artifacts[method])
+    elif method == "no-attention":
+        hf.attach(model, decode=NoAttention())
+    elif method != "dense" and method != "sdpa":
+        raise SystemExit(f"unknown method {method!r}: give its artifact with --artifact {method}=DIR")
+
+
+def _peak_gb(cuda: bool) -> float | None:
+    return torch.cuda.max_memory_allocated() / 1e9 if cuda else None
+
+
+def _event_ms(fn, cuda: bool) -> float:
+    if not cuda:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def kv_floor_ms(model, batch: int, length: int, tbps: float | None) -> float | None:
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    nbytes = 2 * cfg.num_hidden_layers * batch * cfg.num_key_value_heads * length * head_dim * 2
+    return nbytes / (tbps * 1e12) * 1e3 if tbps else None
+
+
+# -------------------------------------------------------------------------------------------- cells
+def generator(model, batch: int, max_len: int, compiled: bool, method: str, cuda: bool):
+    from runtime_kernels import hf
+    from runtime_kernels.generate import StaticGenerator
+
+    gen = StaticGenerator(model, batch=batch, max_len=max_len, graphs=cuda, compile=compiled)
+    if method == "sdpa":
+        hf.remove(model)  # the loop then runs the model's own attention on the masked view
+    return gen
+
+
+def decode_row(model, tok, method: str, t: int, b: int, compiled: bool, setup: Setup) -> Row:
+    from runtime_kernels.generate import StepTimes
+
+    cuda = not setup.smoke
+    row = Row(method, "decode", t, b, compiled, kv_floor_ms=kv_floor_ms(model, b, t, setup.copy_tbps))
+    prompts = text_rows(tok, b, t).to(model.device)
+    gen = generator(model, b, t + 2 * setup.steps + 8, compiled, method, cuda)
+    gen.prefill(prompts)
+    gen.decode(setup.steps // 2)  # warm-up: the first views' captures, compiles and serving timings
+    times = StepTimes()
+    gen.decode(setup.steps, times)
+    if times.step_ms:
+        row.ms = statistics.median(times.step_ms)
+    elif times.host_ms or not cuda:
+        row.ms = _event_ms(lambda: gen.decode(2), cuda) / 2
+    row.tokens_per_s = b / row.ms * 1e3 if row.ms else None
+    state = getattr(model, "calib_attention", None)
+    row.dense_layers = len(state.serve_dense) if state is not None and state.decode is not None else None
+    row.peak_gb = _peak_gb(cuda)
+    return row
+
+
+def ttft_row(model, tok, method: str, t: int, b: int, setup: Setup) -> Row:
+    cuda = not setup.smoke
+    prompts = text_rows(tok, b, t, seed=1).to(model.device)
+    gen = generator(model, b, t + 8, False, method, cuda)
+    gen.prefill(prompts)  # warm-up: kernels' compilation and the serving policy's prefill timings
+    ms = _event_ms(lambda: gen.prefill(prompts), cuda)
+    return Row(method, "ttft", t, b, False, ms=ms, tokens_per_s=b * t / ms * 1e3, peak_gb=_peak_gb(cuda))
+
+
+def ragged_row(model, tok, method: str, t: int, b: int, compiled: bool, setup: Setup) -> Row:
+    cuda = not setup.smoke
+    gen_lengths = torch.Generator().manual_seed(2)
+    lengths = torch.randint(t // 4, t + 1, (b,), generator=gen_lengths).tolist()
+    rows = [text_rows(tok, 1, n, seed=3 + i)[0].tolist() for i, n in enumerate(lengths)]
+    gen = generator(model, b, t + setup.steps + 8, compiled, method, cuda)
+    try:
+        gen.generate(rows, setup.steps)  # warm-up
+        ms = _event_ms(lambda: gen.generate(rows, setup.steps), cuda)
+    except ValueError as exc:  # a runtime that keeps one length per batch (SAAP)
+        return Row(method, "ragged", t, b, compiled, note=str(exc).split(";")[0])
+    return Row(method, "ragged", t, b, compiled, ms=ms, tokens_per_s=b * setup.steps / ms * 1e3, peak_gb=_peak_gb(cuda))
+
+
+def run_config(method: str, compiled: bool, setup: Setup) -> list[Row]:
+    """Every point of the grid for one configuration, in this process."""
+    cuda = not setup.smoke
+    loaded = load(setup)
+    model, tok = loaded.model, loaded.tokenizer
+    if cuda:
+        from benchutil import measured_copy_tbps
+
+        setup.copy_tbps = measured_copy_tbps()
+    attach(model, method, setup)
+    rows: list[Row] = []
+
+    def guarded(fn, *a) -> None:
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            rows.append(fn(*a))
+        except torch.cuda.OutOfMemoryError as exc:  # a failed point is a row, not a failed grid
+            rows.append(Row(method, fn.__name__.removesuffix("_row"), a[3], a[4], compiled, note=f"OOM: {exc}"[:120]))
+            torch.cuda.empty_cache()
+        print(f"{method} {asdict(rows[-1])}", file=sys.stderr, flush=True)
+
+    decodes = method not in PREFILL_METHODS
+    for t in setup.lengths:
+        if decodes:
+            for b in setup.batches:
+                guarded(decode_row, model, tok, method, t, b, compiled, setup)
+        if not compiled and method not in DECODE_METHODS + ("no-attention",):
+            for b in setup.ttft_batches:
+                guarded(ttft_row, model, tok, method, t, b, setup)
+        if setup.ragged and method != "no-attention":
+            guarded(ragged_row, model, tok, method, t, setup.ragged, compiled, setup)
+    return rows
+
+
+# ------------------------------------------------------------------------------------------- driver
+def _f(x: float | None, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def accuracy_line(path: str) -> str:
+    """The held-out figures of a ``calib eval`` result JSON: the paired difference and CI overall and
+    per suite (``suite.<name>.diff`` metrics), and the method's sparsity."""
+    metrics = json.loads(Path(path).read_text()).get("metrics", {})
+    parts = []
+    for prefix, label in [("", "all")] + [(f"suite.{s}.", s) for s in ("synthetic", "books")]:
+        if f"{prefix}diff" in metrics:
+            parts.append(f"{label} {metrics[f'{prefix}diff']:+.3f} ({metrics[f'{prefix}diff_ci_low']:+.3f}, "
+                         f"{metrics[f'{prefix}diff_ci_high']:+.3f})")
+    for name in ("sparsity", "selectivity", "sample_fraction"):
+        if name in metrics:
+            parts.append(f"{name} {metrics[name]:.2f}")
+    return "; ".join(parts)
+
+
+def print_tables(rows: list[Row], accuracy: dict[str, str]) -> None:
+    dense = {(r.kind, r.length, r.batch, r.compiled): r for r in rows if r.method == "dense"}
+    floor = {(r.length, r.batch, r.compiled): r for r in rows if r.method == "no-attention"}
+    print("| kind | T | B | method | compiled | ms | x dense | tokens/s | KV floor ms | no-attention ms "
+          "| dense layers | peak GB | held-out accuracy (sparse - dense) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in sorted(rows, key=lambda r: (r.kind, r.length, r.batch, r.compiled, r.method)):
+        d = dense.get((r.kind, r.length, r.batch, r.compiled))
+        ratio = d.ms / r.ms if d and d.ms and r.ms else None
+        none = floor.get((r.length, r.batch, r.compiled)) if r.kind == "decode" else None
+        print(f"| {r.kind} | {r.length} | {r.batch} | {r.method}{f' ({r.note})' if r.note else ''} "
+              f"| {'yes' if r.compiled else 'no'} | {_f(r.ms)} | {_f(ratio)} | {_f(r.tokens_per_s, '.0f')} "
+              f"| {_f(r.kv_floor_ms)} | {_f(none.ms if none else None)} | {_f(r.dense_layers, 'd')} "
+              f"| {_f(r.peak_gb, '.1f')} | {accuracy.get(r.method, '')} |")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2", help="a conf/model/<name>.yaml")
+    ap.add_argument("--gguf", default=None, help="the model's GGUF file, where its wheel is not installed")
+    ap.add_argument("--artifact", action="append", default=[], help="METHOD=DIR, repeatable")
+    ap.add_argument("--accuracy", action="append", default=[], help="METHOD=EVAL_RESULT.json, repeatable")
+    ap.add_argument("--methods", default=None, help="comma list (default: dense, sdpa, no-attention, the artifacts)")
+    ap.add_argument("--lengths", default="2048,4096,8000", help="prompt tokens T")
+    ap.add_argument("--batches", default="1,8,32,64,128", help="decode batch sizes B")
+    ap.add_argument("--ttft-batches", default="1,8", help="TTFT batch sizes")
+    ap.add_argument("--ragged", type=int, default=16, help="rows of the ragged batch (0: none)")
+    ap.add_argument("--steps", type=int, default=32, help="decode steps timed per point")
+    ap.add_argument("--compile", default="both", choices=("off", "on", "both"))
+    ap.add_argument("--config-timeout", type=float, default=900.0,
+                    help="seconds one configuration may run; past it its stacks are printed and it is a failed row")
+    ap.add_argument("--json", type=Path, default=None, help="write every row here (after each configuration)")
+    ap.add_argument("--table", type=Path, nargs="+", default=None, help="print the tables of saved --json files")
+    ap.add_argument("--smoke", action="store_true", help="CPU, the tiny model, short prompts: checks the script")
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # METHOD:compiled in this process
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.model, args.lengths, args.batches, args.ttft_batches, args.ragged, args.steps, args.compile = (
+            "tiny", "256", "1,2", "1", 2, 4, "off")
+    return args
+
+
+def setup_of(args: argparse.Namespace) -> Setup:
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    artifacts = dict(a.split("=", 1) for a in args.artifact)
+    return Setup(args.model, artifacts, ints(args.lengths), ints(args.batches), ints(args.ttft_batches),
+                 args.ragged, args.steps, args.gguf, args.smoke)
+
+
+def run_child(method: str, compiled: bool, argv: list[str], timeout: float) -> list[Row]:
+    """One configuration in its own process; a hung one prints its stacks (faulthandler) and fails."""
+    try:
+        proc = subprocess.run([sys.executable, __file__, *argv, "--one", f"{method}:{int(compiled)}"],
+                              capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                              timeout=timeout + 60)
+    except subprocess.TimeoutExpired as exc:
+        sys.stderr.write(str(exc.stderr or "")[-4000:])
+        return [Row(method, "failed", 0, 0, compiled, note=f"no answer in {timeout + 60:.0f} s")]
+    sys.stderr.write(proc.stderr[-4000:])
+    if proc.returncode != 0:
+        tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-2:])
+        return [Row(method, "failed", 0, 0, compiled, note=tail[:200])]
+    return [Row(**r) for r in json.loads(proc.stdout.strip().splitlines()[-1])]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    accuracy = {m: accuracy_line(p) for m, p in (a.split("=", 1) for a in args.accuracy)}
+    if args.table:
+        print_tables([Row(**r) for p in args.table for r in json.loads(p.read_text())], accuracy)
+        return 0
+    setup = setup_of(args)
+    if args.one:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(args.config_timeout, exit=True)  # a hang ends with its stacks
+        method, compiled = args.one.split(":")
+        print(json.dumps([asdict(r) for r in run_config(method, compiled == "1", setup)]))
+        return 0
+    methods = args.methods.split(",") if args.methods else ["dense", "sdpa", "no-attention", *setup.artifacts]
+    modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.compile]
+    print(f"# bench_serving {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, torch "
+          f"{torch.__version__}, {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}", file=sys.stderr)
+    rows: list[Row] = []
+    for compiled in modes:
+        for method in methods:
+            rows += run_child(method, compiled, argv, args.config_timeout)
+            if args.json:
+                args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    print_tables(rows, accuracy)
+    return 0 if all(r.kind != "failed" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

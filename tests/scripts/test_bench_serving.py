@@ -1,0 +1,46 @@
+"""scripts/bench_serving.py: its table and accuracy column from hand-made rows, and one CPU smoke run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import bench_serving as bench  # noqa: E402
+
+
+def test_accuracy_column_reads_a_calib_eval_result(tmp_path):
+    result = {"metrics": {"diff": -0.01, "diff_ci_low": -0.03, "diff_ci_high": 0.005, "suite.books.diff": -0.05,
+                          "suite.books.diff_ci_low": -0.1, "suite.books.diff_ci_high": 0.0, "selectivity": 0.3}}
+    path = tmp_path / "eval.json"
+    path.write_text(json.dumps(result))
+    assert bench.accuracy_line(str(path)) == ("all -0.010 (-0.030, +0.005); books -0.050 (-0.100, +0.000); "
+                                               "selectivity 0.30")
+
+
+def test_table_ratios_are_to_dense_at_the_same_point_and_loop(capsys):
+    rows = [bench.Row("dense", "decode", 8000, 64, False, ms=8.0, kv_floor_ms=4.0),
+            bench.Row("saap", "decode", 8000, 64, False, ms=6.4, dense_layers=5),
+            bench.Row("no-attention", "decode", 8000, 64, False, ms=3.2),
+            bench.Row("dense", "decode", 8000, 64, True, ms=6.0),
+            bench.Row("saap", "decode", 8000, 64, True, ms=5.0)]
+    bench.print_tables(rows, {"saap": "books -0.01"})
+    lines = {tuple(c.strip() for c in line.split("|")[3:7]): line for line in capsys.readouterr().out.splitlines()[2:]}
+    saap = lines[("64", "saap", "no", "6.40")]
+    assert "| 1.25 |" in saap and "| 3.20 |" in saap and "books -0.01" in saap  # 8.0 / 6.4; no-attention beside it
+    assert "| 1.20 |" in lines[("64", "saap", "yes", "5.00")]  # compiled against compiled dense: 6.0 / 5.0
+
+
+@pytest.mark.slow
+def test_smoke_run_on_the_cpu_prints_every_kind_of_row():
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_serving.py"), "--smoke", "--methods", "dense"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    kinds = {line.split("|")[1].strip() for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line}
+    assert {"decode", "ttft", "ragged"} <= kinds

@@ -11,7 +11,7 @@ CUDA graph per decode step) with ``hf.apply``'s serving default (``serve="fastes
 in the layers and shapes where it measured faster than dense on this GPU):
 
 * decode: median device ms of ``--steps`` graph replays at each ``B x T``; tokens/s = B / that;
-* TTFT: the prompt's forward pass and first token at ``--ttft-batches``, after one untimed prefill;
+* TTFT: the prompt's forward pass and first token at ``--ttft-batches``: the median of 5 after one untimed;
 * ragged: ``--ragged`` rows of lengths spread over [T/4, T], prefilled one by one and decoded together;
   tokens/s of the whole generation (prefill included);
 * beside every row: the KV-read floor (the dense K+V bytes of a step / the copy rate measured here),
@@ -44,6 +44,7 @@ import torch  # noqa: E402
 
 DECODE_METHODS = ("saap", "santa")
 PREFILL_METHODS = ("sale", "sampleattention")
+TTFT_REPEATS = 5  # timed prefills per TTFT point (the median is reported)
 
 
 @dataclass
@@ -196,7 +197,7 @@ def ttft_row(model, tok, method: str, t: int, b: int, setup: Setup) -> Row:
     prompts = text_rows(tok, b, t, seed=1).to(model.device)
     gen = generator(model, b, t + 8, False, method, cuda)
     gen.prefill(prompts)  # warm-up: kernels' compilation and the serving policy's prefill timings
-    ms = _event_ms(lambda: gen.prefill(prompts), cuda)
+    ms = statistics.median(_event_ms(lambda: gen.prefill(prompts), cuda) for _ in range(TTFT_REPEATS))
     return Row(method, "ttft", t, b, False, ms=ms, tokens_per_s=b * t / ms * 1e3, peak_gb=_peak_gb(cuda))
 
 

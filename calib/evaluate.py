@@ -344,7 +344,7 @@ def real_text_metrics(cfg: Any, loaded: Any, artifact: Any, method: str) -> dict
 
 
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
-    """Run the held-out evaluation; returns the result JSON of SPEC §1."""
+    """Run the held-out evaluation; returns the result JSON ``calib eval`` prints last."""
     import mlflow
 
     from calib.data import EVAL_NEEDS, check_data

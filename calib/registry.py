@@ -1,4 +1,4 @@
-"""The model registry: publish an artifact directory, move aliases, list versions (SPEC §6).
+"""The model registry: publish an artifact directory, move aliases, list versions (docs/mlflow.md).
 
 MLflow 3 registers only ``runs:/`` URIs of *logged models* through ``mlflow.register_model``; a plain
 artifact directory is registered with ``MlflowClient.create_model_version(name, source=<artifact

@@ -1,4 +1,4 @@
-"""MLflow tracking with an embedded default store (SPEC §6).
+"""MLflow tracking with an embedded default store (docs/mlflow.md).
 
 Default: a SQLite backend ``artifacts/mlflow.db`` and a local artifact store ``artifacts/mlruns``, both
 absolute URIs, no server. ``MLFLOW_TRACKING_URI`` in the environment wins over the config, and the
@@ -117,7 +117,7 @@ def start_run(target: TrackingTarget, run_name: str, tags: Mapping[str, str] | N
 
 
 class StageTimer:
-    """Wall time per pipeline stage, logged to MLflow as ``time_<stage>_s`` (SPEC §9)."""
+    """Wall time per pipeline stage, logged to MLflow as ``time_<stage>_s``."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}

@@ -1,4 +1,4 @@
-"""The artifact format: ``manifest.json`` beside safetensors files (SPEC §6).
+"""The artifact format: ``manifest.json`` beside safetensors files.
 
 The runtime owns this schema; calib imports it to write artifacts. An artifact directory holds
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Train the embedded ``tiny`` model (SPEC §2) on the synthetic tasks and write it, with its card.
+"""Train the embedded ``tiny`` model on the synthetic tasks and write it, with its card.
 
     python scripts/train_tiny.py                      # GPU: ~5 min of training + evaluation
     python scripts/train_tiny.py --smoke --out /tmp/t # CPU smoke run (< 60 s)

@@ -1,4 +1,4 @@
-"""The Q/K/V collector shared by all methods (SPEC §4).
+"""The Q/K/V collector shared by all methods (docs/methods.md, Shared machinery).
 
 * :func:`run_layer_callbacks` — the per-layer, per-prompt hook: a callback sees each layer's pre/post
   RoPE queries and keys, values and (optionally) per-head attention output for one prompt while the

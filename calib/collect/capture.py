@@ -253,7 +253,7 @@ def run_layer_callbacks(loaded: Any, prompts: Any, callback: Callable[[LayerCapt
                         batch_size: int = 1, progress: bool = True, desc: str = "prompts") -> dict[str, Any]:
     """Run every prompt through ``loaded.model`` and call ``callback(LayerCapture)`` per layer and prompt.
 
-    The per-layer, per-prompt hook of SPEC §4: ``callback`` runs inside the forward pass while that
+    The per-layer, per-prompt hook: ``callback`` runs inside the forward pass while that
     layer's tensors for that prompt are in memory (on the model's device); whatever it keeps is its
     own business, nothing full-length is stored here. Layers are visited in order 0..L-1 for a batch;
     the forward pass stops at the last requested layer, whose attention is not even computed unless

@@ -1,4 +1,4 @@
-"""SAAP calibration (papers/saap.txt; SPEC §5.1): the math, free of I/O and tracking.
+"""SAAP calibration (Mazaré et al., arXiv:2502.08246; docs/methods.md, SAAP): the math, free of I/O and tracking.
 
 * :mod:`calib.saap.kmeans`: per-KV-head L2 k-means on de-RoPE'd keys (Faiss, or a torch fallback).
 * :mod:`calib.saap.targets`: long-range query selection and the KL targets ``A·H_k`` of one prompt.

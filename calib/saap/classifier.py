@@ -1,6 +1,6 @@
 """SAAP query classifiers: one 2-layer MLP per query head, all heads of a layer as batched weights.
 
-``f_q(q) = W2 · relu(BN(W1 q + b1)) + b2`` -> ``C`` logits (papers/saap.txt §6.1: hidden 1024,
+``f_q(q) = W2 · relu(BN(W1 q + b1)) + b2`` -> ``C`` logits (Mazaré et al., arXiv:2502.08246, §6.1: hidden 1024,
 batch-norm, ReLU), input the de-RoPE'd query, trained with ``KL(target ‖ softmax f_q(q))`` (Eq. 1) and
 Adam. Heads are independent: the loss is the *sum* over heads of each head's batch-mean KL, so head
 ``h``'s gradient is exactly what training it alone would give, and Adam is element-wise, so one

@@ -1,4 +1,4 @@
-"""SAAP key partition: L2 k-means per (layer, KV head) on de-RoPE'd keys (papers/saap.txt §4, App. A).
+"""SAAP key partition: L2 k-means per (layer, KV head) on de-RoPE'd keys (Mazaré et al., arXiv:2502.08246, §4, App. A).
 
 Two backends run the same algorithm (Faiss's ``Clustering``): subsample to at most
 ``max_points_per_centroid · C`` points, random init from ``C`` distinct data points, ``iters`` Lloyd

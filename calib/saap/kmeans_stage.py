@@ -1,4 +1,4 @@
-"""SAAP's first stage per layer (papers/saap.txt §4, App. A): the bucket candidates' keys of the
+"""SAAP's first stage per layer (Mazaré et al., arXiv:2502.08246, §4, App. A): the bucket candidates' keys of the
 collected prompts, one k-means per KV head on the de-RoPE'd keys, the balance of the result.
 
 Split out of :mod:`calib.saap.recipe`, which calls :func:`kmeans_layer` per layer (checkpointed)."""

@@ -1,4 +1,4 @@
-"""SAAP evaluation on one prompt's tensors (SPEC §5.1 report; papers/saap.txt §6, App. E.4 Table 5).
+"""SAAP evaluation on one prompt's tensors (Mazaré et al., arXiv:2502.08246, §6, App. E.4 Table 5).
 
 A query at position ``i`` is evaluated as the decode step that sees keys ``0..i``: the dense region is
 the sink ``[0, sink)`` plus the window ``[i + 1 - recent, i]``, the bucket candidates are the keys in

@@ -1,4 +1,4 @@
-"""``python -m calib run +method=saap``: k-means buckets + query classifiers, evaluated (SPEC §5.1).
+"""``python -m calib run +method=saap``: k-means buckets + query classifiers, evaluated (docs/methods.md, SAAP).
 
 Stages (each timed with ``ctx.timer``, logged as ``time_<stage>_s``; the per-layer stages k-means,
 targets and classifiers also as ``compute_<stage>_s``, their layers' compute time summed over this run
@@ -54,7 +54,7 @@ comparison against the k-means baselines: the ``kmeans_rope`` k-means of stage 3
 probes and ``saap_per_head`` (``eval.baseline_probe``) and the oracles (``eval.oracle``) of stage 6.
 
 Answer-aware calibration (``method.classifier.teacher_forced_answer``, default true). The paper trains
-the classifiers only on long-range queries sampled across the prompt (papers/saap.txt §4 "Query
+the classifiers only on long-range queries sampled across the prompt (Mazaré et al., arXiv:2502.08246, §4 "Query
 assignment function", §5 and App. A: queries whose top-1 key is more than 1024 tokens back; App. E.1
 ablates it), and our calibration prompts end at the question. The queries that matter most at decode,
 those that emit the answer (copying the needle's digits one by one, induction-like), never occur in
@@ -326,7 +326,7 @@ def build_prompt_sets(cfg: DictConfig, s: Settings, tokenizer: Any) -> tuple[lis
 
     calib_lengths, eval_length = prompt_lengths(cfg, s)
     tasks = [str(t) for t in cfg.data.tasks or []]  # file/hub data: rows of any task, of any length
-    synthetic = str(cfg.data.get("source", "synthetic")) == "synthetic"
+    synthetic = str(cfg.data.get("source", "synthetic")) in ("synthetic", "books")  # generated per task and length
     per = math.ceil(s.prompts / (max(1, len(tasks)) * len(calib_lengths))) if synthetic else s.prompts
     held_per = math.ceil(s.eval_prompts / max(1, len(tasks))) if synthetic else s.eval_prompts
     calib = build_prompts(cfg.data, tokenizer, seed=int(cfg.data.seed), lengths=calib_lengths, tasks=tasks,

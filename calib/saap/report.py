@@ -1,4 +1,4 @@
-"""SAAP calibration report: the per-ℓ table, interpolated recall, plots and loss curves (SPEC §5.1).
+"""SAAP calibration report: the per-ℓ table, interpolated recall, plots and loss curves (docs/methods.md, SAAP).
 
 Input: one :class:`calib.saap.metrics.LayerEvaluation` per evaluated (non-dense) layer, all held-out
 prompts joined on the query axis. Aggregation, in this order:
@@ -104,9 +104,9 @@ def recall_by_query_range(evals: dict[int, LayerEvaluation], long_range: int, ta
                           ) -> dict[str, Any]:
     """Interpolated recall (:func:`interpolated_recall`) over two disjoint sets of the evaluation's (head,
     query) pairs: ``long_range``, whose top-1 key lies more than ``long_range`` tokens back — the queries
-    the classifiers are trained on (papers/saap.txt §4, App. A) — and ``short_range``, the rest (their top
-    key in or near the dense window). ``{range: {"fraction": share of the pairs, target_key(t): {method:
-    recall}}}``: where SAAP's deficit against the k-means baselines comes from."""
+    the classifiers are trained on (Mazaré et al., arXiv:2502.08246, §4, App. A) — and ``short_range``,
+    the rest (their top key in or near the dense window). ``{range: {"fraction": share of the pairs,
+    target_key(t): {method: recall}}}``: where SAAP's deficit against the k-means baselines comes from."""
     dist = torch.cat([e.top1_distance.flatten() for e in evals.values()])
     out: dict[str, Any] = {}
     for name, longer in (("long_range", True), ("short_range", False)):

@@ -1,4 +1,4 @@
-"""SAAP classifier training data from one prompt (papers/saap.txt §4 Eq. 1, App. A; SPEC §5.1).
+"""SAAP classifier training data from one prompt (Mazaré et al., arXiv:2502.08246, §4 Eq. 1, App. A).
 
 For query ``i`` of head ``h`` the target is row ``i`` of ``A·H_k``: ``A`` the real attention of the
 RoPE'd query over the prompt's RoPE'd keys (``q·k/√d``, softmax) with the sink excluded and the row

@@ -1,4 +1,4 @@
-"""SALE calibration: per (layer, query head) threshold tau by tau-halving (SPEC §5.2)."""
+"""SALE calibration: per (layer, query head) threshold tau by tau-halving (docs/methods.md, SALE)."""
 
 from calib.sale.halving import HalvingResult, HalvingStep, halve_thresholds, head_errors, sale_errors_fn
 

@@ -1,4 +1,4 @@
-"""SALE per-head threshold calibration by tau-halving (papers/sale.txt §3.3, App. B, F; SPEC §5.2).
+"""SALE per-head threshold calibration by tau-halving (Ji et al., arXiv:2505.24179, §3.3, App. B, F).
 
 For every head at once: start at ``tau0``; at each step evaluate ``Err(tau) = ||O - O~||_1 / N`` on every
 calibration sample; a head whose error is ``<= theta`` on all samples keeps that tau and stops; the

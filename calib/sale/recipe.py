@@ -1,4 +1,4 @@
-"""``python -m calib run +method=sale``: per (layer, query head) thresholds tau by tau-halving (SPEC §5.2).
+"""``python -m calib run +method=sale``: per (layer, query head) thresholds tau by tau-halving (docs/methods.md, SALE).
 
 Stages (each timed):
 

@@ -1,4 +1,4 @@
-"""SALE calibration tables: one layer's errors and densities on the whole tau ladder (SPEC §5.2).
+"""SALE calibration tables: one layer's errors and densities on the whole tau ladder (docs/methods.md, SALE).
 
 Why a table: tau-halving (:func:`calib.sale.halving.halve_thresholds`) needs ``Err(tau)`` of a layer's
 heads on EVERY calibration sample at each step, i.e. all samples' tensors of that layer at once — too

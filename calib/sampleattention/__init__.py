@@ -1,4 +1,4 @@
-"""SampleAttention calibration (SPEC §5.3): per length bucket, search (alpha_c, alpha_s, chunk_n)."""
+"""SampleAttention calibration (docs/methods.md): per length bucket, search (alpha_c, alpha_s, chunk_n)."""
 
 from calib.sampleattention.tuning import (
     EvaluatedPoint,

@@ -1,6 +1,6 @@
 """``python -m calib run +method=sampleattention``: tune (alpha_c, alpha_s, chunk_n) per length bucket.
 
-Steps (SPEC §5.3, paper §4.2.6; each a timed stage):
+Steps (docs/methods.md, SampleAttention; Zhu et al., arXiv:2406.15486, §4.2.6; each a timed stage):
 
 1. ``load``: the model. ``data``: profiling prompts from ``cfg.data`` with the calibration seed
    (``data.seed``), ``method.profiling.prompts_per_length`` per task and length for the lengths

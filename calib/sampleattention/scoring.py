@@ -1,4 +1,4 @@
-"""Scoring SampleAttention grid points on one length bucket's profiling prompts (SPEC §5.3).
+"""Scoring SampleAttention grid points on one length bucket's profiling prompts (docs/methods.md, SampleAttention).
 
 A point ``(alpha_c, alpha_s, chunk_n)`` is scored by plugging :class:`SampleAttentionPrefill` with that
 one fixed row into the model (``runtime_kernels.hf.attach``) and answering the bucket's prompts. Two

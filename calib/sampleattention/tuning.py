@@ -1,4 +1,4 @@
-"""Per-length-bucket search of SampleAttention's (alpha_c, alpha_s, chunk_n) (SPEC §5.3, paper §4.2.6).
+"""Per-length-bucket search of SampleAttention's (alpha_c, alpha_s, chunk_n) (Zhu et al., arXiv:2406.15486, §4.2.6).
 
 Objective. A grid point is *feasible* when its task score on the bucket's profiling prompts is
 ``>= min_relative_score * dense_score``. Among feasible points let ``s*`` be the largest sparsity;

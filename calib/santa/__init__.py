@@ -1,4 +1,4 @@
-"""SANTA / S²ANTA: the per-layer sample-budget schedule learned by REINFORCE (santa.txt App. K, L).
+"""SANTA / S²ANTA: the per-layer sample-budget schedule learned by REINFORCE (Lee et al., arXiv:2605.01910, App. K, L).
 
 * :mod:`calib.santa.policy` — softmax policy, multinomial schedules, the REINFORCE step and the
   artifact schedule (largest remainder, >= 1 per layer).

@@ -1,4 +1,4 @@
-"""The SANTA REINFORCE aggregator (santa.txt App. K Alg. 1 lines 10-15, App. L).
+"""The SANTA REINFORCE aggregator (Lee et al., arXiv:2605.01910, App. K Alg. 1 lines 10-15, App. L).
 
 Whenever at least one result file is in ``inbox/``, the aggregator validates them (malformed ones
 go to ``quarantine/``), claims the rest for the next iteration ``k`` and commits update ``k``::

@@ -1,4 +1,4 @@
-"""``python -m calib worker`` / ``python -m calib aggregator`` (the Kubernetes pods' commands, SPEC §5.4).
+"""``python -m calib worker`` / ``python -m calib aggregator`` (the Kubernetes pods' commands, deploy/k8s/README.md).
 
 Both take Hydra overrides (``rl.dir=...`` is required: the shared directory) and are plain functions
 ``worker(cfg) -> dict`` / ``aggregator(cfg) -> dict`` that :mod:`calib.cli` wraps.

@@ -1,4 +1,4 @@
-"""Held-out scoring of SANTA schedules: learned vs uniform at the same N (SPEC §5.4 "held-out reward").
+"""Held-out scoring of SANTA schedules: learned vs uniform at the same N (docs/methods.md, SANTA, "Held out").
 
 Both schedules (and, optionally, dense attention) answer the SAME held-out questions
 (:func:`calib.santa.reward.reward_prompts` with ``heldout=True``), question ``i`` sampled with the same

@@ -1,4 +1,4 @@
-"""The shared-directory protocol between SANTA workers and the aggregator (SPEC §5.4, santa.txt App. L).
+"""The shared-directory protocol between SANTA workers and the aggregator (Lee et al., arXiv:2605.01910, App. L).
 
 Layout under ``rl.dir`` (a local folder or a Kubernetes ReadWriteMany volume)::
 

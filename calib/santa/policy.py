@@ -1,4 +1,4 @@
-"""The REINFORCE policy over per-layer sample budgets (santa.txt App. K, Algorithm 1; SPEC §5.4).
+"""The REINFORCE policy over per-layer sample budgets (Lee et al., arXiv:2605.01910, App. K, Algorithm 1).
 
 The policy is a vector of logits ``theta: [L]`` (one per attention layer), ``p = softmax(theta)``; a
 schedule ``s: [L]`` of non-negative integers summing to the total budget ``N`` is drawn as

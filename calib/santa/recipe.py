@@ -1,4 +1,4 @@
-"""``python -m calib run +method=santa``: the per-layer S²ANTA sample schedule by REINFORCE (SPEC §5.4).
+"""``python -m calib run +method=santa``: the per-layer S²ANTA sample schedule by REINFORCE (docs/methods.md, SANTA).
 
 Stages (each timed):
 

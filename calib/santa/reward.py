@@ -1,6 +1,6 @@
 """The SANTA REINFORCE reward: accuracy on a batch of questions with S²ANTA at a per-layer schedule.
 
-santa.txt App. K: a reward is the fraction of ``rl.questions_per_episode`` questions answered
+Lee et al., arXiv:2605.01910, App. K: a reward is the fraction of ``rl.questions_per_episode`` questions answered
 correctly when every attention layer ``l`` runs S²ANTA with ``S = max(1, s_l)`` samples — in prefill
 and decode as in the paper's GSM8K runs (``method.reward.phases``). Questions come from a pool:
 

@@ -1,4 +1,4 @@
-"""A SANTA REINFORCE worker (santa.txt App. L): read the newest policy, sample, evaluate, publish.
+"""A SANTA REINFORCE worker (Lee et al., arXiv:2605.01910, App. L): read the newest policy, sample, evaluate, publish.
 
 Loop: read the newest complete policy snapshot (no locks: snapshots appear by atomic rename) →
 draw ``episodes`` schedules ``s ~ Multinomial(N, softmax(theta))`` → evaluate each with

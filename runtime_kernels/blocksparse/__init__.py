@@ -1,4 +1,4 @@
-"""Block-sparse causal attention shared by SALE and SampleAttention (SPEC §5.3 mask format)."""
+"""Block-sparse causal attention shared by SALE and SampleAttention (docs/methods.md, Shared machinery)."""
 
 from runtime_kernels.blocksparse.mask import BlockMask, causal_block_mask
 

@@ -1,4 +1,4 @@
-"""The one block-sparse mask format of the project (SPEC §5.3).
+"""The one block-sparse mask format of the project (docs/methods.md, Shared machinery).
 
 Queries are cut into blocks of ``block_q`` rows and keys into blocks of ``block_k`` columns. For
 every (batch, head, query block) the mask lists the kept key-block indices, sorted ascending, in

@@ -1,4 +1,4 @@
-"""Block-sparse causal attention in plain PyTorch: the definition of correct (SPEC §5.3).
+"""Block-sparse causal attention in plain PyTorch: the definition of correct.
 
 Element ``(i, j)`` takes part in query ``i``'s softmax iff its block ``(i // block_q, j // block_k)`` is
 listed in the :class:`~runtime_kernels.blocksparse.mask.BlockMask` AND ``j <= seq_k - seq_q + i`` (causal;

@@ -1,4 +1,4 @@
-"""SAAP decode attention (papers/saap.txt): bucket index, query classifier, sparse attention."""
+"""SAAP decode attention (Mazaré et al., arXiv:2502.08246): bucket index, query classifier, sparse attention."""
 
 from runtime_kernels.saap.api import SaapDecode, derope, saap_decode_attention
 from runtime_kernels.saap.reference import (

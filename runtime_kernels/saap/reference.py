@@ -1,4 +1,4 @@
-"""SAAP decode attention, plain PyTorch: the definition of correct (papers/saap.txt §4-§5, App. F).
+"""SAAP decode attention, plain PyTorch: the definition of correct (Mazaré et al., arXiv:2502.08246, §4-§5, App. F).
 
 One decode step of one layer. The cache holds ``T`` keys (the current token's key is the last one);
 the single query of each head sits at position ``T - 1``. Keys split into:
@@ -388,7 +388,7 @@ def select_buckets(probs: torch.Tensor, counts: torch.Tensor, group: int, top_l:
     """The buckets one decode step visits: ``probs [B, Hq, C]``, ``counts [B, Hkv, C]`` (keys listed per
     bucket) -> ``[B, Hkv, L]`` int64 bucket ids, ``-1`` = no bucket (padding).
 
-    ``ranking="mass"`` (the paper, SPEC §5.1): :func:`rank_buckets`, the top-ℓ by the group's summed
+    ``ranking="mass"`` (the paper): :func:`rank_buckets`, the top-ℓ by the group's summed
     probability ``p_c``. ``ranking="density"`` (our extension): the same number of keys,
     spent by predicted mass *per key*: buckets in decreasing ``p_c / n_c`` (non-empty ones; ties to the
     lower id) until the keys of the mass top-ℓ are reached, the bucket that crosses that budget

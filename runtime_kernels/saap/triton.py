@@ -1,5 +1,6 @@
 """SAAP decode attention in Triton: same arguments, same result as
-:func:`runtime_kernels.saap.reference.saap_decode_attention_reference` (papers/saap.txt App. F).
+:func:`runtime_kernels.saap.reference.saap_decode_attention_reference`
+(Mazaré et al., arXiv:2502.08246, App. F).
 
 One decode step of one layer is five launches and no host synchronization (grids are sized from tensor
 shapes, so the step can be captured in a CUDA graph):

@@ -1,6 +1,7 @@
-"""SAAP's per-step bucket selection in Triton (papers/saap.txt §4, App. F): the query classifier MLP of
-every query head (``q_derope @ w1 + b1``, eval batch-norm, ReLU, ``@ w2 + b2``), then the top-ℓ buckets
-of each KV head (:mod:`runtime_kernels.saap.triton_rank`), on the GPU without a host sync.
+"""SAAP's per-step bucket selection in Triton (Mazaré et al., arXiv:2502.08246, §4, App. F):
+the query classifier MLP of every query head (``q_derope @ w1 + b1``, eval batch-norm, ReLU,
+``@ w2 + b2``), then the top-ℓ buckets of each KV head (:mod:`runtime_kernels.saap.triton_rank`), on the
+GPU without a host sync.
 
 The classifier path is chosen by batch size: ``B <= CONFIG.small_batch_max_b`` (16) takes
 :mod:`~runtime_kernels.saap.triton_classifier_small_batch` (layer 1 writing three-term hidden, layer 2

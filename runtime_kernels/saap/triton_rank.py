@@ -1,5 +1,6 @@
-"""SAAP's per-step bucket ranking in Triton (papers/saap.txt §4, App. F): from the classifier logits of
-every query head, the top-ℓ buckets of each KV head by the group's summed softmax, without a host sync.
+"""SAAP's per-step bucket ranking in Triton (Mazaré et al., arXiv:2502.08246, §4, App. F):
+from the classifier logits of every query head, the top-ℓ buckets of each KV head by the group's summed
+softmax, without a host sync.
 
 One program per (batch, KV head) reads its ``G`` logits rows (``C`` floats each), sums their softmaxes
 and takes the top-ℓ of ``score bits << 32 | ~bucket`` keys. A bitonic sort of all C keys costs more

@@ -1,4 +1,4 @@
-"""SALE prefill: low-bit Selection-Pass + block-sparse attention (papers/sale.txt; SPEC §5.2)."""
+"""SALE prefill: low-bit Selection-Pass + block-sparse attention (Ji et al., arXiv:2505.24179)."""
 
 from runtime_kernels.sale.api import SalePrefill, sale_block_scores, sale_prefill_attention, sale_select
 from runtime_kernels.sale.reference import (

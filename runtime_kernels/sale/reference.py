@@ -1,4 +1,4 @@
-"""SALE's Selection-Pass in plain PyTorch (papers/sale.txt §3.2, §3.4, App. B, H, J; SPEC §5.2).
+"""SALE's Selection-Pass in plain PyTorch (Ji et al., arXiv:2505.24179, §3.2, §3.4, App. B, H, J).
 
 Definitions (all decisions where the paper is silent or garbled are written here):
 

@@ -1,4 +1,4 @@
-"""SALE's Selection-Pass on the GPU in Triton (papers/sale.txt §3.2, §3.4, App. G, J; SPEC §5.2).
+"""SALE's Selection-Pass on the GPU in Triton (Ji et al., arXiv:2505.24179, §3.2, §3.4, App. G, J).
 
 Same public functions and results as :mod:`runtime_kernels.sale.reference` (the definition of correct),
 with one documented difference: **the estimate is int8 whenever the config asks for 4 or 8 bits** (the

@@ -1,4 +1,4 @@
-"""SampleAttention prefill (SPEC §5.3): two-stage column/slash block selection + block-sparse attention."""
+"""SampleAttention prefill: two-stage column/slash block selection + block-sparse attention."""
 
 from runtime_kernels.sampleattention.api import (
     SampleAttentionPrefill,

@@ -1,6 +1,6 @@
-"""SampleAttention's two-stage mask selection in plain PyTorch: the definition of correct (SPEC §5.3).
+"""SampleAttention's two-stage mask selection in plain PyTorch: the definition of correct.
 
-Paper: ``papers/sampleattention.txt`` §4.2, Algorithm 1. Shapes: ``q: [B, Hq, Sq, D]``,
+Paper: Zhu et al., arXiv:2406.15486, §4.2, Algorithm 1. Shapes: ``q: [B, Hq, Sq, D]``,
 ``k: [B, Hkv, Sk, D]`` with ``Hq % Hkv == 0`` (GQA: query head ``h`` reads KV head ``h // (Hq / Hkv)``).
 Queries are the last ``Sq`` positions of the ``Sk`` keys (prefill: ``Sq == Sk``), so query row ``i``
 sits at absolute position ``p = Sk - Sq + i`` and sees keys ``0..p``.

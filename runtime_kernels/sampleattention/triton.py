@@ -1,4 +1,4 @@
-"""SampleAttention's Stage 1 and Stage 2 on the GPU (papers/sampleattention.txt §4.2; SPEC §5.3).
+"""SampleAttention's Stage 1 and Stage 2 on the GPU (Zhu et al., arXiv:2406.15486, §4.2).
 
 Same public functions and results as :mod:`runtime_kernels.sampleattention.reference` (the definition of
 correct) up to float rounding, with no host synchronization:

@@ -1,4 +1,4 @@
-"""SANTA / S²ANTA sampled value aggregation (papers/santa.txt; SPEC §5.4).
+"""SANTA / S²ANTA sampled value aggregation (Lee et al., arXiv:2605.01910; docs/methods.md, SANTA / S²ANTA).
 
 ``santa_attention`` (prefill / general: iid, strat, sys per query row) and ``santa_decode_attention``
 (one decode step: prop / flash tilings, or the untiled estimators) with this layer's sample budget S.

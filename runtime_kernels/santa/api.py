@@ -26,7 +26,7 @@ without a generator), then moved to ``q.device``, with ``shape``:
 * decode ``none``: as prefill with ``Tq = 1``.
 
 Sample budget. ``num_samples`` is S for this layer (an int, a 0-d tensor, or a [B] tensor, one per
-batch row). A layer that draws 0 samples is evaluated with S = 1 (SPEC §5.4): the API uses
+batch row). A layer that draws 0 samples is evaluated with S = 1 (docs/methods.md, SANTA / S²ANTA): the API uses
 ``max(1, S)``; negative S is an error.
 """
 

@@ -1,6 +1,6 @@
 """SANTA / S²ANTA sampled value aggregation, plain PyTorch: the definition of correct.
 
-Paper: papers/santa.txt §2, §2.1, §3, App. A, P, Q. SPEC §5.4.
+Paper: Lee et al., arXiv:2605.01910, §2, §2.1, §3, App. A, P, Q; decisions: docs/methods.md, SANTA / S²ANTA.
 
 Every estimator here replaces ``Σ_n p_n V_n`` (``p`` = softmax row of one query) by an average of
 sampled rows of ``V``. The randomness is always explicit: callers pass uniform offsets in ``[0, 1)``

@@ -1,6 +1,6 @@
 """``SantaDecode``: S²ANTA with a learned per-layer sample budget, the runtime that
-``runtime_kernels.hf.apply(model, santa_artifact)`` plugs into a transformers model (papers/santa.txt
-§4, App. K; SPEC §5.4).
+``runtime_kernels.hf.apply(model, santa_artifact)`` plugs into a transformers model
+(Lee et al., arXiv:2605.01910, §4, App. K).
 
 It holds the per-layer schedule (or apportions the artifact's learned share to a requested budget),
 draws each decode step's offsets from (seed, layer, position, row, head, tile) so the eager and the

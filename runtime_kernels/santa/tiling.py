@@ -1,4 +1,4 @@
-"""Decode tilings of S²ANTA (papers/santa.txt §3.2–§3.3, App. P and Q): tile statistics and budgets.
+"""Decode tilings of S²ANTA (Lee et al., arXiv:2605.01910, §3.2–§3.3, App. P and Q): tile statistics and budgets.
 
 The key axis of one decode row (one ``(b, head)``) is cut into tiles of ``tile`` keys,
 ``𝒯_t = [t·tile, min((t+1)·tile, L_b))`` for ``t < T_b = ceil(L_b / tile)`` where ``L_b`` is the

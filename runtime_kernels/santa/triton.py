@@ -1,4 +1,4 @@
-"""S²ANTA decode kernels in Triton: the prop and flash tilings (papers/santa.txt §3.2-§3.3, App. P, Q).
+"""S²ANTA decode kernels in Triton: the prop and flash tilings (Lee et al., arXiv:2605.01910, §3.2-§3.3, App. P, Q).
 
 Backend contract of ``reference.santa_decode_forward`` (``api.santa_decode_attention`` picks it on CUDA);
 ``tiling="none"``, float64 or mixed dtypes, head_dim > 256 or > 16384 tiles go to the reference. bf16 /

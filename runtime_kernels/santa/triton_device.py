@@ -1,8 +1,8 @@
 """``@triton.jit`` helpers shared by the SANTA decode stages (``triton_score``, ``triton_prop``,
 ``triton_flash``; the algorithm is in :mod:`runtime_kernels.santa.triton`'s docstring): the group's
-queries, a key tile's or chunk's scores, the online tile statistics ``(m_t, ℓ_t)`` of papers/santa.txt
-App. P Alg. 3, and the systematic draw of App. P Alg. 5 / App. Q Alg. 7 resolved chunk first, with the
-gather of the sampled V rows.
+queries, a key tile's or chunk's scores, the online tile statistics ``(m_t, ℓ_t)`` of Lee et al.
+(arXiv:2605.01910, App. P Alg. 3), and the systematic draw of App. P Alg. 5 / App. Q Alg. 7 resolved chunk
+first, with the gather of the sampled V rows.
 
 The G query heads of a KV head are processed together (a [GP, ·] block, GP = G padded to a power of
 two), so each K chunk and each sampled V row is loaded once for the group (GQA)."""

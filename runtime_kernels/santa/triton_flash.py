@@ -1,4 +1,4 @@
-"""S²ANTA-flash (papers/santa.txt §3.3, App. Q Alg. 6-8): per-tile partials in one pass over K, then
+"""S²ANTA-flash (Lee et al., arXiv:2605.01910, §3.3, App. Q Alg. 6-8): per-tile partials in one pass over K, then
 their merge.
 
 * ``_flash_stream_kernel``, one program per (tile, KV head) (Alg. 7): the tile's scores in pipelined

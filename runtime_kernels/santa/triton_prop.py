@@ -1,4 +1,4 @@
-"""S²ANTA-prop kernels 2 and 3 (papers/santa.txt App. P Alg. 4, 5): tile budgets, then the gather.
+"""S²ANTA-prop kernels 2 and 3 (Lee et al., arXiv:2605.01910, App. P Alg. 4, 5): tile budgets, then the gather.
 
 * ``_prop_budget_kernel``, one program per query head: quotas ``q_t = S·m̄_t`` from the score pass's
   ``(m_t, ℓ_t)`` (float64), budgets ``S_t = floor(q_t)`` plus one for the ``S - Σ floor(q_t)`` largest

@@ -1,4 +1,4 @@
-"""S²ANTA-prop pass 1 (papers/santa.txt App. P Alg. 3): scores and tile statistics, K read once.
+"""S²ANTA-prop pass 1 (Lee et al., arXiv:2605.01910, App. P Alg. 3): scores and tile statistics, K read once.
 
 One program per (tile, KV head) streams the tile's keys in chunks of ``geo.BK`` keys through a
 software-pipelined loop (``SCORE_STAGES`` chunks in flight) and, for the G query heads of the group:

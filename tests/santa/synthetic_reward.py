@@ -1,7 +1,7 @@
 """A cheap synthetic reward for SANTA worker tests: no model, deterministic in (budgets, rng).
 
-Layer 0 is "sensitive" (like Llama's first layer in santa.txt App. J): the reward is the fraction of
-``questions`` simulated questions answered correctly, each correct with probability
+Layer 0 is "sensitive" (like Llama's first layer in Lee et al., arXiv:2605.01910, App. J): the reward is
+the fraction of ``questions`` simulated questions answered correctly, each correct with probability
 ``sigmoid(a * log(S_0) + b * mean(log S_others) - c)``. REINFORCE should move budget to layer 0.
 ``SANTA_TEST_EVAL_SLEEP_S`` (env) adds a per-episode sleep so worker batches take measurable time.
 """

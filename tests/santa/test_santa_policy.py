@@ -1,4 +1,4 @@
-"""REINFORCE math of the SANTA schedule policy (santa.txt App. K, SPEC §5.4), against hand-worked
+"""REINFORCE math of the SANTA schedule policy (Lee et al., arXiv:2605.01910, App. K), against hand-worked
 cases and independent computations (torch autograd, finite differences, float64 references)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""SANTA / S²ANTA prefill estimators: hand-worked draws and statistical properties (SPEC §5.4).
+"""SANTA / S²ANTA prefill estimators: hand-worked draws and statistical properties (docs/methods.md, SANTA / S²ANTA).
 
 Statistical checks stack R seeds along the batch axis (one call, R independent draws per row) and use
 fixed generator seeds, so they are deterministic. Targets are computed here in float64 from the

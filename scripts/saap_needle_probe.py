@@ -1,7 +1,7 @@
 """Does SAAP read the needle while it decodes the answer? A per-layer probe of a SAAP artifact.
 
 SAAP loses needles at 8k on SmolLM2 even when a step reads a quarter of the buckets
-(docs/results/smollm2.md), and with every bucket visited it decodes exactly as dense does, so the keys
+(docs/notes/smollm2-investigations.md), and with every bucket visited it decodes exactly as dense does, so the keys
 are indexed: the question is whether the buckets a step *chooses* hold the needle. For held-out
 needle prompts (``eval.cells``), this script
 

@@ -4,7 +4,7 @@ The paper visits the same ℓ buckets in every layer (Mazaré et al., arXiv:2502
 §6 reports ~5 % selectivity on Llama-3.1-8B). On SmolLM2-135M the held-out needles at 8k need more in
 a few layers only: ℓ = 32 everywhere loses 7.5 points, ℓ = 64 everywhere still 4, while every bucket in
 layers 15–19 and ℓ = 32 elsewhere loses nothing, and every bucket in any other ten layers saves nothing
-(docs/results/smollm2.md, "What limits it"). Attention recall per layer does not point at those
+(docs/notes/smollm2-investigations.md, SAAP). Attention recall per layer does not point at those
 layers (layers 20–24 recall less and do not matter), so the choice is made the way SampleAttention's
 profiling makes its own (Zhu et al., arXiv:2406.15486, §4.2.6): by whether greedy answers survive.
 

@@ -20,7 +20,7 @@ task scores (``method.score``), both in ``[0, 1]`` per prompt and averaged over 
   and the stop are the argmax: what greedy decoding would produce), logged with every point. Where it
   fails: on SmolLM2 at 8k the point it chose (73 % skipped) moved the teacher-forced probability of 24
   profiling prompts by 0.1-0.6 % yet flipped 5 % of held-out greedy answers, so that model profiles by
-  ``exact_match`` (``method_defaults.sampleattention.score``; docs/results/smollm2.md).
+  ``exact_match`` (``method_defaults.sampleattention.score``; docs/notes/smollm2-investigations.md, SampleAttention).
 * ``exact_match``: greedy generation scored with ``calib.data.is_correct`` (the task's rule,
   ``data.scoring``; generation stops where ``calib eval``'s does for that rule): the task score of
   ``calib eval`` and of the paper (§4.2.6 tunes for accuracy relative to full attention). With

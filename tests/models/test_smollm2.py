@@ -195,7 +195,7 @@ def test_saap_reading_every_bucket_equals_dense_at_8k_tokens():
     """SAAP's index offers every key of an 8k-token prompt on the real model: with ℓ = C (every bucket
     visited) decoding equals the dense model (CPU float32, 8000 tokens of the shipped novel, 29 sparse
     layers with random classifiers and centroids: at ℓ = C the ranking does not matter). So SAAP's held-out
-    loss at 8k on smollm2 (docs/results/smollm2.md) is not keys the index misses. ~6 min on 2 cores."""
+    loss at 8k on smollm2 (docs/notes/smollm2-investigations.md) is not keys the index misses. ~6 min on 2 cores."""
     import math
 
     from calib.config import compose

@@ -1,68 +1,22 @@
 """Greedy generation on a preallocated KV cache, one CUDA graph per decode step: the serving path.
 
-Why our own loop. transformers' default ``DynamicCache`` concatenates the whole cache on every step
-(at 128k that copy costs twice all of dense attention), and its ``StaticCache`` path attends the full
-preallocated buffer under a mask, so ``model.generate()`` is no fast baseline at long context. A
-method's per-step work is also launch-bound: tens of small kernels per layer, each costing more host
-time than GPU time. :class:`StaticGenerator` owns a :class:`StaticKVCache` that the model's attention
-layers write into in place and captures one decode step of the *whole model* in a CUDA graph, so a
-step costs one graph replay of host time, dense or sparse alike (gpt-fast's design, done through the
-unmodified transformers model).
+transformers' ``DynamicCache`` copies the whole cache every step and its static cache attends the full
+buffer under a mask, and a method's per-step work is tens of small kernels per layer. So
+:class:`StaticGenerator` owns a :class:`StaticKVCache` the model's layers write in place and captures one
+decode step of the whole (unmodified) model in a CUDA graph, gpt-fast style: a step costs one replay.
 
-How a step stays capturable.
-
-* Shapes are static within a graph: the layers see ``k, v = cache[:, :, :view]`` with ``view`` the
-  valid length rounded up to :attr:`StaticGenerator.bucket` positions; one graph is captured per view
-  length the generation reaches (a 32k prompt and 256 new tokens use two) and the others are freed.
-* The valid length lives on the device: :attr:`StaticKVCache.length` ``[B]`` int64 and the current
-  position are device tensors the graph updates in place (no host sync, no allocation per step).
-  Keys past the valid length hold stale or zero rows: the dense path masks them (a 4D boolean mask,
-  which transformers passes through unchanged), the method runtimes read the length through
-  ``AttentionCall.cache_len`` (SANTA's kernels bound their tiles by it; SAAP's window tiles too).
-* Method state that must change between graphs (SAAP's bucket index absorbing the keys that left
-  the window) is updated by :meth:`DecodeRuntime.before_graph` hooks at each new view length, outside
-  the graph.
-
-Prefill runs eagerly (no graph), writing the prompt's keys into the cache; prefill methods see ``k, v``
-of exactly the prompt length, as in the eager path. No padding anywhere: prompts of one token count
-prefill in one call; prompts of different counts (a *ragged* batch, :meth:`StaticGenerator.prefill` given
-a list of rows) prefill one row at a time into their cache rows (``AttentionCall.rows`` tells a method
-which row a call is, so per-row sampling seeds still apply), then decode together, each row at its own
-position: the step writes each row's key at its position and the mask and ``cache_len`` hide each row's
-tail, so every row computes what it computes alone. Why: a reward episode's or an eval cell's prompts
-differ by a few tokens (1007-1024 for smollm2's 1k questions), and one batch per token count meant a
-graph capture per handful of rows. A decode runtime whose state assumes one length per batch (SAAP's
-bucket index, moved at each view by ``before_graph``) refuses ragged batches.
-
-Compiled decode steps (``StaticGenerator(..., compile=True)``). A graph removes host time, not GPU
-kernels: the model's own small kernels (RMSNorm as ~7 element-wise kernels, rotary embedding ~10 per
-layer, residual adds, SiLU * up) are the same for dense and every method and take about a third of a
-Llama-3.1-8B-shaped decode step at 128k, B = 1, which hides what a sparse method saves. With
-``compile=True`` each decode step's ``model(...)`` call runs through ``torch.compile`` (inductor, default
-mode: no inductor CUDA graphs, the generator captures its own graph around the step), which fuses them.
-
-* Compiled: the whole ``model(...)`` call (embedding, rotary cos/sin, norms, projections, rotary
-  application, residuals, MLP, final norm, LM head; matmuls stay cuBLAS calls). Not compiled: prefill,
-  the step's mask and argmax, and two graph breaks per layer, :meth:`StaticKVCache.update` and the
-  attention function ``runtime_kernels.hf`` registers (``torch.compiler.disable``): they run eagerly
-  inside the captured graph (our Triton kernels, Python state such as SAAP's index). A model without
-  calib attention runs transformers' SDPA inside the compiled code.
-* The whole call rather than each decoder layer: per layer compiles no fewer frames (dynamo compiles a
-  code region once whatever the number of layers) and leaves the top-level kernels eager.
-* Compile count, bounded whatever the number of layers and views: each attention layer's ``layer_idx``
-  (an int attribute dynamo would guard on: one compile per layer up to its recompile limit of 8, then a
-  silent fallback to eager) becomes a dynamic input (``allow_unspec_int_on_nn_module`` during the call);
-  the view length (the mask's last dim, the ``k, v`` views) becomes dynamic through dynamo's automatic
-  dynamic shapes at the second view. Frames compile at the first two view lengths, never after
-  (:attr:`StepTimes.compiles`); a new batch size or model configuration compiles again, while frames
-  compiled for one generator serve every later one in the process.
-* Compilation happens in :meth:`StaticGenerator._warm_up`, on a side stream before each capture (inductor
-  benchmarks its kernels on first use; that syncs and must not happen inside capture), or in the first
-  step at a view without graphs. The compiled code allocates through the caching allocator (the graph
-  pool under capture) and reads sizes from tensor metadata: no host sync, no ``.item()``.
-* Cost: compile time at the first two views, tens of host seconds per process (inductor's on-disk cache
-  shortens later ones), reported in :attr:`StepTimes.compile_ms` and by
-  ``scripts/bench_generate.py --compile``.
+* Views: the layers see ``cache[:, :, :view]``, ``view`` the valid length rounded up to
+  :attr:`StaticGenerator.bucket`; one graph per view length reached. The valid length lives on the
+  device (``StaticKVCache.length``, ``AttentionCall.cache_len``): no host sync per step.
+* Dense decode steps run flash-decoding on the valid length (the calib attention function is attached
+  when nothing is); before each capture the serving policy picks the layers a method runs in
+  (:mod:`runtime_kernels.serving_policy`); method state that moves with the view (SAAP's index) is
+  updated by ``before_graph`` outside the graph.
+* Prefill runs eagerly; prompts of different lengths (a ragged batch) prefill one row at a time and
+  decode together, each row at its own position.
+* ``compile=True`` runs each step's model call through ``torch.compile`` (the norms, rotary and MLP
+  kernels fused; attention and the cache update stay eager graph breaks), compiled at the first two
+  view lengths only. Design notes: docs/notes/serving-loop.md.
 """
 
 from __future__ import annotations

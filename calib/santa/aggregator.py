@@ -98,7 +98,8 @@ from calib.santa.inbox import (
 )
 from calib.santa.lease import Lease, LeaseHeld, LeaseLost
 from calib.santa.policy import NonFiniteUpdate, reinforce_update, softmax
-from calib.santa.volume import atomic_write_json, entry_kind, exclusive_publish_json, is_temp_name, read_json
+from calib.santa.volume import (atomic_write_json, entry_kind, exclusive_publish_json, is_temp_name, printable,
+                               read_json)
 
 log = logging.getLogger("calib.santa.aggregator")
 
@@ -332,13 +333,13 @@ class Aggregator:
         from now on (its reason file says so) rather than judge it again at every poll."""
         try:
             name = quarantine(self.layout, path, reason, origin=origin).name
-            log.warning("quarantined %s: %s", path.name, reason)
+            log.warning("quarantined %s: %s", printable(path.name), reason)
         except FileNotFoundError:
             return
         except OSError as exc:
             name = path.name
             self.stuck.add(name)
-            log.warning("refused %s (%s) but cannot move it to quarantine (%s): skipping it", name, reason, exc)
+            log.warning("refused %s (%s) but cannot move it to quarantine (%s): skipping it", printable(name), reason, exc)
         self.quarantined.append(name)
         self._claim_quarantined.append(name)
 
@@ -375,7 +376,7 @@ class Aggregator:
             if verdict.reason:
                 self._quarantine(path, verdict.reason, origin=f"claimed/{k}")
             elif not verdict.ok:
-                log.warning("claimed/%d/%s listed in the manifest is gone (quarantined before a crash?)", k, name)
+                log.warning("claimed/%d/%s listed in the manifest is gone (quarantined before a crash?)", k, printable(name))
             else:
                 seen.update(r.result_id for r in verdict.records)
                 records += verdict.records

@@ -172,6 +172,12 @@ def read_regular(path: Path, max_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
+def printable(name: str) -> str:
+    """A file name as a log line can carry it: bytes that were not UTF-8 (surrogate escapes) shown as
+    ``\\udcXX`` escapes instead of making the line unencodable."""
+    return name.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def loads_json(data: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
     """``json.loads`` of UTF-8 ``data`` with the nesting bounded first (:class:`UnsafeFile`);
     NaN/Infinity literals and bad UTF-8 raise ``ValueError`` too."""

@@ -247,7 +247,7 @@ def test_every_poison_is_quarantined_with_its_reason_and_valid_results_count_onc
     assert seen[0].metrics()["num_quarantined"] == len(poison)
 
 
-def test_names_too_long_or_not_utf8_are_quarantined_under_names_that_fit(tmp_path):
+def test_names_too_long_or_not_utf8_are_quarantined_under_names_that_fit(tmp_path, caplog):
     run_aggregator(tmp_path, L, N, iterations=0, **FAST)
     long_name = "result-" + "x" * 240 + ".jsonl"  # 253 bytes: its reason file would pass NAME_MAX
     odd_name = os.fsdecode(b"result-\xff\xfe.jsonl")
@@ -261,6 +261,9 @@ def test_names_too_long_or_not_utf8_are_quarantined_under_names_that_fit(tmp_pat
     short = next(q for q in facts.quarantined if q != odd_name)
     assert len(short.encode()) <= 180 and (tmp_path / "quarantine" / short).read_bytes() == b"junk\n"
     assert json.loads((tmp_path / "quarantine" / f"{short}.reason.json").read_text())["file"] == long_name
+    logged = [r.getMessage() for r in caplog.records if "quarantined" in r.getMessage()]
+    assert len(logged) == 2 and all(m.encode("utf-8") for m in logged)  # a non-UTF-8 name is logged escaped
+    assert any("\\udcff\\udcfe" in m for m in logged)
 
 
 def test_the_aggregator_command_survives_the_poison_that_crash_looped_it(tmp_path):

@@ -102,7 +102,8 @@ def test_absolute_path_in_files_is_refused(art, tmp_path):
     secret = tmp_path / "secret.txt"
     secret.write_text("not part of the artifact\n")
     _edit(art, lambda m: m["files"].append(_file_record(secret, str(secret))))
-    _refused(art, "manifest field files[2].file must name a file inside the artifact directory", str(secret))
+    # the offending value is shown cut to one short line: its start identifies it whatever the tmp path's length
+    _refused(art, "manifest field files[2].file must name a file inside the artifact directory", f"(got '{str(secret)[:40]}")
 
 
 def test_symlinked_tensor_file_pointing_outside_is_refused(art, tmp_path):

@@ -1,82 +1,26 @@
 """``python -m calib run +method=saap``: k-means buckets + query classifiers, evaluated (docs/methods.md, SAAP).
 
-Stages (each timed with ``ctx.timer``, logged as ``time_<stage>_s``; the per-layer stages k-means,
-targets and classifiers also as ``compute_<stage>_s``, their layers' compute time summed over this run
-and any killed run it resumed, :mod:`calib.checkpoint`):
+Stages, timed as ``time_<stage>_s`` (per-layer ones also ``compute_<stage>_s`` over resumed runs):
 
-1. ``load`` — the model and the prompts. Calibration: ``method.prompts`` prompts from ``data`` with
-   ``data.seed``, (length, task) pairs taken in turn over ``method.calib_lengths`` (null: the data
-   lengths without the evaluation length, so evaluation runs at a length never calibrated on; all
-   of them when only one exists; with ``teacher_forced_answer`` each cut to the model's context less
-   :data:`ANSWER_ROOM`). Evaluation: ``method.eval.prompts`` prompts with ``eval.seed`` at
-   ``method.eval.length`` (null: the second-longest data length, or the only one).
-2. ``collect`` — the shared collector (:func:`calib.collect.collect`, cached and resumable) samples
-   ``kmeans.keys_per_prompt`` key positions per (prompt, non-dense layer, KV head) (null: enough for
-   Faiss's own cap, ``ceil(C · max_points_per_centroid / prompts)``). It stores RoPE'd keys; the
-   de-RoPE'd keys are rebuilt from them by the exact inverse rotation, the same operation the runtime
-   applies to its cache. Only **bucket candidates at the end of the prompt** are kept: positions
-   ``[sink, T - recent)`` (``recent = window - sink``): the sink and the keys that are still in the
-   dense window at the first decode step are excluded, as at decode time.
-3. ``kmeans`` — per (non-dense layer, KV head) L2 k-means (``clusters``, ``iterations``; Faiss, on GPU
-   when faiss-gpu sees one, else the torch fallback: ``kmeans.backend``) on the de-RoPE'd keys (SAAP's
-   buckets), and the same on the RoPE'd keys of the same positions (the ``kmeans_rope`` baseline,
-   evaluation only). Head ``h`` uses seed ``cfg.seed + h``. The imbalance factor
-   ``C·Σn²/(Σn)²`` of the training keys is reported.
-4. ``targets`` — the second pass (:func:`calib.collect.run_layer_callbacks`) over the calibration
-   prompts: per (prompt, non-dense layer), while the prompt's q/k are in memory, every key gets its
-   bucket (nearest de-RoPE'd centroid), ``classifier.queries_per_prompt`` queries per head are
-   chosen, long-range ones first (top-1 key, sink excluded, causally, more than ``long_range`` back;
-   ``classifier.query_candidates`` random positions tested), and their rows of ``A·H_k`` (sink
-   excluded, renormalized, not causal unless ``causal_targets``) are computed. Only the de-RoPE'd
-   queries ``[Hq, n, D]`` and targets ``[Hq, n, C]`` leave the callback (to CPU). With
-   ``classifier.teacher_forced_answer`` (default on) the pass runs on each prompt followed by its gold
-   answer's tokens and adds the answer positions to every head's rows (below).
-5. ``classifier`` — per non-dense layer all query heads train at once (batched weights, Adam, each
-   batch from one prompt unless ``batch_from_one_prompt`` is false), with a progress bar; the loss
-   curve (mean over heads, per step) and a figure of every head's curve go to MLflow.
-   ``layers`` (with ``method.layer_profile.enabled``): per-layer ℓ by greedy answers (:mod:`.layer_profile`).
-6. ``eval`` — the held-out prompts through ``run_layer_callbacks``: per (prompt, non-dense layer)
-   ``eval.queries_per_prompt`` decode-like positions (``>= window``) and, for every ℓ of ``top_ls``
-   (plus the default ``top_l``), selectivity, attention recall and output relative error of SAAP,
-   ``kmeans_derope`` (SAAP's centroids probed by inner product with the de-RoPE'd query),
-   ``kmeans_rope`` and the window alone (:func:`calib.saap.evaluate_layer`). Aggregation, table and
-   plots: :mod:`calib.saap.report`. Headline metrics: ``recall_at_sel<t>.<method>`` for every target
-   of ``eval.recall_at_selectivity`` (MLflow forbids ``@`` in metric names), ``at_top_l.*`` (each
-   layer at its default ℓ: ``top_l`` or its ``top_l_layers`` entry), ``window.*``, k-means imbalance,
-   classifier loss, stage times. Diagnostics beside them: ``oracle_derope`` / ``oracle_rope``
-   (``eval.oracle``: each partition's buckets ranked by the group's true attention mass, the bound of
-   any classifier on that partition) and ``by_query_range.{long_range,short_range}.*`` (recall over the
-   (head, query) pairs whose top-1 key lies more / not more than ``long_range`` back), which show where
-   SAAP's recall stands against the baselines and why (docs/results/saap.md).
+1. ``load`` — the model, ``method.prompts`` calibration prompts over ``method.calib_lengths`` and the
+   held-out ``method.eval`` prompts (at a length never calibrated on when the data has several).
+2. ``collect`` — :func:`calib.collect.collect` samples keys per (prompt, non-dense layer, KV head) and keeps
+   the bucket candidates at the end of the prompt (``[sink, T - recent)``), as at decode.
+3. ``kmeans`` — per (non-dense layer, KV head) L2 k-means on the de-RoPE'd keys (SAAP's buckets, seed
+   ``cfg.seed + h``) and on the RoPE'd keys (the ``kmeans_rope`` baseline, evaluation only).
+4. ``targets`` — :func:`calib.collect.run_layer_callbacks` picks long-range queries per head and computes
+   their rows of ``A·H_k``; with ``classifier.teacher_forced_answer`` every head also gets the gold
+   answer's decode positions (:data:`ANSWER_ROOM` positions are kept free for it).
+5. ``classifier`` — per layer all query heads train at once (batched weights, Adam); loss curves to MLflow.
+   ``layers`` (``method.layer_profile.enabled``): per-layer ℓ by greedy answers (:mod:`.layer_profile`).
+6. ``eval`` — held-out decode-like queries: selectivity, recall and output error of SAAP and the window
+   alone, plus the k-means baselines and oracles with ``method.report=full`` (:mod:`calib.saap.report`).
 
-``method.report`` (default ``artifact``) evaluates SAAP and the window alone; ``full`` adds the
-comparison against the k-means baselines: the ``kmeans_rope`` k-means of stage 3, the ``kmeans_*``
-probes and ``saap_per_head`` (``eval.baseline_probe``) and the oracles (``eval.oracle``) of stage 6.
+Artifact (read by :meth:`runtime_kernels.saap.SaapDecode.from_artifact`): hyperparameters ``sink``, ``window``,
+``top_l``, ``dense_layers``, ``bn_eps`` (plus every calibration setting); per non-dense layer ``l`` the tensors
+``layers.<l>.<field>`` of :attr:`SaapLayerParams.TENSOR_FIELDS` in one safetensors file (``layer_<l>``).
 
-Answer-aware calibration (``method.classifier.teacher_forced_answer``, default true). The paper trains
-the classifiers only on long-range queries sampled across the prompt (Mazaré et al., arXiv:2502.08246, §4 "Query
-assignment function", §5 and App. A: queries whose top-1 key is more than 1024 tokens back; App. E.1
-ablates it), and our calibration prompts end at the question. The queries that matter most at decode,
-those that emit the answer (copying the needle's digits one by one, induction-like), never occur in
-them: niah_single on the tiny model collapsed (0.98 -> 0.10 at ℓ=8) because the classifiers did not
-rank the needle's buckets for those queries. With the option on, the targets/classifier pass feeds
-``prompt ids + answer ids`` (:func:`answer_token_ids`: ``Prompt.answer`` tokenized as the model emits it
-after the prompt, the separator of the synthetic tasks' completions) and every head gets, *in addition*
-to its ``queries_per_prompt`` sampled rows (not counted in them), the ``m`` decode positions
-``[T, T + m)`` (:func:`calib.saap.targets.answer_query_positions`): the query of answer token ``j``
-predicts token ``j + 1`` and the last one the stop token, while the last prompt position ``T - 1`` is a
-prefill query, attended densely by the runtime, so it is not added. Their targets are causal (a
-decode query sees only its past). The sampled rows are drawn and computed on the prompt part alone,
-so they are those of the option off (same seed). K-means is unchanged: it runs on the collected prompt
-keys, because the runtime builds its bucket index from the prompt's keys at prefill, and the few
-answer keys are appended at decode where they sit in the dense window. Off = the paper's selection.
-Measured on tiny (ℓ=8, 20 held-out prompts per task): niah_single 0.20 -> 0.50 at 4096 tokens and
-0.00 -> 0.60 at 8192 (dense 1.00 / 0.95), kv_retrieval unchanged, ``recall_at_sel*`` within ±0.003.
-
-Artifact (what :meth:`runtime_kernels.saap.SaapDecode.from_artifact` reads): hyperparameters ``sink``,
-``window``, ``top_l``, ``dense_layers``, ``bn_eps`` (plus every calibration setting), and per non-dense
-layer ``l`` the tensors ``layers.<l>.<field>`` for each :attr:`SaapLayerParams.TENSOR_FIELDS` field,
-one safetensors file per layer (``layer_<l>``). Dense layers have no tensors.
+Design notes (each stage in detail, answer-aware calibration and its measurements): docs/notes/saap-recipe.md
 """
 
 from __future__ import annotations

@@ -392,11 +392,9 @@ def select_buckets(probs: torch.Tensor, counts: torch.Tensor, group: int, top_l:
     probability ``p_c``. ``ranking="density"`` (our extension): the same number of keys,
     spent by predicted mass *per key*: buckets in decreasing ``p_c / n_c`` (non-empty ones; ties to the
     lower id) until the keys of the mass top-ℓ are reached, the bucket that crosses that budget
-    included. Why: on ``tiny`` the needle's digits sit in buckets of 1–3 keys whose probability the
-    classifier cannot concentrate (it cannot know which digit comes next), so mass top-ℓ fills the
-    budget with large buckets; density spends a few keys on the small ones (niah_single at 8192 tokens,
-    80 prompts: 0.7625 → 0.925 at 3.5 → 3.7 % selectivity, dense 0.95; on 400 fresh held-out prompts
-    the paired loss vs dense goes from −0.16 to −0.075: halved, not closed; docs/results/saap.md).
+    included. Why: a needle's digits can sit in buckets of a few keys whose probability the classifier
+    cannot concentrate (it cannot know which digit comes next), so mass top-ℓ fills the budget with
+    large buckets; density spends a few keys on the small ones (measurements: docs/notes/saap-recipe.md).
     """
     if ranking == "mass":
         return rank_buckets(probs, group, top_l)

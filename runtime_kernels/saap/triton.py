@@ -1,51 +1,23 @@
-"""SAAP decode attention in Triton: same arguments, same result as
-:func:`runtime_kernels.saap.reference.saap_decode_attention_reference`
-(Mazaré et al., arXiv:2502.08246, App. F).
+"""SAAP decode attention in Triton, same arguments and result as
+:func:`runtime_kernels.saap.reference.saap_decode_attention_reference` (Mazaré et al., arXiv:2502.08246, App. F).
 
 One decode step of one layer is five launches and no host synchronization (grids are sized from tensor
 shapes, so the step can be captured in a CUDA graph):
 
-1-2. Classifier (two launches) and ranking (:mod:`runtime_kernels.saap.triton_classifier`): the classifier
-   MLP of every query head, float32-exact from 16-bit weights, then one program per (batch, KV head) that
-   sums the group's softmaxes and writes the top-ℓ bucket ids.
-3. :func:`_partial_kernel`: one program per (batch, KV head, partial). Partials ``0 .. n_win-1`` are tiles
-   of the dense region (sink + recent window: positions ``[0, lo) ∪ [hi, T)``, the current key
-   included); the others walk the visited buckets, one per program or, when buckets are small, several
-   as one key list (:func:`_pack`), each bucket read through the :class:`BucketIndex` slot array as is
-   (``slots[b, h, slot_start[c] : slot_start[c] + bucket_count[c]]``). Each gathered K/V row is loaded
-   once for all ``G`` query heads of the group (a ``[16, D]`` query tile, ``tl.dot`` with fp32
-   accumulation); online softmax in exp2 units; writes ``(o, m, l)`` in float32. An empty bucket writes
-   ``m = -inf, l = 0`` and weighs nothing in the merge.
-4. :func:`_merge_kernel`: exact log-sum-exp merge of the partials, one program per (batch, KV head,
-   ``merge_block_d`` output columns), ``merge_block_p`` partials per vector load (one step for the usual
-   36-48).
+1-2. Classifier and ranking (:mod:`runtime_kernels.saap.triton_classifier`): every query head's MLP,
+   float32-exact from 16-bit weights, then per (batch, KV head) the group's summed softmax -> top-ℓ bucket ids.
+3. :func:`_partial_kernel`, one program per (batch, KV head, partial): tiles of the dense region
+   ``[0, lo) ∪ [hi, T)``, then the visited buckets read through the :class:`BucketIndex` slot array (small
+   buckets packed as one key list, :func:`_pack`). Each gathered K/V row serves all ``G`` query heads of the
+   group (``tl.dot`` with fp32 accumulation); online softmax in exp2 units; ``(o, m, l)`` in float32, with
+   ``m = -inf, l = 0`` for an empty bucket (it weighs nothing in the merge).
+4. :func:`_merge_kernel`: exact log-sum-exp merge of the partials per (batch, KV head, output columns).
 
-A dense layer (``params.dense``) is steps 3-4 with the whole cache as the window (flash-decoding).
+A dense layer (``params.dense``) is steps 3-4 with the whole cache as the window (flash-decoding). The step
+is memory-bound (classifier weights, gathered K/V rows and slots); small buckets are packed because a
+program's chain of dependent loads (bucket id, slot start, slots, K/V rows) costs more than its few keys.
 
-Performance model (Llama-3.1-8B: Hq = 32, Hkv = 8, D = 128, bf16, C = 1024 buckets, hidden 1024, window
-2048, ``N_vis = 2048 + ℓ · N_s / C`` keys per KV head). The step is memory-bound: the classifier streams
-its 75.5 MB of weights whatever B (the largest cost at B = 1); the partials read ``B · Hkv · N_vis · D · 4``
-bytes of K/V plus 4 B of slot per bucket key (T = 128k, ℓ = 32: 25 MB at B = 1, 199 MB at B = 8) and write
-``B · Hkv · P · G · (D + 2) · 4`` bytes of partials (P ≈ 48: 0.8 MB at B = 1); the ranking and the merge are
-latency (a few µs each). At 4.2 TB/s the 128k floor is ~24 µs at B = 1 and ~65 µs at B = 8, against
-128 µs and 1 ms for dense attention. Small buckets (8k, 32k) are packed because a program's chain of
-dependent loads (bucket id, slot start, slots, K/V rows) costs more than its few keys.
-
-Alternatives measured slower on an H200 (graphed step, ℓ = 32) and removed:
-
-* both classifier layers in one split-K launch, partials summed by the last program: the classifier
-  alone 93-147 µs vs 46 for two launches.
-* layer 2 as a split-K CUDA-core GEMV at B <= 2: classifier + ranking 43 µs vs 35 at 128k B = 1.
-* layer 2 as one cuBLAS bmm over the three terms: +1.5-1.9 µs (the ranking reads three rows, not one).
-* ``b2`` added by the ranking instead of layer 2's epilogue: +0.7 µs; the filtered candidates placed by
-  counting instead of sorted: +0.6-1.0 µs.
-* the window partials on a side stream under the classifier, or inside the ranking's launch: no gain /
-  +2.5 µs; the merge done by the last partial program: +7 µs; a programmatic-dependent chain of ranking,
-  partials and merge: no gain.
-* a bucket split over several programs, several buckets per program in turn, V rows loaded with K rows,
-  32- or 128-key steps, 8 warps, 3 stages: a tie at best.
-* w2 prefetched into L2 by layer 1: +1.7-6 µs; layer 2 as layer 1's programmatic dependent with its
-  first w2 tiles requested early: classifier + ranking +5-23 µs.
+Design notes (launch layout, performance model, alternatives that lost): docs/notes/kernels.md
 """
 
 from __future__ import annotations

@@ -1,37 +1,26 @@
 """SALE's Selection-Pass on the GPU in Triton (Ji et al., arXiv:2505.24179, §3.2, §3.4, App. G, J).
 
 Same public functions and results as :mod:`runtime_kernels.sale.reference` (the definition of correct),
-with one documented difference: **the estimate is int8 whenever the config asks for 4 or 8 bits** (the
-H200 has no 4-bit tensor-core path; int8 ``tl.dot`` runs at twice the bf16 rate there). A 4-bit config
-logs that once; :func:`gpu_estimator` names the estimator that runs (``"int8"`` or ``"float"``).
+with one documented difference: **the estimate is int8 whenever the config asks for 4 or 8 bits** (Triton
+has no 4-bit tensor-core ``tl.dot``; int8 runs at twice the bf16 rate). A 4-bit config logs that once;
+:func:`gpu_estimator` names the estimator that runs (``"int8"`` or ``"float"``).
 
-Kernels:
+* ``_sale_quant_kernel`` — per ``block`` rows of one head: (K only) subtract the per-(batch, KV head) key
+  mean ``k_bar`` (SageAttention2 smoothing; padded rows stay 0), one symmetric scale ``max|x|/127``, round
+  half to even, int8. For Q it also writes the shift ``scale * q . k_bar`` (unquantized q).
+* ``_sale_select_kernel`` — one program per (batch, ``HPP`` query heads of one KV group, query block), each
+  int8 K tile loaded once for all of them: exact ``m~, l~`` of every row over its causal sink/local keys
+  (float, online), then a walk over the key blocks between sink and local window in int8 (``tl.dot`` ->
+  int32) that never materializes scores: per tile only the row maximum of the integer products per key block
+  becomes float (App. G: scales are constant over a (row, key block)). Block score
+  ``max_rows(S~max - m~ - ln l~)``, kept iff ``>= ln tau``. Writes the tau-free block scores
+  (``sale_block_scores``) or a uint8 keep table plus a count per row (``sale_select``); sink/local blocks
+  kept, blocks above the diagonal dropped; heads whose programs have every ``tau == 0`` skip the walk (dense).
+* ``_compact_kernel`` — keep table + ``offsets = cumsum(counts)`` (on the device) -> CSR ``indices``. No host
+  sync anywhere: ``offsets`` is exact, ``indices`` sized for every causal block and only
+  ``indices[:offsets[-1]]`` meaningful (:func:`block_table` gives a dense view that handles the padding).
 
-* ``_sale_quant_kernel`` — per ``block`` rows of one head: (K only) subtract the per-(batch, KV head)
-  key mean ``k_bar`` (SageAttention2 smoothing; padded rows stay 0), one symmetric scale ``max|x|/127``,
-  round half to even, int8. For Q it also writes the shift ``scale * q . k_bar`` (unquantized q).
-* ``_sale_select_kernel`` — one program per (batch, ``HPP`` query heads of one KV group, query block:
-  each int8 K tile is loaded once for all of them). It computes the exact ``m~, l~`` of every row over
-  its causal sink/local keys (float ``tl.dot``, online), then walks the key blocks between the sink and
-  the local window in int8 (``tl.dot`` -> int32), never materializing scores: per tile only the row
-  maximum of the *integer* products per key block is converted to float (App. G: scales are constant
-  over a (row, key block), so the largest estimate sits at the largest integer product), giving the
-  block score ``max_rows(S~max - m~ - ln l~)``; kept iff ``>= ln tau`` (= ``S~ >= m~ + ln(tau l~)``).
-  It writes either the tau-free block scores (``sale_block_scores``) or a uint8 keep table plus a count
-  per row (``sale_select``); sink/local blocks are kept, blocks above the diagonal dropped. Heads whose
-  programs have every ``tau == 0`` skip the walk (dense).
-* ``_compact_kernel`` — keep table + ``offsets = cumsum(counts)`` (torch, on the device) -> CSR
-  ``indices`` (per row a ``tl.cumsum`` compaction). No host synchronization anywhere: ``indices`` is
-  allocated for the worst case (every causal block); only ``indices[:offsets[-1]]`` is meaningful, and
-  ``offsets`` is exact (see :func:`block_table` for a dense view that handles the padding).
-
-Performance model (Llama-3.1-8B: Hq=32, Hkv=8, D=128, B=1, T=128k, blocks 64x32): the walk is
-``Hq * T^2/2 * D`` int8 MACs = 3.5e13 (7.0e13 int ops) -> 35 ms at the H200's ~1979 dense int8 TOPS
-(~50-70 ms expected from Triton); per tile the float work is 1/32 of the elements (a row max of int32,
-then one FMA chain per (row, key block)). Bytes: each program re-reads the int8 K prefix (L2-resident in
-practice); HBM floor ~ Q+K in bf16 once (1.3 GB, 0.3 ms) for quantization. The exact m~/l~ part is
-``Hq * T * 288 * D * 2`` flops (0.5% of dense attention). Dense causal SDPA at 128k is ~1.4e14 bf16 flop
-(~235 ms at 600 TFLOP/s), so selection is expected at ~25% of SDPA.
+Design notes (performance model, launch-shape sweep): docs/notes/kernels.md
 """
 
 from __future__ import annotations
@@ -56,9 +45,8 @@ _LOG = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class SelectLaunch:
-    """Launch shape of ``_sale_select_kernel`` (replace ``LAUNCH`` to tune on a GPU). On the H200 at 128k
-    (2026-11-26) none of 37 alternatives (rows 128/256, block_n 64-256, 4/8 warps, 2-4 stages) beat it by
-    more than 1 %."""
+    """Launch shape of ``_sale_select_kernel`` (replace ``LAUNCH`` to tune on a GPU; the sweep that chose
+    these values: docs/notes/kernels.md)."""
 
     rows: int = 128  # query rows per program: HPP = rows // block_q heads of one KV group share each K tile
     block_n: int = 128  # keys per walk tile (a multiple of block_k; = block_k avoids the in-tile reshape)

@@ -5,12 +5,15 @@ so that the whole prompt has at most ``length`` tokens and one more sentence wou
 
 - ``book_text``: the passage alone, no question and no answer (plain long text to calibrate on, as
   SAAP and SALE do); nothing to score, so never an ``eval`` task.
-- ``book_needle``: one needle sentence tying a value to an invented person ("Among the papers of Miss
-  Ardley, one number was kept apart from all others: 48213.") at a sentence boundary at a depth drawn
-  uniformly from 5-95 % of the passage; the question asks for the value. Kinds, drawn per prompt:
-  a 5-7 digit number, a single English word, or a short phrase ("a brass telescope").
-- ``book_multineedle``: four needles of one kind with distinct people and values, one per quarter of
-  that depth range; one of them is asked for.
+- ``book_needle``: one needle sentence tying a 5-7 digit number to an invented person ("Among the papers
+  of Miss Ardley, one number was kept apart from all others: 48213.") at a sentence boundary at a depth
+  drawn uniformly from 5-95 % of the passage; the question asks for the number.
+- ``book_needle_word`` / ``book_needle_phrase``: the same with a single English word, or a short phrase
+  ("a brass telescope"; the answer is the phrase without its article).
+- ``book_multineedle``: four number needles with distinct people and values, one per quarter of that
+  depth range; one of them is asked for.
+
+The kinds are tasks of their own, so a model's kept cells can name the ones it can answer densely.
 
 Calibration prompts come from the calibration books with :data:`PHRASING` ``["calibration"]``'s needle
 sentences and questions, evaluation prompts from the held-out books with ``["evaluation"]``'s, so a
@@ -32,12 +35,13 @@ from calib.data.scoring import scoring_rule
 from calib.data.vocab import StableRng, seed_from
 from calib.errors import UserError
 
-BOOK_TASKS: tuple[str, ...] = ("book_text", "book_needle", "book_multineedle")
-ANSWERED_TASKS = ("book_needle", "book_multineedle")
-MULTI_NEEDLES = 4
+NEEDLE_TASKS: dict[str, tuple[str, int]] = {  # task -> (needle kind, needles in the passage)
+    "book_needle": ("number", 1), "book_needle_word": ("word", 1), "book_needle_phrase": ("phrase", 1),
+    "book_multineedle": ("number", 4)}
+ANSWERED_TASKS = tuple(NEEDLE_TASKS)
+BOOK_TASKS: tuple[str, ...] = ("book_text", *ANSWERED_TASKS)
 DEPTH_RANGE = (0.05, 0.95)
 NUMBER_DIGITS = (5, 6, 7)
-KINDS = ("number", "word", "phrase")
 
 TITLES = ("Miss", "Mrs.", "Mr.", "Captain", "Dr.", "Lady", "Colonel", "Admiral")
 SURNAMES = (
@@ -132,7 +136,7 @@ PHRASING: dict[str, dict[str, Phrasing]] = {
 @dataclass(frozen=True)
 class Needle:
     key: str
-    value: str     # the answer: digits, a word, or an article with one or two words
+    value: str     # the answer: digits, a word, or one or two words (a phrase's article stays in the sentence)
     sentence: str
     depth: float   # fraction of the passage's tokens before it
 
@@ -163,10 +167,9 @@ def _values(rng: StableRng, kind: str, count: int) -> list[str]:
     return out
 
 
-def draw_needles(rng: StableRng, purpose: str, count: int) -> tuple[list[Needle], Needle, str, str]:
-    """``count`` needles of one kind, by increasing depth (one per equal share of :data:`DEPTH_RANGE`),
+def draw_needles(rng: StableRng, purpose: str, kind: str, count: int) -> tuple[list[Needle], Needle, str, str]:
+    """``count`` needles of ``kind``, by increasing depth (one per equal share of :data:`DEPTH_RANGE`),
     the asked one, and its question and answer prefix in ``purpose``'s wording."""
-    kind = KINDS[rng.integer(len(KINDS))]
     phrasing = PHRASING[purpose][kind]
     keys, values = _keys(rng, count), _values(rng, kind, count)
     lo, hi = DEPTH_RANGE
@@ -174,7 +177,8 @@ def draw_needles(rng: StableRng, purpose: str, count: int) -> tuple[list[Needle]
     for k, (key, value) in enumerate(zip(keys, values)):
         template = phrasing.needles[rng.integer(len(phrasing.needles))]
         depth = lo + (hi - lo) * (k + rng.uniform()) / count
-        needles.append(Needle(key, value, template.format(key=key, value=value), depth))
+        answer = value.split(" ", 1)[1] if kind == "phrase" else value  # "a brass telescope" -> "brass telescope"
+        needles.append(Needle(key, answer, template.format(key=key, value=value), depth))
     question, prefix = phrasing.questions[rng.integer(len(phrasing.questions))]
     asked = needles[rng.integer(count)]
     return needles, asked, question.format(key=asked.key), prefix.format(key=asked.key)
@@ -248,7 +252,7 @@ def book_prompt(task: str, length: int, seed: int, index: int, purpose: str, fmt
 
         answer, overhead = "", len(fmt.encode(fmt.wrap_user_text("")))
     else:
-        needles, asked, question, prefix = draw_needles(rng, purpose, 1 if task == "book_needle" else MULTI_NEEDLES)
+        needles, asked, question, prefix = draw_needles(rng, purpose, *NEEDLE_TASKS[task])
 
         def make(e: int) -> tuple[str, list[int]]:
             inserts: dict[int, list[str]] = {}

@@ -17,7 +17,7 @@ from calib.data.prompt import PromptFormatter
 from calib.data.synthetic import TASK_FUNCTIONS, TASKS
 from calib.errors import UserError
 
-NEEDLE_TASKS = ["book_needle", "book_multineedle"]
+NEEDLE_TASKS = ["book_needle", "book_needle_word", "book_needle_phrase", "book_multineedle"]
 SURNAME = re.compile(r"\b(" + "|".join(SURNAMES) + r")\b")
 
 
@@ -166,7 +166,7 @@ def _keys_in(context: str) -> list[str]:
 
 @pytest.mark.parametrize("purpose", ["calibration", "evaluation"])
 def test_single_needle_answer_occurs_once(purpose, prompt_sets):
-    needles = [p for p in prompt_sets[purpose] if p.task == "book_needle"]
+    needles = [p for p in prompt_sets[purpose] if p.task.startswith("book_needle")]
     assert needles
     for p in needles:
         context = context_of(p)
@@ -221,18 +221,19 @@ def test_deterministic_and_seed_dependent(tiny_tokenizer):
     c = build_prompts(books(num_prompts=2, seed=12), tiny_tokenizer)
     assert dataset_hash(c) != dataset_hash(a) and all(x.text != y.text for x, y in zip(a, c))
     one = build_prompts(books(num_prompts=1), tiny_tokenizer)  # prompt i does not depend on the count asked
-    assert [p.text for p in one] == [a[0].text, a[2].text]
+    assert [p.text for p in one] == [a[2 * i].text for i in range(len(NEEDLE_TASKS))]
 
 
 def test_synthetic_share_mixes_calibration_only(tiny_tokenizer):
-    cfg = books(synthetic_share=0.25, num_prompts=4)  # 2 tasks x 4 prompts at one length: 2 replaced
+    cfg = books(tasks=["book_needle", "book_multineedle"], synthetic_share=0.25, num_prompts=4)  # 2 x 4: 2 replaced
     mixed = build_prompts(cfg, tiny_tokenizer)
     tasks = [p.task for p in mixed]
     assert len(mixed) == 8 and tasks.count("niah_single") == 1 and tasks.count("niah_multikey") == 1
     assert tasks.count("book_needle") == 3 and tasks.count("book_multineedle") == 3
     held = build_prompts(cfg, tiny_tokenizer, purpose="evaluation")
-    assert sorted(p.task for p in held) == sorted(NEEDLE_TASKS * 4)
-    everything = build_prompts(books(synthetic_share=1.0, num_prompts=2), tiny_tokenizer)
+    assert sorted(p.task for p in held) == sorted(["book_needle", "book_multineedle"] * 4)
+    everything = build_prompts(books(tasks=["book_needle", "book_multineedle"], synthetic_share=1.0, num_prompts=2),
+                               tiny_tokenizer)
     plain = build_prompts({"source": "synthetic", "tasks": ["niah_single", "niah_multikey"], "lengths": [512],
                            "num_prompts": 2, "seed": 11}, tiny_tokenizer)
     assert [(p.prompt_id, p.text) for p in everything] == [(p.prompt_id, p.text) for p in plain]

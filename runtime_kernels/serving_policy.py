@@ -10,8 +10,7 @@ a shape and keeps the faster:
   means the layer never beats dense); for one layer of each group the method's decode attention and
   flash-decoding are each captured in a small CUDA graph on the real cache view and replayed;
 * prefill (:class:`PrefillChooser`, called by ``runtime_kernels.hf``): the first call of a layer at a
-  length bucket runs the method once to warm it up, then times it and dense attention once each with
-  CUDA events on the real inputs.
+  length bucket warms both paths up, then times each a few times with CUDA events on the real inputs.
 
 Decisions are cached per GPU, signature and shape in memory and in one JSON file
 (``$CALIB_RUNTIME_CACHE`` or ``~/.cache/calib-runtime``), so a process pays each timing once per machine.
@@ -28,6 +27,7 @@ from typing import Any, Callable
 import torch
 
 REPLAYS = 20  # graph replays per timed decode candidate
+PREFILL_REPEATS = 3  # timed calls per prefill candidate (the median decides)
 _LOCK = threading.Lock()
 _MEMORY: dict[str, list[float]] = {}  # key -> [method_ms, dense_ms]
 _LOADED = False
@@ -165,8 +165,8 @@ class PrefillChooser:
     """Per (layer signature, batch, length bucket): does the prefill method beat dense attention here?
 
     :meth:`run` answers a prefill call. A decided shape runs the faster path; an undecided one runs the
-    method once (warm-up: Triton compiles and autotunes on first use), then times the method and dense
-    once each on the same inputs (CUDA events) and records the result."""
+    method and dense once each (warm-up: Triton compiles and autotunes on first use), then times each
+    :data:`PREFILL_REPEATS` times on the same inputs (CUDA events, the median) and records the result."""
 
     def run(self, signature: str | None, q: torch.Tensor, k: torch.Tensor,
             method: Callable[[], torch.Tensor | None], dense: Callable[[], torch.Tensor]) -> torch.Tensor | None:
@@ -183,10 +183,20 @@ class PrefillChooser:
         if method() is None:  # warm-up; None: the method does not take this call
             return None
         dense()  # warm-up: the first call selects and loads its kernel
-        method_ms, out = _event_ms(method)
-        dense_ms, dense_out = _event_ms(dense)
+        method_ms, out = _median_ms(method)
+        dense_ms, dense_out = _median_ms(dense)
         record(key, method_ms, dense_ms)
         return out if method_ms < dense_ms else dense_out
+
+
+def _median_ms(fn: Callable[[], Any], repeats: int = PREFILL_REPEATS) -> tuple[float, Any]:
+    """The median of ``repeats`` timed calls of ``fn`` (one layer's prefill is a fraction of a millisecond
+    on a small model: a single reading is within run-to-run noise) and the last call's output."""
+    times, out = [], None
+    for _ in range(repeats):
+        ms, out = _event_ms(fn)
+        times.append(ms)
+    return sorted(times)[len(times) // 2], out
 
 
 def _event_ms(fn: Callable[[], Any]) -> tuple[float, Any]:

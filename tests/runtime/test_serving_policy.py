@@ -88,3 +88,22 @@ def test_prefill_without_a_gpu_always_runs_the_method():
     q = torch.zeros(1, 2, 8, 4)
     out = chooser.run("sig", q, q, lambda: calls.append("m") or q, lambda: calls.append("d") or q)
     assert out is q and calls == ["m"]
+
+
+def test_prefill_choice_takes_the_median_of_several_timings_and_is_remembered(monkeypatch):
+    """A GPU-shaped call (timings stubbed): the method's median 5 ms against dense's 3 ms loses, so the
+    first call returns dense's output, records both medians, and the next call of that shape asks the
+    caller for dense (None) without timing or running the method again."""
+    from types import SimpleNamespace
+
+    readings = iter([5.0, 1.0, 9.0, 3.0, 3.0, 3.0])  # method x3, then dense x3
+    monkeypatch.setattr(sp, "_event_ms", lambda fn: (next(readings), fn()))
+    q = SimpleNamespace(is_cuda=True, shape=(1, 2, 100, 4), device=torch.device("cpu"))
+    calls = []
+    chooser = sp.PrefillChooser()
+    out = chooser.run("sig", q, q, lambda: calls.append("m") or "method-out", lambda: calls.append("d") or "dense-out")
+    assert out == "dense-out" and calls == ["m", "d"] + ["m"] * 3 + ["d"] * 3  # warm-ups, then the timed calls
+    key = next(k for k in sp._MEMORY if k.startswith("prefill|") and "|sig|" in k)
+    assert sp.measured(key) == [5.0, 3.0] and "B1|T104|Tk104" in key
+    calls.clear()
+    assert chooser.run("sig", q, q, lambda: calls.append("m"), lambda: calls.append("d")) is None and calls == []

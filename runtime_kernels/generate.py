@@ -508,7 +508,7 @@ def flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     Why not SDPA: on a static cache SDPA needs a mask over the view, and transformers then expands
     K/V to every query head (a copy of the whole cache per layer and step) before a masked kernel;
     at 128k that costs 8x the attention itself. Static-cache steps of the dense layers of a method
-    (SAAP's layer 0) and the dense baseline of ``scripts/bench_generate.py`` run this instead."""
+    (SAAP's layer 0) and the dense baseline of ``scripts/bench/bench_generate.py`` run this instead."""
     if not q.is_cuda:
         return None
     try:

@@ -1,4 +1,4 @@
-"""scripts/bench_collect.py runs end to end on CPU (a one-layer, short-prompt version of --smoke)."""
+"""scripts/bench/bench_collect.py runs end to end on CPU (a one-layer, short-prompt version of --smoke)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_collect.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench" / "bench_collect.py"
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""scripts/sale_theta_sweep.py summarizes a finished multirun: table, plot, JSON, monotonicity verdict."""
+"""scripts/research/sale_theta_sweep.py summarizes a finished multirun: table, plot, JSON, monotonicity verdict."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "sale_theta_sweep.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "research" / "sale_theta_sweep.py"
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,9 @@
 """End-to-end generation with calib methods loaded: time to first token and decode ms/token.
 
-    python scripts/bench_generate.py                          # the grid below, one process per cell
-    python scripts/bench_generate.py --points 32768x1 --methods dense,saap
-    python scripts/bench_generate.py --smoke                  # CPU, a 2-layer model: checks the script
-    python scripts/bench_generate.py --compile both --points 131072x1 --methods dense-flash,saap
+    python scripts/bench/bench_generate.py                          # the grid below, one process per cell
+    python scripts/bench/bench_generate.py --points 32768x1 --methods dense,saap
+    python scripts/bench/bench_generate.py --smoke                  # CPU, a 2-layer model: checks the script
+    python scripts/bench/bench_generate.py --compile both --points 131072x1 --methods dense-flash,saap
 
 The model is Llama-3.1-8B's architecture (``conf/model/llama31.yaml``) with random bf16 weights (seeded;
 no weights are read), on one GPU. Every cell runs in its own process (a first configuration in a process
@@ -51,8 +51,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-for _path in (ROOT, ROOT / "scripts"):  # run from a checkout without `pip install -e .`
+ROOT = Path(__file__).resolve().parents[2]
+for _path in (ROOT, ROOT / "scripts" / "bench"):  # run from a checkout without `pip install -e .`
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 

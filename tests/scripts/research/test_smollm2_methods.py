@@ -1,4 +1,4 @@
-"""scripts/smollm2_methods.py: the starved-budget pick and the summary table (the runs are GPU work)."""
+"""scripts/research/smollm2_methods.py: the starved-budget pick and the summary table (the runs are GPU work)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,14 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
 def script():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    spec = importlib.util.spec_from_file_location("smollm2_methods", ROOT / "scripts" / "smollm2_methods.py")
+    sys.path.insert(0, str(ROOT / "scripts" / "bench"))
+    path = ROOT / "scripts" / "research" / "smollm2_methods.py"
+    spec = importlib.util.spec_from_file_location("smollm2_methods", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

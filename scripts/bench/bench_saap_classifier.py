@@ -1,7 +1,7 @@
 """Where SAAP's per-step bucket selection spends its time: each launch alone.
 
-    python scripts/bench_saap_classifier.py             # Llama-3.1-8B shapes, B = 1
-    python scripts/bench_saap_classifier.py --batch 8
+    python scripts/bench/bench_saap_classifier.py             # Llama-3.1-8B shapes, B = 1
+    python scripts/bench/bench_saap_classifier.py --batch 8
 
 The path this batch size takes (``B <= small_batch_max_b``: layer 1 writing three bf16 hidden terms,
 layer 2 as one pass over w2 summing the terms and adding b2, the ranking), the whole selection, the

@@ -1,4 +1,4 @@
-"""scripts/bench_calibration_scale.py: its table from hand-made rows, and one real dry run on the tiny shape."""
+"""scripts/bench/bench_calibration_scale.py: its table from hand-made rows, and one real dry run on the tiny shape."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT / "scripts" / "bench"))
 
 import bench_calibration_scale as bench  # noqa: E402
 
@@ -57,7 +57,8 @@ def test_one_method_dry_run_on_the_tiny_shape(tmp_path):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     out = tmp_path / "rows.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_calibration_scale.py"), "--methods", "sale", "--model", "tiny",
+        [sys.executable, str(ROOT / "scripts" / "bench" / "bench_calibration_scale.py"),
+         "--methods", "sale", "--model", "tiny",
          "--home", str(tmp_path / "home"), "--json", str(out), "--",
          "device=cpu", "model.lengths=[256,320]", "method.block_q=32", "method.block_k=16", "method.sink=16",
          "method.local=64", "method.num_samples=1", "data.tasks=[niah_single]", "method.sparsity_prompts=1",

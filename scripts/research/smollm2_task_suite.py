@@ -1,8 +1,8 @@
 """Dense accuracy of a model on every synthetic task at every prompt length: the model's task suite.
 
-    python scripts/smollm2_task_suite.py --prompts 100 --out suite.json               # CUDA: 5 tasks x 1k-8k
-    python scripts/smollm2_task_suite.py --prompts 5 --lengths 1024 2048 --device cpu --out smoke.json
-    python scripts/smollm2_task_suite.py --gguf /path/SmolLM2-135M-Instruct.Q4_1.gguf ...  # without the wheel
+    python scripts/research/smollm2_task_suite.py --prompts 100 --out suite.json               # CUDA: 5 tasks x 1k-8k
+    python scripts/research/smollm2_task_suite.py --prompts 5 --lengths 1024 2048 --device cpu --out smoke.json
+    python scripts/research/smollm2_task_suite.py --gguf /path/SmolLM2-135M-Instruct.Q4_1.gguf ...  # without the wheel
 
 The model comes from ``conf/model/<--model>.yaml`` (read with PyYAML: no Hydra, OmegaConf, MLflow or Faiss is
 imported, so the script runs on a bare CUDA box with torch + transformers, plus gguf and accelerate the first
@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

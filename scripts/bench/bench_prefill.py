@@ -1,11 +1,11 @@
 """Benchmark block-sparse prefill attention, SALE and SampleAttention end to end, against causal SDPA.
 
-    python scripts/bench_prefill.py                      # H200: Llama-3.1-8B shapes, T = 16k 32k 64k 128k
-    python scripts/bench_prefill.py --lengths 131072     # one length
-    python scripts/bench_prefill.py --smoke              # CPU, tiny shapes, Triton interpreter: checks the script
+    python scripts/bench/bench_prefill.py                      # H200: Llama-3.1-8B shapes, T = 16k 32k 64k 128k
+    python scripts/bench/bench_prefill.py --lengths 131072     # one length
+    python scripts/bench/bench_prefill.py --smoke              # CPU, tiny shapes, Triton interpreter: checks the script
 
 One layer's prefill (B = 1, Hq = 32, Hkv = 8, D = 128, bf16). Every time is the median device time
-(``scripts/benchutil.py``: CUDA events, warm-up, cold L2 before every timed call; the repeat count adapts
+(``scripts/bench/benchutil.py``: CUDA events, warm-up, cold L2 before every timed call; the repeat count adapts
 to a ~1.5 s budget per row, at least 3). Rows:
 
 * ``sdpa``: ``F.scaled_dot_product_attention(is_causal=True)`` with its default backend choice (named,
@@ -51,8 +51,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-for _path in (ROOT, ROOT / "scripts"):  # run from a checkout without `pip install -e .`
+ROOT = Path(__file__).resolve().parents[2]
+for _path in (ROOT, ROOT / "scripts" / "bench"):  # run from a checkout without `pip install -e .`
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 

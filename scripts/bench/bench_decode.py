@@ -1,10 +1,10 @@
 """Benchmark sparse decode attention (SAAP, SANTA-prop, SANTA-flash) against SDPA and the bandwidth floor.
 
-    python scripts/bench_decode.py            # GPU: Llama-3.1-8B shapes, B in {1, 8}, T in {8k, 32k, 128k}
-    python scripts/bench_decode.py --smoke    # CPU, tiny shapes, Triton interpreter: checks the script only
+    python scripts/bench/bench_decode.py            # GPU: Llama-3.1-8B shapes, B in {1, 8}, T in {8k, 32k, 128k}
+    python scripts/bench/bench_decode.py --smoke    # CPU, tiny shapes, Triton interpreter: checks the script only
 
 One decode step of one layer (Hq = 32, Hkv = 8, D = 128, bf16, random never-zero inputs). Per row: the
-median device time (``scripts/benchutil.py``: CUDA events, warm-up, cold L2 before every timed call),
+median device time (``scripts/bench/benchutil.py``: CUDA events, warm-up, cold L2 before every timed call),
 eager (the Python call as a runtime would make it, launch overhead included) and CUDA-graphed (the
 same call captured and replayed, as a real decode loop would run it: the smaller median of two
 captures; ``-`` if it cannot be captured); bytes read, achieved TB/s, the dense bandwidth floor (K+V bytes / 4.2 TB/s), SDPA's time
@@ -42,8 +42,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-for _path in (ROOT, ROOT / "scripts"):  # run from a checkout without `pip install -e .`
+ROOT = Path(__file__).resolve().parents[2]
+for _path in (ROOT, ROOT / "scripts" / "bench"):  # run from a checkout without `pip install -e .`
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 

@@ -1,8 +1,8 @@
 """Cost of calibrating each method at a model's full size, on random weights (``model.init=random``).
 
-    python scripts/bench_calibration_scale.py                              # all four methods, llama31
-    python scripts/bench_calibration_scale.py --methods saap,sale -- data.lengths=[32768]
-    python scripts/bench_calibration_scale.py --methods saap --set saap:method.prompts=8 --json saap.json
+    python scripts/bench/bench_calibration_scale.py                              # all four methods, llama31
+    python scripts/bench/bench_calibration_scale.py --methods saap,sale -- data.lengths=[32768]
+    python scripts/bench/bench_calibration_scale.py --methods saap --set saap:method.prompts=8 --json saap.json
 
 Each method runs as ``python -m calib run +method=<m> model=<model> model.init=random <overrides>`` in a
 fresh process with its own ``CALIB_HOME`` (a new MLflow store and an empty collection cache, unless
@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 METHODS = ("saap", "sale", "sampleattention", "santa")
 
 
@@ -95,7 +95,7 @@ def calib_env(home: Path) -> dict[str, str]:
 def run_method(method: str, model: str, overrides: list[str], home: Path, timeout_s: float,
                init: str = "random") -> dict:
     """One ``calib run`` in a fresh process; its result JSON's figures plus wall time and peak RSS.
-    ``init="pretrained"`` runs the model's real weights (``scripts/smollm2_methods.py``), not a dry run.
+    ``init="pretrained"`` runs the model's real weights (``scripts/research/smollm2_methods.py``), not a dry run.
     The row keeps the run's whole ``metrics`` and its ``artifact_dir``."""
     home.mkdir(parents=True, exist_ok=True)
     env = calib_env(home)

@@ -1,4 +1,4 @@
-"""scripts/bench_serving.py: its table and accuracy column from hand-made rows, and one CPU smoke run."""
+"""scripts/bench/bench_serving.py: its table and accuracy column from hand-made rows, and one CPU smoke run."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT / "scripts" / "bench"))
 
 import bench_serving as bench  # noqa: E402
 
@@ -39,7 +39,8 @@ def test_table_ratios_are_to_dense_at_the_same_point_and_loop(capsys):
 
 @pytest.mark.slow
 def test_smoke_run_on_the_cpu_prints_every_kind_of_row():
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_serving.py"), "--smoke", "--methods", "dense"],
+    script = ROOT / "scripts" / "bench" / "bench_serving.py"
+    proc = subprocess.run([sys.executable, str(script), "--smoke", "--methods", "dense"],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     kinds = {line.split("|")[1].strip() for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line}

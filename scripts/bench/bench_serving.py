@@ -1,8 +1,8 @@
 """Serving speed of a real model with its calibrated artifacts, beside the same artifacts' held-out accuracy.
 
-    python scripts/bench_serving.py --model smollm2 --artifact saap=DIR --artifact santa=DIR \
+    python scripts/bench/bench_serving.py --model smollm2 --artifact saap=DIR --artifact santa=DIR \
         --artifact sale=DIR --artifact sampleattention=DIR --accuracy saap=EVAL.json ... --json serving.json
-    python scripts/bench_serving.py --smoke         # CPU, the embedded tiny model: checks the script
+    python scripts/bench/bench_serving.py --smoke         # CPU, the embedded tiny model: checks the script
 
 Every configuration (method x compiled) runs in its own process, which loads the model once and walks the
 grid, warming each point up before timing it. Prompts are windows of natural text (the shipped novel),
@@ -35,8 +35,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-for _path in (ROOT, ROOT / "scripts"):  # run from a checkout without `pip install -e .`
+ROOT = Path(__file__).resolve().parents[2]
+for _path in (ROOT, ROOT / "scripts" / "bench"):  # run from a checkout without `pip install -e .`
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 

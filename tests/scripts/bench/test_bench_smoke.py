@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 pytest.importorskip("triton")  # the benches time the Triton kernels (the `dev` extra installs triton)
 
 
 def _smoke(script: str) -> str:
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / script), "--smoke"], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench" / script), "--smoke"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
@@ -40,7 +40,7 @@ def test_bench_smoke_runs_every_part(script, must):
 
 def test_report_reprints_a_saved_run(tmp_path, capsys):
     """``--report`` rebuilds the table and the target verdicts from a ``--json`` file alone."""
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "scripts" / "bench"))
     import bench_decode
 
     def row(method, params, b, t, graph_us, floor_us, sdpa_us):

@@ -7,9 +7,9 @@ those of the result JSON (the last stdout line) and, for stages a recipe does no
 the metrics logged to the run's MLflow store. ``wall`` is the whole process, imports included; ``CPU`` its
 user + system time (on a shared machine, CPU / cores is a closer guess of the idle wall time than wall).
 
-    python scripts/bench_cli.py                       # saap, sale, sampleattention, santa on `tiny`
-    python scripts/bench_cli.py --methods sale santa  # a subset
-    python scripts/bench_cli.py --methods sale -- method.report=full   # extra Hydra overrides per job
+    python scripts/bench/bench_cli.py                       # saap, sale, sampleattention, santa on `tiny`
+    python scripts/bench/bench_cli.py --methods sale santa  # a subset
+    python scripts/bench/bench_cli.py --methods sale -- method.report=full   # extra Hydra overrides per job
 
 Prints a markdown table with the machine's core count and load average (a shared machine's timings are
 upper bounds); ``--json PATH`` also writes the rows with each run's result metrics. Exit code 1 if a
@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 METHODS = ("saap", "sale", "sampleattention", "santa")
 
 

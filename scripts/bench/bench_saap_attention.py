@@ -1,6 +1,6 @@
 """Where SAAP's decode attention spends its time: each launch of the attention half alone.
 
-    python scripts/bench_saap_attention.py --batch 8 --length 8192     # Llama-3.1-8B shapes, l = 32
+    python scripts/bench/bench_saap_attention.py --batch 8 --length 8192     # Llama-3.1-8B shapes, l = 32
 
 On fixed buckets (the classifier's choice for a random query, computed once): the window partials
 alone, the bucket partials alone, the merge alone, the whole attention (partials in one launch +

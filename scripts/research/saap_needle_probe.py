@@ -18,7 +18,7 @@ separately for prompts SAAP answered like dense and for those it lost. A layer w
 the needle (mass) but whose selection misses it (read share) on the lost prompts is where the ranking
 limits SAAP.
 
-    python scripts/saap_needle_probe.py --artifact <saap artifact dir> --out probe.json \\
+    python scripts/research/saap_needle_probe.py --artifact <saap artifact dir> --out probe.json \\
         -- model=smollm2 'eval.cells=[niah_single@8192]' eval.num_prompts=200 eval.top_l=32
 """
 
@@ -32,7 +32,7 @@ from typing import Any, Sequence
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

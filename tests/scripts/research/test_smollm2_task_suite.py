@@ -1,4 +1,4 @@
-"""scripts/smollm2_task_suite.py: imports nothing heavy, agrees with `calib eval`'s one-at-a-time answers."""
+"""scripts/research/smollm2_task_suite.py: imports nothing heavy, agrees with `calib eval`'s one-at-a-time answers."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT / "scripts" / "research"))
 
 import smollm2_task_suite as suite  # noqa: E402
 
 
 def test_importing_the_script_pulls_in_no_hydra_omegaconf_mlflow_or_faiss():
-    code = ("import sys; sys.path.insert(0, 'scripts'); import smollm2_task_suite; "
+    code = ("import sys; sys.path.insert(0, 'scripts/research'); import smollm2_task_suite; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'hydra', 'omegaconf', 'mlflow', 'faiss'}))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

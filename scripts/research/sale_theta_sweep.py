@@ -1,8 +1,8 @@
 """SALE: theta controls sparsity monotonically — a Hydra multirun over theta, summarized and plotted.
 
-    python scripts/sale_theta_sweep.py                                  # tiny: theta = 0.025, 0.05, 0.1
-    python scripts/sale_theta_sweep.py --thetas 0.2 0.4 0.8 -- model=llama31 device=cuda
-    python scripts/sale_theta_sweep.py --from multirun/<date>/<time>       # only summarize a finished sweep
+    python scripts/research/sale_theta_sweep.py                                  # tiny: theta = 0.025, 0.05, 0.1
+    python scripts/research/sale_theta_sweep.py --thetas 0.2 0.4 0.8 -- model=llama31 device=cuda
+    python scripts/research/sale_theta_sweep.py --from multirun/<date>/<time>       # only summarize a finished sweep
 
 Runs ``python -m calib run -m +method=sale method.theta=a,b,c hydra.sweep.dir=<dir> [overrides]`` (each
 job registers a ``sale-<model>`` version and writes ``<dir>/<job>/result.json``), then reads every job's
@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(ROOT))
 

@@ -1,8 +1,8 @@
 """Time each stage of the S²ANTA Triton decode kernels alone.
 
-    python scripts/bench_santa_stages.py                          # GPU: B in {1, 8}, T in {8k, 32k, 128k}
-    python scripts/bench_santa_stages.py --ptxas                  # no GPU: sm_90 registers / spills / smem
-    python scripts/bench_santa_stages.py --smoke                  # CPU, interpreter, tiny shapes
+    python scripts/bench/bench_santa_stages.py                          # GPU: B in {1, 8}, T in {8k, 32k, 128k}
+    python scripts/bench/bench_santa_stages.py --ptxas                  # no GPU: sm_90 registers / spills / smem
+    python scripts/bench/bench_santa_stages.py --smoke                  # CPU, interpreter, tiny shapes
 
 Llama-3.1-8B shapes (Hq = 32, Hkv = 8, D = 128, bf16, tile 256), prop S = 128, flash S = 2048. Stages
 (``runtime_kernels.santa.triton.santa_stages``; each launch alone, on buffers a full run filled):
@@ -12,7 +12,7 @@ Llama-3.1-8B shapes (Hq = 32, Hkv = 8, D = 128, bf16, tile 256), prop S = 128, f
 * flash: ``stream`` (one pass per tile: pipelined K chunks, then its counts, V rows and partial),
   ``merge`` (the log-sum-exp merge of the partials), ``full`` (the two).
 
-Times: ``scripts/benchutil.py`` cuda_time (CUDA events, warm-up, cold L2, median), eager launches (the
+Times: ``scripts/bench/benchutil.py`` cuda_time (CUDA events, warm-up, cold L2, median), eager launches (the
 gaps between launches of ``full`` are included; bench_decode.py's graphed column removes the CPU part).
 Bytes are what each stage must move (upper bounds for sampled rows); TB/s = bytes / time. ``floor_us``
 is the dense K+V floor at 4.2 TB/s, the issue's reference.
@@ -33,8 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-for _path in (ROOT, ROOT / "scripts"):
+ROOT = Path(__file__).resolve().parents[2]
+for _path in (ROOT, ROOT / "scripts" / "bench"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 

@@ -1,7 +1,7 @@
 """The four methods calibrated and held out on a real model: ``calib run`` then ``calib eval`` per method.
 
-    python scripts/smollm2_methods.py --home /tmp/h --out smollm2_methods.json                 # GPU, all four
-    python scripts/smollm2_methods.py --methods sale --eval-prompts 4 --home /tmp/h --out x.json -- device=cpu
+    python scripts/research/smollm2_methods.py --home /tmp/h --out smollm2_methods.json        # GPU, all four
+    python scripts/research/smollm2_methods.py --methods sale --eval-prompts 4 --home /tmp/h --out x.json -- device=cpu
 
 Per method, in fresh processes sharing one ``CALIB_HOME`` (``--home``; the converted checkpoint and the
 MLflow store live there): ``python -m calib run +method=<m> model=<model> <overrides>`` (wall time per
@@ -14,7 +14,7 @@ the uniform schedule's held-out reward inside 0.3-0.7, nearest 0.5 (:func:`pick_
 ``--out`` is rewritten after every step, and a method whose run and eval are already in it is skipped,
 so a call stopped by a time limit continues where it stopped. The script imports only the standard
 library (the runs need Hydra, OmegaConf and MLflow: on the GPU box carry their wheels, see
-``bench_calibration_scale.py``).
+``scripts/bench/bench_calibration_scale.py``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # scripts/bench/: the runner
 from bench_calibration_scale import (METHODS, ROOT, calib_env, parse_sets, run_method,  # noqa: E402
                                      split_overrides)
 

@@ -1,7 +1,7 @@
 """Benchmark Q/K/V collection on a randomly initialized Llama-3.1-8B-shaped model (no weights needed).
 
-    python scripts/bench_collect.py                # GPU: 32 layers, one 32k-token prompt, bf16, default budgets
-    python scripts/bench_collect.py --smoke        # CPU smoke: 2 layers, 2k tokens, small vocab, float32
+    python scripts/bench/bench_collect.py                # GPU: 32 layers, one 32k-token prompt, bf16, default budgets
+    python scripts/bench/bench_collect.py --smoke        # CPU smoke: 2 layers, 2k tokens, small vocab, float32
 
 Prints a table: a plain prefill of the same prompt (no capture) for reference, then collection
 (``calib.collect.collect`` with conf/collect/default.yaml): forward seconds, tokens/s, peak GPU memory
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(ROOT))
 

@@ -1,4 +1,4 @@
-"""``scripts/bench_cli.py``: stage times from the run's metrics, the markdown table, a real job (slow)."""
+"""``scripts/bench/bench_cli.py``: stage times from the run's metrics, the markdown table, a real job (slow)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import pytest
 
 from tests.subprocess_env import python_path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT / "scripts" / "bench"))
 
-import bench_cli  # noqa: E402 - a script, imported from scripts/
+import bench_cli  # noqa: E402 - a script, imported from scripts/bench/
 
 
 def test_stage_times_reads_only_time_metrics():
@@ -41,9 +41,9 @@ def test_markdown_table_rows_sums_and_failures():
 
 
 def test_unknown_method_is_a_one_line_error():
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_cli.py"), "--methods", "nope"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120, env={"PYTHONPATH": python_path(ROOT),
-                                                                            "PATH": "/usr/bin:/bin"})
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench" / "bench_cli.py"), "--methods", "nope"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={"PYTHONPATH": python_path(ROOT), "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 2 and proc.stderr.strip().startswith("error: unknown method(s) nope")
     assert "Traceback" not in proc.stderr
 
@@ -52,7 +52,7 @@ def test_unknown_method_is_a_one_line_error():
 def test_a_real_job_in_a_private_home(tmp_path):
     """One cheap SALE job (two short samples) through the script: its stages, publish included, and wall."""
     out_json = tmp_path / "rows.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_cli.py"), "--methods", "sale",
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench" / "bench_cli.py"), "--methods", "sale",
                            "--json", str(out_json), "--", "model.lengths=[512]", "method.num_samples=2"],
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""scripts/saap_needle_probe.py: the needle found in a prompt, and the probe's reads against SAAP's
+"""scripts/research/saap_needle_probe.py: the needle found in a prompt, and the probe's reads against SAAP's
 own invariant (every bucket visited: every needle key read)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.saap_needle_probe import needle_positions, summarize
+from scripts.research.saap_needle_probe import needle_positions, summarize
 from tests.recipe_support import in_calib_home, run_recipe
 from tests.saap.test_recipe import ARCH, C, overrides
 
@@ -46,7 +46,7 @@ def artifact(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path
 @pytest.mark.parametrize("top_l", [C, 1])
 def test_probe_reads_every_needle_key_when_every_bucket_is_visited(artifact, top_l):
     from calib.config import compose
-    from scripts.saap_needle_probe import probe
+    from scripts.research.saap_needle_probe import probe
 
     model_dir, home, art = artifact
     cfg = compose(overrides(model_dir, "eval.cells=[niah_single@384]", "eval.num_prompts=2", "eval.max_new_tokens=6",
@@ -65,7 +65,7 @@ def test_probe_reads_every_needle_key_when_every_bucket_is_visited(artifact, top
 def test_cli_writes_the_records_and_prints_a_row_per_sparse_layer(artifact, tmp_path, capsys):
     import json
 
-    from scripts.saap_needle_probe import main
+    from scripts.research.saap_needle_probe import main
 
     model_dir, home, art = artifact
     out = tmp_path / "probe.json"

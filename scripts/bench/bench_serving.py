@@ -42,6 +42,8 @@ for _path in (ROOT, ROOT / "scripts" / "bench"):  # run from a checkout without 
 
 import torch  # noqa: E402
 
+from bench_generate import NoAttention  # noqa: E402  (the no-attention step: every decode method's floor)
+
 DECODE_METHODS = ("saap", "santa")
 PREFILL_METHODS = ("sale", "sampleattention")
 TTFT_REPEATS = 5  # timed prefills per TTFT point (the median is reported)
@@ -106,20 +108,6 @@ def text_rows(tokenizer, batch: int, length: int, seed: int = 0) -> torch.Tensor
     gen = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, len(ids) - length, (batch,), generator=gen).tolist()
     return torch.tensor([ids[s:s + length] for s in starts])
-
-
-class NoAttention:
-    """Decode attention that reads no key or value (it returns the query): the step's cost outside
-    attention, the floor of every decode method. A measuring device, never a runtime."""
-
-    method = "none"
-    phase = "decode"
-
-    def observe_prefill(self, layer, q, k, v, ctx) -> None:
-        """Nothing to build."""
-
-    def decode(self, layer, q, k, v, scale, ctx):
-        return q.clone()
 
 
 def attach(model, method: str, setup: Setup) -> None:

@@ -27,8 +27,8 @@ commands:
   worker [overrides]               one SANTA REINFORCE worker on rl.dir
   aggregator [overrides]           the SANTA REINFORCE aggregator on rl.dir
   ls [name-filter] [--json]        registered artifacts: version, aliases, headline and held-out eval figures
-  promote <name> <version> [alias=champion] [--min-ci-low -0.05]
-                                   point an alias at a version (warns without a good held-out eval)
+  promote <name> <version> [alias=champion] [--min-ci-low -0.05] [--strict]
+                                   point an alias at a version (warns, --strict: refuses, without good held-out evals)
   ui [--port 5000] [--host 127.0.0.1] [--workers 1] [--jobs] [-- <mlflow server options>]
                                    the MLflow UI on the project's tracking store (prints the runs table URL)
 """

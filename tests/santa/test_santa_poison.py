@@ -64,6 +64,19 @@ def random_value(rng: random.Random, budget: int) -> object:
     return {rng.choice(tricky) + str(i): random_value(rng, budget - 1) for i in range(rng.randint(0, 3))}
 
 
+
+def _deny(monkeypatch, name: str, target: Path) -> None:
+    """``os.<name>`` raises EACCES when its first argument is ``target`` (root ignores permission bits, so
+    the refusal is injected), and behaves as usual otherwise."""
+    real = getattr(os, name)
+
+    def denied(path, *args, **kwargs):
+        if Path(path) == target:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, name, denied)
+
 def test_json_depth_hand_cases():
     assert json_depth(b"7") == 0 and json_depth(b'"[[["') == 0
     assert json_depth(b"[]") == 1 and json_depth(b'{"a": [1, {"b": []}]}') == 4
@@ -127,14 +140,7 @@ def test_a_file_that_cannot_be_opened_is_quarantined(tmp_path, monkeypatch):
     run_aggregator(tmp_path, L, N, iterations=0, **FAST)
     locked = publish_lines(tmp_path, "result-locked.jsonl", dump(batch("locked")))
     publish_lines(tmp_path, "result-valid.jsonl", dump(batch("valid")))
-    real_open = os.open
-
-    def deny(path, flags, *args, **kwargs):
-        if Path(path) == locked:
-            raise PermissionError(13, "Permission denied", str(path))
-        return real_open(path, flags, *args, **kwargs)
-
-    monkeypatch.setattr(os, "open", deny)
+    _deny(monkeypatch, "open", locked)
     summary = run_aggregator(tmp_path, L, N, iterations=1, **FAST)
     assert summary.committed == [1] and summary.quarantined == [locked.name]
     note = json.loads((tmp_path / "quarantine" / f"{locked.name}.reason.json").read_text())
@@ -288,14 +294,7 @@ def test_an_entry_that_cannot_be_moved_is_skipped_not_retried(tmp_path, monkeypa
     run_aggregator(root, L, N, iterations=0, **FAST)
     poison = _plant(root, tmp_path, ["directory"])
     stuck = root / "inbox" / next(iter(poison))
-    real_replace = os.replace
-
-    def replace(src, dst, *args, **kwargs):
-        if Path(src) == stuck:
-            raise PermissionError(13, "Permission denied", str(src))
-        return real_replace(src, dst, *args, **kwargs)
-
-    monkeypatch.setattr(os, "replace", replace)
+    _deny(monkeypatch, "replace", stuck)
     stop = threading.Event()
     threading.Timer(0.5, stop.set).start()
     summary = run_aggregator(root, L, N, iterations=1, stop_event=stop, **FAST)  # ~50 polls

@@ -256,7 +256,9 @@ class StaticGenerator:
         runtime = getattr(state, "decode", None) if state is not None else None
         if runtime is None:
             return
-        valid = int(self.pos[0].item()) + 1  # the host knows it anyway: one sync per view length
+        # keys the shortest row holds at this step (a ragged batch's longer rows attend the rest densely,
+        # runtime_kernels.saap.api.SaapDecode.before_graph); the host knows it anyway: one sync per view
+        valid = int(self.pos.min().item()) + 1
         hook = getattr(runtime, "before_graph", None)
 
         def prepare(layers: set[int] | None) -> None:
@@ -359,10 +361,6 @@ class StaticGenerator:
             ids = rows if isinstance(rows, torch.Tensor) else torch.tensor(rows)
             self.token.copy_(self._prefill_rows(ids.to(self.device), slice(None)))
         else:
-            runtime = getattr(self._state(), "decode", None)
-            if hasattr(runtime, "before_graph"):
-                raise ValueError(f"{type(runtime).__name__} keeps state for one prompt length per batch; "
-                                 f"batch prompts of equal token counts for it (got {min(lengths)}-{max(lengths)})")
             for b, row in enumerate(rows):
                 ids = torch.as_tensor(row, dtype=torch.long).reshape(1, -1).to(self.device)
                 self.token[b:b + 1].copy_(self._prefill_rows(ids, slice(b, b + 1)))

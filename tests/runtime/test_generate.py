@@ -171,13 +171,27 @@ def test_santa_ragged_batch_with_per_row_seeds_equals_each_prompt_alone():
     assert torch.equal(other[2], got[2]) and not torch.equal(other[:2], got[:2])
 
 
-def test_ragged_batch_is_refused_where_decode_state_assumes_one_length():
-    model = _model()
+def test_saap_ragged_batch_indexes_the_shortest_row_and_attends_every_key_once():
+    """One bucket index length serves a ragged batch: the shortest row decodes as it would alone, and
+    with every bucket visited (ℓ = C) each row attends each of its keys exactly once, index or window,
+    so the tokens are dense attention's (float64)."""
+    model = _model().double()
+    rows = _ragged_rows([40, 47, 43])
     hf.attach(model, decode=_saap(top_l=2))
-    gen = StaticGenerator(model, batch=2, max_len=80, graphs=False, bucket=8)
-    with pytest.raises(ValueError, match="SaapDecode keeps state for one prompt length per batch"):
-        gen.prefill(_ragged_rows([40, 41]))
+    got = StaticGenerator(model, batch=3, max_len=80, graphs=False, bucket=8).generate(rows, 16)
+    hf.attach(model, decode=_saap(top_l=2))
+    alone = StaticGenerator(model, batch=1, max_len=80, graphs=False, bucket=8).generate([rows[0]], 16)
+    assert torch.equal(got[0], alone[0])
+    hf.attach(model, decode=_saap(top_l=C))
+    every_bucket = StaticGenerator(model, batch=3, max_len=80, graphs=False, bucket=8).generate(rows, 16)
     hf.remove(model)
+    for b, row in enumerate(rows):
+        assert torch.equal(every_bucket[b], eager_generate(model, torch.tensor([row]), 16)[0])
+    assert not torch.equal(got, every_bucket)  # ℓ = 2 of 4 buckets does change some tokens
+
+
+def test_prompts_that_leave_no_room_are_refused():
+    model = _model()
     with pytest.raises(ValueError, match="prompts of 0-3 tokens: an empty prompt has no next token"):
         StaticGenerator(model, batch=2, max_len=80, graphs=False).prefill([[], [1, 2, 3]])
 

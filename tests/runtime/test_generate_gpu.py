@@ -174,3 +174,17 @@ def test_santa_stats_under_graphs_equal_the_uncaptured_loop(tiny):
     hf.remove(tiny)
     assert stats[True]["sampled_calls"] == 24 * layers
     assert stats[True] == pytest.approx(stats[False], rel=1e-12)
+
+
+def test_saap_ragged_batch_under_graphs_equals_the_reference_loop(tiny):
+    """A ragged batch through SAAP's Triton step under CUDA graphs (one index length, the shortest row's;
+    longer rows attend the rest with the window) gives the tokens of the PyTorch reference loop without
+    graphs (the CPU test checks the shortest row against its run alone, exactly, in float64)."""
+    vocab = tiny.config.vocab_size
+    rows = [_prompt(1, n, vocab)[0].tolist() for n in (230, 251, 244)]
+    out = {}
+    for impl, graphs in (("auto", True), ("reference", False)):
+        hf.attach(tiny, decode=_saap(tiny, top_l=4, impl=impl))
+        out[impl] = StaticGenerator(tiny, batch=3, max_len=251 + 24 + 1, graphs=graphs).generate(rows, 24)
+    hf.remove(tiny)
+    assert torch.equal(out["auto"], out["reference"]), (out["auto"].tolist(), out["reference"].tolist())

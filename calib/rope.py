@@ -7,14 +7,18 @@ variant: Llama-3's frequency rescaling lives in its ``inv_freq`` buffer, and YaR
 multiply cos/sin by ``attention_scaling``. Taking cos/sin from that module (never re-deriving them
 from config numbers) is what makes de-RoPE exact for every variant transformers implements.
 
-De-RoPE undoes the rotation: with ``c = s*cos(θ)``, ``n = s*sin(θ)`` (``s`` = attention_scaling),
-``post*c - rotate_half(post)*n = s²·pre``, so ``pre = (post*c - rotate_half(post)*n) / (c² + n²)``.
+De-RoPE itself is the runtime's (:mod:`runtime_kernels.rope`): calibration and decoding invert the
+rotation with the same function, so the centroids and classifiers calibrated here see the vectors
+the runtime will feed them.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from runtime_kernels.rope import derope as _runtime_derope
+from runtime_kernels.rope import rotate_half
 
 
 def rotary_module(model: nn.Module) -> nn.Module:
@@ -58,12 +62,6 @@ def cos_sin_from_inv_freq(
     return emb.cos() * attention_scaling, emb.sin() * attention_scaling
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """``[x1, x2] -> [-x2, x1]`` on the last dim (HF's convention: halves, not interleaved pairs)."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x: [..., T, D]`` by ``cos/sin: [T, D]`` (broadcast over leading dims).
 
@@ -76,14 +74,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def derope(x_post: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Exact inverse of :func:`apply_rope`: ``x_post: [..., T, D]``, ``cos/sin: [T, D]``.
+    """Exact inverse of :func:`apply_rope`: ``x_post: [..., T, D]``, ``cos/sin: [T, D]`` (broadcast).
 
-    Works in float32 and divides by ``cos² + sin²`` (= attention_scaling², 1 for plain and Llama-3
-    RoPE), so scaled variants invert too. Returns ``dtype`` (default: ``x_post``'s dtype).
+    :func:`runtime_kernels.rope.derope` (float32 arithmetic, float64 for float64 input; it divides by
+    ``cos² + sin²`` = attention_scaling², so scaled variants invert too), in ``dtype`` (default: ``x_post``'s).
     """
-    out_dtype = dtype or x_post.dtype
-    post = x_post.to(torch.float32)
-    cos = cos.to(device=post.device, dtype=torch.float32)
-    sin = sin.to(device=post.device, dtype=torch.float32)
-    pre = (post * cos - rotate_half(post) * sin) / (cos * cos + sin * sin)
-    return pre.to(out_dtype)
+    return _runtime_derope(x_post, cos, sin, dtype or x_post.dtype)

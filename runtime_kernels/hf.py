@@ -129,8 +129,7 @@ def apply(model: Any, *artifacts: str | os.PathLike | Artifact, tracking_uri: st
     Each artifact may be a directory, ``models:/name@alias``/``models:/name/version`` or an already
     loaded :class:`Artifact` (re-checked against this model). ``options`` overrides runtime settings
     per method, e.g. ``{"saap": {"top_l": 32}}`` (SAAP: buckets visited instead of the artifact's ℓ;
-    ``"top_l_layers": {3: 192}``: per-layer ℓ on top of that, layers not named keep ``top_l``;
-    ``"ranking": "density"``: the same number of keys spent by predicted mass per key, reference path).
+    ``"top_l_layers": {3: 192}``: per-layer ℓ on top of that, layers not named keep ``top_l``).
     ``serve``: ``"fastest"`` or ``"method"`` (module docstring).
     Raises :class:`ArtifactError` for an artifact calibrated for another model, two methods of the
     same phase, or an option the method's runtime does not take.

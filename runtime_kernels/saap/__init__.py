@@ -12,7 +12,6 @@ from runtime_kernels.saap.reference import (
     rank_buckets,
     saap_decode_attention_reference,
     searchable_range,
-    select_buckets,
     sparse_attention_reference,
 )
 
@@ -30,6 +29,5 @@ __all__ = [
     "saap_decode_attention",
     "saap_decode_attention_reference",
     "searchable_range",
-    "select_buckets",
     "sparse_attention_reference",
 ]

@@ -10,13 +10,13 @@ from typing import Any
 import torch
 
 from runtime_kernels.errors import ArtifactError
+from runtime_kernels.rope import derope, derope_matrix
 from runtime_kernels.saap.reference import (
-    RANKINGS,
     BucketIndex,
     SaapLayerParams,
     classify_queries,
+    rank_buckets,
     saap_decode_attention_reference,
-    select_buckets,
 )
 
 
@@ -31,8 +31,7 @@ def _triton_module() -> ModuleType | None:
 def saap_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           state: BucketIndex | None, artifact_layer: SaapLayerParams, *, top_l: int,
                           q_derope: torch.Tensor | None = None, scale: float | None = None,
-                          impl: str = "auto", ranking: str = "mass", cache_len: torch.Tensor | None = None
-                          ) -> torch.Tensor:
+                          impl: str = "auto", cache_len: torch.Tensor | None = None) -> torch.Tensor:
     """SAAP attention of one decode step of one layer.
 
     Args:
@@ -44,11 +43,8 @@ def saap_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         q_derope: ``[B, Hq, D]`` query without RoPE (classifier input); required unless dense.
         scale: softmax scale, ``1/sqrt(D)`` by default.
         impl: ``"auto"`` (Triton when ``q.is_cuda`` and the kernel imports), ``"reference"``, ``"triton"``.
-        ranking: ``"mass"`` (top-ℓ by predicted mass, the paper) or ``"density"`` (the same number of keys
-            by predicted mass per key, :func:`reference.select_buckets`; the PyTorch reference only so far:
-            ``auto`` takes it on the GPU too, ``triton`` refuses it).
         cache_len: ``[B]`` int64 valid keys when ``k_cache, v_cache`` are views of a preallocated cache
-            longer than that (a static-cache step; every row the same length). The kernel reads it on
+            longer than that (a static-cache step; rows may differ). The kernel reads it on
             the device; the reference path slices the cache to it (one host sync).
 
     Returns:
@@ -56,12 +52,6 @@ def saap_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     """
     if impl not in ("auto", "reference", "triton"):
         raise ValueError(f"impl must be auto, reference or triton, got {impl!r}")
-    if ranking not in RANKINGS:
-        raise ValueError(f"SAAP ranking must be one of {RANKINGS}, got {ranking!r}")
-    if ranking != "mass":
-        if impl == "triton":
-            raise ValueError(f"the SAAP Triton kernel ranks by mass only; ranking={ranking!r} needs impl=reference")
-        impl = "reference"
     if not artifact_layer.dense and q_derope is None:
         raise ValueError("saap_decode_attention needs q_derope (the de-RoPE'd query) for a non-dense layer")
     kernel = _triton_module() if impl != "reference" and (q.is_cuda or impl == "triton") else None
@@ -72,47 +62,14 @@ def saap_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                                                    top_l=top_l, scale=scale, cache_len=cache_len)
     if cache_len is not None:
         t = int(cache_len.max())
-        if int(cache_len.min()) != t:
-            raise ValueError("SAAP takes one cache length for the whole batch (no padding)")
         k_cache, v_cache = k_cache[:, :, :t], v_cache[:, :, :t]
     return saap_decode_attention_reference(q, q_derope, k_cache, v_cache, state, artifact_layer, top_l, scale,
-                                           ranking)
+                                           cache_len=cache_len)
 
 
 # --------------------------------------------------------------------------------------------------
 # transformers integration (runtime_kernels.hf): SAAP as a decode runtime
 # --------------------------------------------------------------------------------------------------
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, -1)
-    return torch.cat([-b, a], -1)
-
-
-_HALF: dict[tuple[int, str], torch.Tensor] = {}
-
-
-def _rotate_half_matrix(d: int, device: torch.device) -> torch.Tensor:
-    """``R [D, D]`` with ``rotate_half(x) = x @ R`` (cached per device: built once, never in a graph)."""
-    key = (d, str(device))
-    if key not in _HALF:
-        i = torch.arange(d // 2)
-        half = torch.zeros(d, d)
-        half[i + d // 2, i] = -1.0
-        half[i, i + d // 2] = 1.0
-        _HALF[key] = half.to(device)
-    return _HALF[key]
-
-
-def derope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Undo HF-style RoPE: ``x [B, H, T, D]`` post-RoPE, ``cos, sin [B, T, D]`` -> pre-RoPE, float32.
-
-    ``post = pre·c + rotate_half(pre)·n`` with ``c = s·cosθ``, ``n = s·sinθ`` (``s`` the rotary module's
-    attention scaling) inverts as ``pre = (post·c − rotate_half(post)·n) / (c² + n²)``.
-    """
-    c, n = cos.float().unsqueeze(1), sin.float().unsqueeze(1)  # [B, 1, T, D]
-    xf = x.float()
-    return (xf * c - _rotate_half(xf) * n) / (c * c + n * n)
 
 
 @dataclass
@@ -159,9 +116,7 @@ class SaapDecode:
     phase = "decode"
 
     def __init__(self, layers: list[SaapLayerParams], top_l: int, *, impl: str = "auto", stats: bool = True,
-                 ranking: str = "mass", top_l_layers: dict[int, int] | None = None) -> None:
-        if ranking not in RANKINGS:
-            raise ArtifactError(f"SAAP ranking must be one of {RANKINGS}, got {ranking!r}")
+                 top_l_layers: dict[int, int] | None = None) -> None:
         per_layer = {int(k): int(v) for k, v in (top_l_layers or {}).items()}
         bad = {k: v for k, v in per_layer.items() if v < 1 or not 0 <= k < len(layers)}
         if bad:
@@ -169,7 +124,6 @@ class SaapDecode:
         self.layers = layers
         self.top_l = int(top_l)
         self.top_l_layers = per_layer
-        self.ranking = ranking
         self.impl = impl
         self.stats = stats
         self.index: dict[int, BucketIndex] = {}
@@ -189,14 +143,12 @@ class SaapDecode:
         ``t``: the valid keys, an int (eager) or ``cache_len [B]`` on the device (a static-cache step,
         whose view ``k`` is longer). A static step's index lags the cache (:meth:`advance`): the keys in
         ``[idx.searchable_hi, t)`` are attended densely with the window, and count as window keys here.
-        Mass ranking syncs nothing with the host, so a CUDA graph captures this (density ranking sizes
-        its selection on the host, as its attention does: :func:`reference.select_buckets`).
+        Nothing here syncs with the host, so a CUDA graph captures it.
         """
         counts = idx.bucket_count.long()  # [B, Hkv, C]: keys in each bucket's list
         g = q_de.shape[1] // counts.shape[1]
-        buckets = select_buckets(classify_queries(q_de, self._params(layer, q_de.device)), counts, g,
-                                 self.layer_top_l(layer), self.ranking)
-        visited = torch.where(buckets >= 0, counts.gather(-1, buckets.clamp(min=0)), 0).sum(-1).double()  # [B, Hkv]
+        buckets = rank_buckets(classify_queries(q_de, self._params(layer, q_de.device)), g, self.layer_top_l(layer))
+        visited = counts.gather(-1, buckets).sum(-1).double()  # [B, Hkv]
         candidates = counts.sum(-1).double()
         sel = torch.where(candidates > 0, visited / candidates.clamp(min=1), torch.zeros_like(visited))
         valid = t.double()[:, None] if isinstance(t, torch.Tensor) else float(t)  # [B, 1] or a number
@@ -236,12 +188,11 @@ class SaapDecode:
             self._sums.copy_(saved)
 
     @classmethod
-    def from_artifact(cls, artifact, model, *, top_l: int | None = None, ranking: str = "mass",
+    def from_artifact(cls, artifact, model, *, top_l: int | None = None,
                       top_l_layers: dict[int, int] | None = None, stats: bool = False) -> "SaapDecode":
         """The runtime of a ``saap`` artifact; ``top_l`` overrides the artifact's ℓ (an ℓ sweep),
         ``top_l_layers`` (``{layer: ℓ}``) the ℓ of some layers (default: the artifact's optional
-        ``top_l_layers`` hyper-parameter), ``ranking`` picks mass or density bucket selection
-        (:func:`reference.select_buckets`). ``stats`` is off for serving (``hf.apply``'s default): the
+        ``top_l_layers`` hyper-parameter). ``stats`` is off for serving (``hf.apply``'s default): the
         selectivity count ranks the buckets a second time per step; ``calib eval`` turns it on."""
         hp = artifact.manifest.hyperparameters
         n_layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
@@ -256,8 +207,7 @@ class SaapDecode:
             raise ArtifactError(f"SAAP top_l must be >= 1 (got {top_l})")
         if top_l_layers is None:
             top_l_layers = {int(k): int(v) for k, v in (hp.get("top_l_layers") or {}).items()}
-        return cls(layers, int(hp["top_l"] if top_l is None else top_l), ranking=ranking, top_l_layers=top_l_layers,
-                   stats=stats)
+        return cls(layers, int(hp["top_l"] if top_l is None else top_l), top_l_layers=top_l_layers, stats=stats)
 
     def _params(self, layer: int, device: torch.device, dtype: torch.dtype = torch.float32) -> SaapLayerParams:
         """Layer ``layer``'s tensors on ``device``, the classifier weights ``w1, w2`` in the serving dtype
@@ -280,7 +230,7 @@ class SaapDecode:
         b, _, t, _ = x.shape
         pos = self._positions(ctx, b, first, t, x.device)
         cos, sin = ctx.rotary_emb(torch.empty(0, dtype=torch.float32, device=x.device), pos)
-        return derope(x, cos, sin)
+        return derope(x, cos[:, None], sin[:, None])  # cos, sin [B, 1, T, D] against x [B, Hkv, T, D]
 
     def cost_signature(self, layer: int) -> str | None:
         """What a decode step of ``layer`` costs depends on (:mod:`runtime_kernels.serving_policy`); None
@@ -289,22 +239,18 @@ class SaapDecode:
         if p.dense or p.w1 is None or self.layer_top_l(layer) >= p.w2.shape[-1]:
             return None
         return (f"saap|C{p.w2.shape[-1]}|l{self.layer_top_l(layer)}|hidden{p.w1.shape[-1]}|sink{p.sink}|"
-                f"recent{p.recent}|{self.ranking}|stats{int(self.stats)}|{self.impl}")
+                f"recent{p.recent}|stats{int(self.stats)}|{self.impl}")
 
     def _query_derope(self, layer: int, q: torch.Tensor, ctx, first: int) -> torch.Tensor:
         """The de-RoPE'd query ``[B, Hq, D]`` (float32) of ``q [B, Hq, 1, D]`` at its position.
 
-        De-RoPE at one position is a linear map, ``x ↦ x @ M`` with ``M = diag(c) − R·diag(n)`` (``c, n``
-        as in :func:`derope` divided by ``c² + n²``, ``R`` the matrix of ``rotate_half``): ``M [B, D, D]`` is
-        built once per step (at the first SAAP layer; every layer's query has the same position) and
-        each layer pays one batched matmul instead of a dozen element-wise kernels."""
+        De-RoPE at one position is a linear map (:func:`runtime_kernels.rope.derope_matrix`): ``M [B, D, D]``
+        is built once per step (at the first SAAP layer; every layer's query has the same position) and
+        each layer pays one batched matmul."""
         if self._rot is None or layer <= self._rot_layer:
-            b, _, _, d = q.shape
-            pos = self._positions(ctx, b, first, 1, q.device)  # [B, 1]
-            cos, sin = ctx.rotary_emb(torch.empty(0, dtype=torch.float32, device=q.device), pos)
-            c, n = cos.float()[:, 0], sin.float()[:, 0]  # [B, D]
-            den = c * c + n * n
-            self._rot = torch.diag_embed(c / den) - _rotate_half_matrix(d, q.device)[None] * (n / den)[:, None, :]
+            pos = self._positions(ctx, q.shape[0], first, 1, q.device)  # [B, 1]
+            cos, sin = ctx.rotary_emb(torch.empty(0, dtype=torch.float32, device=q.device), pos)  # [B, 1, D]
+            self._rot = derope_matrix(cos[:, 0], sin[:, 0])
         self._rot_layer = layer
         return torch.bmm(q[:, :, 0].float(), self._rot)
 
@@ -361,7 +307,10 @@ class SaapDecode:
         """Static-cache hook (:class:`runtime_kernels.generate.StaticGenerator`), outside any graph: the index
         of every SAAP layer in ``layers`` (None: all) is built from ``cache`` (``keys[layer] [B, Hkv,
         max_len + 1, D]``, ``valid`` written) or absorbs the keys that arrived since it was last brought up to
-        date, but the newest one, which the next step writes. Indexes of other layers are dropped."""
+        date, but the newest one, which the next step writes. Indexes of other layers are dropped.
+
+        ``valid`` is the shortest row's count in a ragged batch: one index length serves every row, and a
+        longer row attends its keys past the index densely, with its window (``[searchable_hi, cache_len)``)."""
         for layer, p in enumerate(self.layers):
             if p.dense or p.w1 is None or (layers is not None and layer not in layers):
                 self.index.pop(layer, None)
@@ -388,7 +337,7 @@ class SaapDecode:
         params = self._params(layer, q.device, q.dtype)
         out = saap_decode_attention(q[:, :, 0], k, v, idx, params, top_l=self.layer_top_l(layer),
                                     q_derope=q_de.to(params.w1.dtype), scale=scale, impl=self.impl,
-                                    ranking=self.ranking, cache_len=cache_len)
+                                    cache_len=cache_len)
         if self.stats:
             self._record(layer, q_de, idx, t if cache_len is None else cache_len)
         return out.unsqueeze(2)

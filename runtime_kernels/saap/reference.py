@@ -333,14 +333,12 @@ class BucketIndex:
         return offsets, self.slots[filled].view(b, hkv, n_s)
 
     def gather_buckets(self, buckets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Key positions of the chosen buckets, padded: ``buckets [B, Hkv, L]`` (``-1``: no bucket) ->
+        """Key positions of the chosen buckets, padded: ``buckets [B, Hkv, L]`` ->
         ``positions [B, Hkv, L, M]`` int64 and ``valid [B, Hkv, L, M]`` bool (``M`` = largest chosen bucket).
         """
         c = buckets.long()
-        real = c >= 0  # -1: padding of a variable-size selection (select_buckets' density ranking)
-        c = c.clamp(min=0)
         start = self.slot_start.gather(-1, c).long()  # [B, Hkv, L]
-        cnt = torch.where(real, self.bucket_count.gather(-1, c).long(), 0)
+        cnt = self.bucket_count.gather(-1, c).long()
         m = int(cnt.max()) if cnt.numel() else 0
         ar = torch.arange(m, device=c.device)
         valid = ar < cnt.unsqueeze(-1)  # [B, Hkv, L, M]
@@ -378,39 +376,6 @@ def rank_buckets(probs: torch.Tensor, group: int, top_l: int) -> torch.Tensor:
     b, hq, c = probs.shape
     score = probs.view(b, hq // group, group, c).sum(2)  # [B, Hkv, C]
     return score.topk(min(top_l, c), dim=-1).indices
-
-
-RANKINGS = ("mass", "density")
-
-
-def select_buckets(probs: torch.Tensor, counts: torch.Tensor, group: int, top_l: int, ranking: str = "mass"
-                   ) -> torch.Tensor:
-    """The buckets one decode step visits: ``probs [B, Hq, C]``, ``counts [B, Hkv, C]`` (keys listed per
-    bucket) -> ``[B, Hkv, L]`` int64 bucket ids, ``-1`` = no bucket (padding).
-
-    ``ranking="mass"`` (the paper): :func:`rank_buckets`, the top-ℓ by the group's summed
-    probability ``p_c``. ``ranking="density"`` (our extension): the same number of keys,
-    spent by predicted mass *per key*: buckets in decreasing ``p_c / n_c`` (non-empty ones; ties to the
-    lower id) until the keys of the mass top-ℓ are reached, the bucket that crosses that budget
-    included. Why: a needle's digits can sit in buckets of a few keys whose probability the classifier
-    cannot concentrate (it cannot know which digit comes next), so mass top-ℓ fills the budget with
-    large buckets; density spends a few keys on the small ones (measurements: docs/notes/saap-recipe.md).
-    """
-    if ranking == "mass":
-        return rank_buckets(probs, group, top_l)
-    if ranking != "density":
-        raise ValueError(f"SAAP ranking must be one of {RANKINGS}, got {ranking!r}")
-    b, hq, c = probs.shape
-    score = probs.view(b, hq // group, group, c).sum(2).double()  # [B, Hkv, C]
-    n = counts.long()
-    budget = n.gather(-1, score.topk(min(top_l, c), dim=-1).indices).sum(-1, keepdim=True)  # [B, Hkv, 1]
-    density = torch.where(n > 0, score / n.clamp(min=1), torch.full_like(score, -1.0))
-    order = density.sort(dim=-1, descending=True, stable=True).indices  # stable: ties keep the lower id first
-    n_sorted = n.gather(-1, order)
-    before = n_sorted.cumsum(-1) - n_sorted  # keys taken before each bucket in this order
-    take = (before < budget) & (n_sorted > 0)
-    width = max(1, int(take.sum(-1).max()))  # take is a prefix of the order (densities >= 0 first)
-    return torch.where(take, order, -1)[..., :width]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -457,34 +422,40 @@ def dense_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def saap_decode_attention_reference(q: torch.Tensor, q_derope: torch.Tensor, k_cache: torch.Tensor,
                                     v_cache: torch.Tensor, index: BucketIndex | None, params: SaapLayerParams,
-                                    top_l: int, scale: float | None = None, ranking: str = "mass") -> torch.Tensor:
+                                    top_l: int, scale: float | None = None, cache_len: torch.Tensor | None = None
+                                    ) -> torch.Tensor:
     """SAAP attention for one decode step.
 
     ``q [B, Hq, D]`` RoPE'd query (for the attention), ``q_derope [B, Hq, D]`` (for the classifier),
     ``k_cache, v_cache [B, Hkv, T, D]`` (RoPE'd keys, current token last), ``index`` built for these
     ``T`` keys -> ``[B, Hq, D]`` in ``q.dtype``. ``params.dense`` (layer 0) means plain attention.
-    ``ranking``: which buckets ℓ buys (:func:`select_buckets`).
+    ``cache_len [B]``: row ``b`` holds only its first ``cache_len[b]`` keys (a ragged batch; the index
+    covers the shortest row's).
     """
     b, hq, d = q.shape
     hkv, t = k_cache.shape[1], k_cache.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     if params.dense:
+        if cache_len is not None and int(cache_len.min()) != t:
+            raise ValueError("the dense reference takes one cache length for the whole batch")
         return dense_decode_attention(q, k_cache, v_cache, scale)
-    check_index_fits(index, t, params)
+    check_index_fits(index, t if cache_len is None else int(cache_len.min()), params)
     g = hq // hkv
     lo, hi = dense_region(index, params)
     if top_l <= 0 or lo == hi:  # nothing outside the dense region to rank
         buckets = torch.zeros(b, hkv, 0, dtype=torch.long, device=q.device)
     else:
-        buckets = select_buckets(classify_queries(q_derope, params), index.bucket_count, g, top_l, ranking)
-    return sparse_attention_reference(q, k_cache, v_cache, index, params, buckets, scale)
+        buckets = rank_buckets(classify_queries(q_derope, params), g, top_l)
+    return sparse_attention_reference(q, k_cache, v_cache, index, params, buckets, scale, cache_len)
 
 
 def sparse_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, index: BucketIndex,
-                               params: SaapLayerParams, buckets: torch.Tensor, scale: float) -> torch.Tensor:
-    """Attention over the dense region plus every key of ``buckets [B, Hkv, L]`` (``-1``: none), merged
+                               params: SaapLayerParams, buckets: torch.Tensor, scale: float,
+                               cache_len: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention over the dense region plus every key of ``buckets [B, Hkv, L]``, merged
     exactly: the attention half of :func:`saap_decode_attention_reference`, for a bucket choice made
-    elsewhere (a diagnostic oracle, another ranking). ``q [B, Hq, D]`` -> ``[B, Hq, D]`` in ``q.dtype``."""
+    elsewhere (e.g. a diagnostic oracle). ``q [B, Hq, D]`` -> ``[B, Hq, D]`` in ``q.dtype``;
+    ``cache_len [B]``: the dense region of row ``b`` ends at ``cache_len[b]`` (default: ``T``)."""
     b, hq, d = q.shape
     hkv, t = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
@@ -492,7 +463,10 @@ def sparse_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     lo, hi = dense_region(index, params)
     # partial 0: the dense region (sink + recent window)
     dense_pos = torch.cat([torch.arange(lo, device=q.device), torch.arange(hi, t, device=q.device)])
-    valid = torch.ones(b, hkv, dense_pos.numel(), dtype=torch.bool, device=q.device)
+    if cache_len is None:
+        valid = torch.ones(b, hkv, dense_pos.numel(), dtype=torch.bool, device=q.device)
+    else:
+        valid = (dense_pos[None, :] < cache_len.to(q.device)[:, None])[:, None].expand(b, hkv, -1)
     o0, m0, s0 = partial_attention(qg, k_cache[:, :, dense_pos], v_cache[:, :, dense_pos], valid, scale)
     if hi == lo or buckets.shape[-1] == 0:
         return (o0 / s0.unsqueeze(-1)).reshape(b, hq, d).to(q.dtype)

@@ -17,7 +17,7 @@ A dense layer (``params.dense``) is steps 3-4 with the whole cache as the window
 is memory-bound (classifier weights, gathered K/V rows and slots); small buckets are packed because a
 program's chain of dependent loads (bucket id, slot start, slots, K/V rows) costs more than its few keys.
 
-Design notes (launch layout, performance model, alternatives that lost): docs/notes/kernels.md
+Design notes (launch layout, performance model): docs/notes/kernels.md
 """
 
 from __future__ import annotations

@@ -1,16 +1,15 @@
 """Does SAAP read the needle while it decodes the answer? A per-layer probe of a SAAP artifact.
 
-SAAP loses needles at 8k on SmolLM2 even when a step reads a quarter of the buckets
-(docs/notes/smollm2-investigations.md), and with every bucket visited it decodes exactly as dense does, so the keys
-are indexed: the question is whether the buckets a step *chooses* hold the needle. For held-out
-needle prompts (``eval.cells``), this script
+With every bucket visited SAAP decodes exactly as dense does, so when it loses a needle the question
+is whether the buckets a step *chooses* hold the needle. For held-out needle prompts (``eval.cells``),
+this script
 
 1. answers each prompt greedily, dense and with the artifact (``calib.evaluate.answer_prompts``), to
    know which answers SAAP flips;
 2. teacher-forces the gold answer through eager decode steps with the artifact attached and, at every
    answer step, layer and KV head, records which needle keys (the answer's tokens where they occur in
    the prompt) the step reads (sink, window, or a visited bucket: the same selection the attention
-   uses, ``reference.select_buckets``) and how much of the dense attention of the group's query heads
+   uses, ``reference.rank_buckets``) and how much of the dense attention of the group's query heads
    falls on them.
 
 It prints, per layer, the dense attention mass on the needle and the share of needle keys read,
@@ -76,16 +75,15 @@ class NeedleRecorder:
         return out
 
     def record(self, layer: int, q_de: torch.Tensor, idx: Any, t: Any) -> None:
-        from runtime_kernels.saap.reference import classify_queries, dense_region, select_buckets
+        from runtime_kernels.saap.reference import classify_queries, dense_region, rank_buckets
 
         self._record(layer, q_de, idx, t)
         if not self.positions.numel():
             return
         rt = self.runtime
         params = rt._params(layer, q_de.device)
-        counts = idx.bucket_count.long()
-        buckets = select_buckets(classify_queries(q_de, params), counts, q_de.shape[1] // counts.shape[1],
-                                 rt.layer_top_l(layer), rt.ranking)[0]  # [Hkv, L]
+        group = q_de.shape[1] // idx.bucket_count.shape[1]
+        buckets = rank_buckets(classify_queries(q_de, params), group, rt.layer_top_l(layer))[0]  # [Hkv, L]
         pos = self.positions.to(q_de.device)
         lo, hi = dense_region(idx, params)
         key_bucket = idx.key_bucket_buf[0, :, pos].long()  # [Hkv, n]

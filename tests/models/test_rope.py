@@ -89,3 +89,18 @@ def test_apply_rope_bf16_matches_hf_arithmetic():
     q = torch.randn(1, 4, FAR.numel(), 16).bfloat16()
     hf_q, _ = apply_rotary_pos_emb(q, q, cos.bfloat16()[None], sin.bfloat16()[None])
     assert torch.equal(apply_rope(q, cos, sin), hf_q)
+
+
+@pytest.mark.parametrize("family,arch", [("llama", LLAMA_ARCH), ("qwen2", QWEN2_ARCH)], ids=["llama3", "qwen2"])
+def test_calibration_and_runtime_derope_are_identical(family, arch):
+    """Calibration (``calib.rope``) and SAAP's decode runtime de-RoPE the same keys to the same bits: one
+    implementation (``runtime_kernels.rope``), fed the model's cos/sin by either side."""
+    from runtime_kernels.saap.api import AttentionPositions, SaapDecode
+
+    model = random_model(family, arch)
+    positions = torch.arange(100, 164)
+    k = torch.randn(arch["num_kv_heads"], positions.numel(), arch["head_dim"]).bfloat16()  # [Hkv, T, D]
+    cos, sin = rotary_cos_sin(model, positions)
+    calib_side = derope(k, cos, sin, torch.float32)
+    runtime_side = SaapDecode([], top_l=1)._derope(k[None], AttentionPositions(rotary_module(model)), 100)[0]
+    assert runtime_side.dtype == torch.float32 and torch.equal(calib_side, runtime_side)

@@ -173,7 +173,7 @@ def test_apply_visiting_every_bucket_equals_dense(result, loaded):
     ({"saap": {"top_l": 0}}, "top_l must be >= 1"),
     ({"saap": {"window": 5}}, "does not take the options \\['window'\\]"),
     ({"sale": {"theta": 0.1}}, "runtime options for sale, but no such artifact"),
-    ({"saap": {"ranking": "by-vibes"}}, "ranking must be one of"),
+    ({"saap": {"ranking": "mass"}}, "does not take the options \\['ranking'\\]"),  # mass is the only rule
 ])
 def test_apply_refuses_bad_runtime_options(result, loaded, options, message):
     from runtime_kernels import hf
@@ -196,12 +196,6 @@ def test_eval_top_l_is_a_saap_option():
         runtime_options(cfg, "sale")
     with pytest.raises(UserError, match=">= 1"):
         runtime_options(OmegaConf.create({"eval": {"top_l": 0}}), "saap")
-    both = OmegaConf.create({"eval": {"top_l": 8, "ranking": "density"}})
-    assert runtime_options(both, "saap") == {"saap": {"top_l": 8, "ranking": "density"}}
-    with pytest.raises(UserError, match="eval.ranking is a SAAP setting"):
-        runtime_options(OmegaConf.create({"eval": {"ranking": "density"}}), "sale")
-    with pytest.raises(UserError, match="eval.ranking must be one of"):
-        runtime_options(OmegaConf.create({"eval": {"ranking": "size"}}), "saap")
     per_layer = OmegaConf.create({"eval": {"top_l": None, "top_l_layers": {3: 192, "1": 8}}})
     assert runtime_options(per_layer, "saap") == {"saap": {"top_l_layers": {3: 192, 1: 8}}}
     with pytest.raises(UserError, match="eval.top_l_layers is a SAAP setting"):
@@ -241,23 +235,6 @@ def test_eval_runtime_counts_saap_in_the_static_loop(result, loaded):
         assert 0.0 < r.stats["selectivity"] < r.stats["selectivity_with_window"] < 1.0
 
 
-def test_density_ranking_runs_through_hf(result, loaded):
-    """``options={"saap": {"ranking": "density"}}`` reaches the runtime and its selectivity stats."""
-    from runtime_kernels import hf
-    from runtime_kernels.saap import SaapDecode
-
-    model = loaded.model
-    ids = torch.randint(20, 200, (1, 150), generator=torch.Generator().manual_seed(1))
-    state = hf.apply(model, result["artifact_dir"], options={"saap": {"ranking": "density", "top_l": 1, "stats": True}})
-    try:
-        assert isinstance(state.decode, SaapDecode) and state.decode.ranking == "density"
-        _decode_logits(model, ids, [5, 17])
-        stats = state.decode.pop_stats()
-    finally:
-        hf.remove(model)
-    assert 0.0 < stats["selectivity"] <= 1.0
-
-
 def test_per_layer_default_l_is_written_and_applied(model_dir, loaded, tmp_path):
     """``method.top_l_layers``: the artifact carries the per-layer ℓ, the runtime applies it by default and
     the headline ``at_top_l`` metrics are read at it. ℓ = 1 everywhere but C on layer 1 (the only
@@ -287,7 +264,7 @@ def test_per_layer_default_l_is_written_and_applied(model_dir, loaded, tmp_path)
         assert state.decode.top_l == 1 and state.decode.layer_top_l(1) == C
         from calib.evaluate import runtime_settings
 
-        assert runtime_settings(state) == {"top_l": 1, "top_l_layers": {1: C}, "ranking": "mass"}
+        assert runtime_settings(state) == {"top_l": 1, "top_l_layers": {1: C}}
         sparse = _decode_logits(model, ids, [5, 17, 42])
     finally:
         hf.remove(model)
@@ -312,15 +289,19 @@ def test_foreign_model_is_refused(result):
     (["method.top_l=0"], "method.top_l must be >= 1"),
     (["method.long_range=-5"], "method.long_range must be >= 0"),
     (["method.iterations=0"], "method.iterations must be >= 1"),
-    (["method.clusters=abc"], "method.clusters must be a number"),
+    (["method.clusters=abc"], "method.clusters must be an integer"),
     (["method.dense_layers=[0,1]"], "covers every layer"),
     (["method.dense_layers=[5]"], "out of range"),
-    (["method.kmeans.backend=sklearn"], "method.kmeans.backend must be"),
+    (["method.kmeans.backend=sklearn"], "method.kmeans.backend must be one of auto, faiss, torch"),
+    (["method.classifier.lr=0"], "method.classifier.lr must be > 0"),
+    (["method.prompts=2.5"], "method.prompts must be an integer"),
+    (["method.causal_targets=1"], "method.causal_targets must be true or false"),
+    (["~method.classifier.hidden"], "method.classifier.hidden is not set"),
     (["method.top_l_layers={1: 0}"], "method.top_l_layers needs layers >= 0 and ℓ >= 1"),
     (["method.top_l_layers={0: 4}"], "method.top_l_layers names dense layers \\[0\\]"),
     (["method.top_l_layers={2: 4}"], "method.top_l_layers names layers \\[2\\] out of range"),
     (["method.top_l_layers=[1,2]"], "method.top_l_layers must map layer numbers to ℓ"),
-    (["method.eval.baseline_probe=all"], "baseline_probe must be head, group or both"),
+    (["method.eval.baseline_probe=all"], "method.eval.baseline_probe must be one of head, group, both"),
     (["method.report=some"], "method.report must be one of artifact, full"),
 ])
 def test_validate_errors(model_dir, extra, message):

@@ -86,7 +86,7 @@ def test_derope_inverts_model_rotary():
     x = torch.randn(1, 2, 300, D)
     cos, sin = rot(x, pos)
     post = x * cos.unsqueeze(1) + torch.cat([-x[..., D // 2:], x[..., : D // 2]], -1) * sin.unsqueeze(1)
-    assert torch.allclose(derope(post, cos, sin), x, atol=1e-5)
+    assert torch.allclose(derope(post, cos[:, None], sin[:, None]), x, atol=1e-5)
 
 
 def test_from_artifact_layout():

@@ -18,7 +18,6 @@ from runtime_kernels.saap import (
     rank_buckets,
     saap_decode_attention,
     saap_decode_attention_reference,
-    select_buckets,
 )
 
 
@@ -77,75 +76,6 @@ def test_matches_brute_force_selection(b, hq, hkv, t, d, c, top_l):
     expect = _dense64(q, k, v, keep.unsqueeze(2))
     out = saap_decode_attention_reference(q, qd, k, v, idx, params, top_l=top_l)
     assert torch.allclose(out.double(), expect, atol=1e-5, rtol=1e-5)
-
-
-def test_density_selection_hand_worked():
-    # one KV head, group 2, 6 buckets; group mass p = [0.5, 0.3, 0.1, 0.06, 0.04, 0.0]
-    probs = torch.tensor([[[0.25, 0.15, 0.05, 0.03, 0.02, 0.0], [0.25, 0.15, 0.05, 0.03, 0.02, 0.0]]])
-    counts = torch.tensor([[[40, 10, 1, 2, 0, 3]]])
-    assert select_buckets(probs, counts, 2, 2).tolist() == [[[0, 1]]]  # mass: top-2 = 50 keys
-    # density p/n: b2 0.1, b3 0.03, b1 0.03, b0 0.0125, b5 0 (b4 is empty: never);
-    # ties b1 = b3 (0.03): the lower id first. Keys before each: b2 0, b1 1, b3 11, b0 13 -> all < 50
-    # (b0, which crosses the budget, included), b5 53 -> stops.
-    assert select_buckets(probs, counts, 2, 2, "density").tolist() == [[[2, 1, 3, 0]]]
-    # budget of the mass top-1 = 40 keys: b2, b1, b3 (13 keys) then b0 crosses -> the same four
-    assert select_buckets(probs, counts, 2, 1, "density").tolist() == [[[2, 1, 3, 0]]]
-    with pytest.raises(ValueError, match="ranking must be one of"):
-        select_buckets(probs, counts, 2, 1, "size")
-
-
-def test_density_selection_properties():
-    g = torch.Generator().manual_seed(3)
-    b, hq, hkv, c = 3, 8, 2, 40
-    probs = torch.softmax(3 * torch.randn(b, hq, c, generator=g), -1)
-    counts = torch.randint(0, 30, (b, hkv, c), generator=g)
-    counts[0, 0, :5] = 1  # some tiny buckets
-    score = probs.view(b, hkv, 4, c).sum(2)
-    for top_l in (1, 4, 9):
-        sel = select_buckets(probs, counts, 4, top_l, "density")
-        budget = counts.gather(-1, rank_buckets(probs, 4, top_l)).sum(-1)
-        for i in range(b):
-            for h in range(hkv):
-                ids = [x for x in sel[i, h].tolist() if x >= 0]
-                assert len(ids) == len(set(ids)) and all(counts[i, h, x] > 0 for x in ids)
-                keys = counts[i, h, ids]
-                if budget[i, h] == 0:  # the mass top-ℓ are empty buckets: no keys to spend
-                    assert ids == []
-                    continue
-                assert keys.sum() >= min(budget[i, h], counts[i, h].sum())  # the budget is spent...
-                assert keys[:-1].sum() < budget[i, h]  # ...and only the last bucket crosses it
-                dens = (score[i, h, ids] / keys).tolist()
-                assert dens == sorted(dens, reverse=True)  # in density order
-                rest = [x for x in range(c) if x not in ids and counts[i, h, x] > 0]
-                if rest and len(ids) and keys.sum() < counts[i, h].sum():  # nothing left denser than the last taken
-                    assert max(score[i, h, rest] / counts[i, h, rest]) <= dens[-1] + 1e-12
-    # equal bucket sizes: density order = mass order and the budget is exactly ℓ buckets
-    flat = torch.full((b, hkv, c), 7)
-    for top_l in (1, 5):
-        assert torch.equal(select_buckets(probs, flat, 4, top_l, "density").sort(-1).values,
-                           rank_buckets(probs, 4, top_l).sort(-1).values)
-
-
-@pytest.mark.parametrize("b,hq,hkv,t,d,c", SHAPES, ids=IDS)
-def test_density_attention_matches_brute_force(b, hq, hkv, t, d, c):
-    """Attention over window + the density-selected buckets (padding rows of -1 included) equals float64
-    softmax over exactly those keys; the api routes density to the reference on every impl but triton."""
-    sink, recent = 2, 11
-    q, qd, k, kd, v, params, idx = _case(b, hq, hkv, t, d, c, sink, recent)
-    bucket = ((kd.double().unsqueeze(-2) - params.centroids.double()[None, :, None]) ** 2).sum(-1).argmin(-1)
-    bucket[..., :sink] = -2  # outside the searchable range: not in any bucket list
-    bucket[..., t - recent:] = -2
-    sel = select_buckets(classify_queries(qd, params), idx.bucket_count, hq // hkv, 2, "density")
-    in_sel = (bucket.unsqueeze(-1) == sel.unsqueeze(2)).any(-1)  # -1 padding matches no key
-    pos = torch.arange(t)
-    keep = (pos < sink) | (pos >= t - recent) | in_sel
-    expect = _dense64(q, k, v, keep.unsqueeze(2))
-    out = saap_decode_attention_reference(q, qd, k, v, idx, params, top_l=2, ranking="density")
-    assert torch.allclose(out.double(), expect, atol=1e-5, rtol=1e-5)
-    via_api = saap_decode_attention(q, k, v, idx, params, top_l=2, q_derope=qd, ranking="density")
-    assert torch.equal(via_api, out)
-    with pytest.raises(ValueError, match="ranks by mass only"):
-        saap_decode_attention(q, k, v, idx, params, top_l=2, q_derope=qd, ranking="density", impl="triton")
 
 
 def test_last_bucket_is_visited():

@@ -1,7 +1,9 @@
 """Hydra configuration: resolvers, the list of methods, and validation that fails in one line.
 
 The config groups live in ``conf/`` (``method/``, ``model/``, ``data/``, ``tracking/``, ``collect/``).
-``method`` is not in the defaults list: the user writes ``+method=<name>``.
+``method`` is not in the defaults list: the user writes ``+method=<name>``. A method's settings are
+``conf/method/<name>/default.yaml`` and, for one model, ``conf/method/<name>/<model>.yaml`` (a delta), both
+selected by ``conf/config.yaml``; recipes read them through :mod:`calib.recipe_settings`.
 """
 
 from __future__ import annotations

@@ -88,24 +88,18 @@ def eval_loop(cfg: Any, device: Any, method: str) -> str:
     """``eval.loop``: ``eager``, ``static``, or ``auto`` = ``static`` on CUDA for dense, the prefill methods
     (their stats come from the eager prefill; the decode steps are dense and graph-captured), SAAP and
     SANTA (their selectivity / sample fraction is summed on the device inside the graphs,
-    ``SaapDecode._record``, ``SantaDecode._record_static``), else ``eager``. SAAP's ``eval.ranking=density``
-    decodes in the PyTorch reference, which sizes its selection on the host: no CUDA graph can capture
-    it, so ``auto`` is ``eager`` there and ``static`` on CUDA is refused. ``static`` comes back as
-    ``static-ragged`` (:func:`answer_prompts`) but for SAAP, whose bucket index holds one length per batch.
+    ``SaapDecode._record``, ``SantaDecode._record_static``), else ``eager``. ``static`` comes back as
+    ``static-ragged`` (:func:`answer_prompts`): a cell's prompts, whose token counts differ by less than a
+    sentence, are one or two batches (SAAP indexes the shortest row's keys, the others' few more are dense).
     Dense and sparse answers of one eval go through the same loop and batches, so the paired difference
     is the method's."""
     loop = str(cfg.eval.get("loop") or "auto")
     if loop not in ("auto", "eager", "static"):
         raise UserError(f"eval.loop must be auto, eager or static (got {loop!r})")
     on_cuda = getattr(device, "type", str(device)) == "cuda"
-    host_ranked = method == "saap" and str(cfg.eval.get("ranking") or "mass") != "mass"
     if loop == "auto":
-        loop = "static" if on_cuda and method in ("dense", "saap", "santa", *PREFILL_METHODS) and not host_ranked \
-            else "eager"
-    if loop == "static" and on_cuda and host_ranked:
-        raise UserError("eval.ranking=density runs SAAP's PyTorch reference, which CUDA graphs cannot capture: "
-                        "use eval.loop=eager (or auto)")
-    return "static-ragged" if loop == "static" and method != "saap" else loop
+        loop = "static" if on_cuda and method in ("dense", "saap", "santa", *PREFILL_METHODS) else "eager"
+    return "static-ragged" if loop == "static" else loop
 
 
 def dense_cache_key(loaded: Any, prompts: Sequence[Any], max_new_tokens: int, batch_tokens: int,
@@ -199,7 +193,7 @@ def summarize(dense: list[PromptResult], sparse: list[PromptResult] | None, resa
 
 def runtime_settings(runtime: Any) -> dict[str, Any]:
     """The settings the attached runtime actually uses (the artifact's defaults after the ``eval.*``
-    overrides): SAAP's ``top_l``, per-layer ``top_l_layers`` and ``ranking``; SANTA's per-layer
+    overrides): SAAP's ``top_l`` and per-layer ``top_l_layers``; SANTA's per-layer
     ``schedule`` and its total ``budget``; ``{}`` for other methods. Logged with every evaluation, so a
     held-out result names the operating point it measured."""
     dec = getattr(runtime, "decode", None)
@@ -208,8 +202,7 @@ def runtime_settings(runtime: Any) -> dict[str, Any]:
         return {"schedule": schedule, "budget": sum(schedule)}
     if dec is None or not hasattr(dec, "layer_top_l"):
         return {}
-    return {"top_l": int(dec.top_l), "top_l_layers": {int(k): int(v) for k, v in sorted(dec.top_l_layers.items())},
-            "ranking": str(dec.ranking)}
+    return {"top_l": int(dec.top_l), "top_l_layers": {int(k): int(v) for k, v in sorted(dec.top_l_layers.items())}}
 
 
 def with_statistics(options: dict[str, dict[str, Any]], method: str) -> dict[str, dict[str, Any]]:
@@ -224,9 +217,9 @@ def with_statistics(options: dict[str, dict[str, Any]], method: str) -> dict[str
 def runtime_options(cfg: Any, method: str) -> dict[str, dict[str, Any]]:
     """Runtime overrides from the config: SAAP's ``eval.top_l`` (buckets visited instead of the
     artifact's ℓ, for an ℓ sweep without recalibrating), ``eval.top_l_layers`` (``{layer: ℓ}`` for some
-    layers, e.g. a larger ℓ where the retrieval heads are) and ``eval.ranking`` (``mass`` or ``density``
-    bucket selection); SANTA's ``eval.budget`` (total samples N over all layers instead of the
-    artifact's deployed budget: its learned share p scaled to N). Other methods refuse them."""
+    layers, e.g. a larger ℓ where the retrieval heads are); SANTA's ``eval.budget`` (total samples N over
+    all layers instead of the artifact's deployed budget: its learned share p scaled to N). Other methods
+    refuse them."""
     budget = cfg.eval.get("budget")
     if budget is not None:
         if method != "santa":
@@ -238,13 +231,12 @@ def runtime_options(cfg: Any, method: str) -> dict[str, dict[str, Any]]:
 
 
 def _saap_options(cfg: Any, method: str) -> dict[str, dict[str, Any]]:
-    """SAAP's ``eval.top_l`` / ``eval.top_l_layers`` / ``eval.ranking`` (see :func:`runtime_options`)."""
-    top_l, ranking = cfg.eval.get("top_l"), cfg.eval.get("ranking")
-    per_layer = cfg.eval.get("top_l_layers")
-    if top_l is None and ranking is None and not per_layer:
+    """SAAP's ``eval.top_l`` / ``eval.top_l_layers`` (see :func:`runtime_options`)."""
+    top_l, per_layer = cfg.eval.get("top_l"), cfg.eval.get("top_l_layers")
+    if top_l is None and not per_layer:
         return {}
     if method != "saap":
-        name = "eval.top_l" if top_l is not None else "eval.ranking" if ranking is not None else "eval.top_l_layers"
+        name = "eval.top_l" if top_l is not None else "eval.top_l_layers"
         raise UserError(f"{name} is a SAAP setting; this artifact is {method!r}")
     opts: dict[str, Any] = {}
     if top_l is not None:
@@ -256,12 +248,6 @@ def _saap_options(cfg: Any, method: str) -> dict[str, dict[str, Any]]:
 
         layers = layer_map(per_layer, "eval.top_l_layers")
         opts["top_l_layers"] = layers
-    if ranking is not None:
-        from runtime_kernels.saap.reference import RANKINGS
-
-        if str(ranking) not in RANKINGS:
-            raise UserError(f"eval.ranking must be one of {', '.join(RANKINGS)} (got {ranking!r})")
-        opts["ranking"] = str(ranking)
     return {"saap": opts}
 
 
@@ -381,7 +367,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
                            "eval.max_new_tokens": int(cfg.eval.max_new_tokens),
                            "eval.batch_tokens": int(cfg.eval.get("batch_tokens") or 0),
                            "eval.loop": loop, "eval.suites": ",".join(suites),
-                           "eval.top_l": cfg.eval.get("top_l"), "eval.ranking": cfg.eval.get("ranking"),
+                           "eval.top_l": cfg.eval.get("top_l"),
                            "eval.top_l_layers": str(cfg.eval.get("top_l_layers")), "eval.budget": cfg.eval.get("budget")})
         for name, idx in suite_index.items():
             tracking.log_eval_prompts(suite_config(cfg, name).data, [prompts[i] for i in idx], int(cfg.eval.seed))

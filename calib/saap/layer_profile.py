@@ -1,12 +1,10 @@
 """SAAP's per-layer ℓ, chosen by greedy answers (``method.layer_profile``; our extension, off by default).
 
-The paper visits the same ℓ buckets in every layer (Mazaré et al., arXiv:2502.08246, §4, "Query assignment function";
-§6 reports ~5 % selectivity on Llama-3.1-8B). On SmolLM2-135M the held-out needles at 8k need more in
-a few layers only: ℓ = 32 everywhere loses 7.5 points, ℓ = 64 everywhere still 4, while every bucket in
-layers 15–19 and ℓ = 32 elsewhere loses nothing, and every bucket in any other ten layers saves nothing
-(docs/notes/smollm2-investigations.md, SAAP). Attention recall per layer does not point at those
-layers (layers 20–24 recall less and do not matter), so the choice is made the way SampleAttention's
-profiling makes its own (Zhu et al., arXiv:2406.15486, §4.2.6): by whether greedy answers survive.
+The paper visits the same ℓ buckets in every layer (Mazaré et al., arXiv:2502.08246, §4, "Query assignment
+function"). A small model can need more buckets in a few layers only, and attention recall per layer does
+not point at them (SmolLM2-135M: docs/notes/smollm2-investigations.md, SAAP), so the choice is made the way
+SampleAttention's profiling makes its own (Zhu et al., arXiv:2406.15486, §4.2.6): by whether greedy
+answers survive.
 
 The search (:func:`search`), on ``prompts`` profiling prompts with gold answers (``data.seed``, the
 calibration side, at ``length``: default the longest data length, where SAAP loses most):
@@ -31,15 +29,15 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from calib.config import require
 from calib.errors import UserError
+from calib.recipe_settings import Section
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class ProfileSettings:
-    """``cfg.method.layer_profile`` (conf/method/saap.yaml documents every key)."""
+    """``method.layer_profile`` (conf/method/saap/default.yaml documents every key)."""
 
     enabled: bool = False
     prompts: int = 96
@@ -52,29 +50,14 @@ class ProfileSettings:
     batch_tokens: int = 16384
 
     @classmethod
-    def from_cfg(cls, node: Any) -> "ProfileSettings":
-        node = node or {}
-        try:
-            tasks = node.get("tasks")
-            ladder = node.get("ladder")
-            out = cls(enabled=bool(node.get("enabled", False)), prompts=int(node.get("prompts", 96)),
-                      length=None if node.get("length") is None else int(node.get("length")),
-                      tasks=None if not tasks else [str(t) for t in tasks], group=int(node.get("group", 5)),
-                      max_groups=int(node.get("max_groups", 2)),
-                      ladder=None if ladder is None else [int(x) for x in ladder],
-                      max_drop=float(node.get("max_drop", 0.01)),
-                      batch_tokens=int(node.get("batch_tokens", 16384) or 0))
-        except (TypeError, ValueError):
-            raise UserError(f"method.layer_profile has a value of the wrong type: {dict(node)!r}") from None
-        require(out.prompts >= 1, f"method.layer_profile.prompts must be >= 1 (got {out.prompts})")
-        require(out.length is None or out.length >= 1, f"method.layer_profile.length must be >= 1 or null")
-        require(out.group >= 1, f"method.layer_profile.group must be >= 1 (got {out.group})")
-        require(out.max_groups >= 1, f"method.layer_profile.max_groups must be >= 1 (got {out.max_groups})")
-        require(out.ladder is None or all(x >= 1 for x in out.ladder),
-                f"method.layer_profile.ladder must list ℓ >= 1 or be null (got {out.ladder})")
-        require(0 <= out.max_drop < 1, f"method.layer_profile.max_drop must be in [0, 1) (got {out.max_drop})")
-        require(out.batch_tokens >= 0, f"method.layer_profile.batch_tokens must be >= 0 (got {out.batch_tokens})")
-        return out
+    def read(cls, p: Section) -> "ProfileSettings":
+        """The settings of node ``p`` (``method.layer_profile``), range-checked in one-line errors."""
+        return cls(enabled=p.flag("enabled"), prompts=p.integer("prompts", at_least=1),
+                   length=p.integer("length", optional=True, at_least=1), tasks=p.names("tasks", optional=True),
+                   group=p.integer("group", at_least=1), max_groups=p.integer("max_groups", at_least=1),
+                   ladder=p.integers("ladder", optional=True, at_least=1),
+                   max_drop=p.number("max_drop", at_least=0, below=1),
+                   batch_tokens=p.integer("batch_tokens", at_least=0))
 
 
 @dataclass(frozen=True)
@@ -264,7 +247,7 @@ def profile(cfg: Any, ps: ProfileSettings, loaded: Any, params: dict[int, Any], 
     (log.warning if on_cpu else log.info)(
         "SAAP layer profile: up to %d greedy answers of %d-token prompts (dense + at most %d settings)%s",
         len(prompts) * (1 + trials), prompts[0].length, trials,
-        "; on a CPU that takes hours (smollm2: ~30 s per 8k answer): method.layer_profile.enabled=false skips it"
+        "; on a CPU that takes hours: method.layer_profile.enabled=false skips it"
         if on_cpu else "")
     loop = eval_loop(cfg, device, "saap")
     max_new, batch = int(cfg.eval.max_new_tokens), ps.batch_tokens

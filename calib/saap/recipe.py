@@ -37,8 +37,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from calib.config import layer_map, require
 from calib.data.prompt import answer_token_ids  # noqa: F401 (public here too: the targets' answers)
-from calib.errors import UserError
 from calib.data import take_in_turn
+from calib.errors import UserError
+from calib.recipe_settings import Section, layer_scales, report_mode
 from calib.saap import layer_profile
 from calib.saap.artifact import hyperparameters, method_output  # noqa: F401 (hyperparameters: public here too)
 from calib.saap.kmeans_stage import kmeans_layer
@@ -49,37 +50,9 @@ log = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------------------- config
-def _get(node: Any, key: str, kind: type, *, optional: bool = False) -> Any:
-    """``node[key]`` as ``kind`` (a dotted key descends); unreadable -> one-line UserError."""
-    path, value = key.split("."), node
-    try:
-        for part in path:
-            value = value.get(part) if value is not None else None
-        if value is None and optional:
-            return None
-        if value is None or isinstance(value, bool) != (kind is bool):
-            raise ValueError
-        return kind(value)
-    except Exception:  # noqa: BLE001 - a missing interpolation, text or a wrong type: the same user error
-        raise UserError(f"method.{key} must be {'true/false' if kind is bool else f'a number ({kind.__name__})'}"
-                        f"{' or null' if optional else ''}; set method.{key}=<value>") from None
-
-
-def _int_list(node: Any, key: str, *, optional: bool = False) -> list[int] | None:
-    raw = node.get(key)
-    if raw is None and optional:
-        return None
-    try:
-        if isinstance(raw, (str, bool)) or raw is None:
-            raise ValueError
-        return [int(x) for x in raw]
-    except Exception:  # noqa: BLE001
-        raise UserError(f"method.{key} must be a list of integers, got {raw!r}") from None
-
-
 @dataclass(frozen=True)
 class Settings:
-    """``cfg.method`` parsed and range-checked (conf/method/saap.yaml documents every key)."""
+    """``cfg.method`` read and range-checked once (conf/method/saap/default.yaml documents every key)."""
 
     clusters: int
     iterations: int
@@ -91,20 +64,17 @@ class Settings:
     top_ls: list[int]
     dense_layers: list[int]
     causal_targets: bool
-    causal_top1: bool
     prompts: int
     calib_lengths: list[int] | None
     kmeans_backend: str
     kmeans_use_gpu: bool | str
     max_points_per_centroid: int
-    keys_per_prompt: int | None
     hidden: int
     lr: float
     steps: int
     batch: int
     queries_per_prompt: int
     query_candidates: int | None
-    batch_from_one_prompt: bool
     teacher_forced_answer: bool
     classifier_seed: int
     eval_prompts: int
@@ -113,7 +83,8 @@ class Settings:
     baseline_probe: str
     oracle: bool
     recall_targets: list[float]
-    report: str = "artifact"
+    report: str
+    profile: layer_profile.ProfileSettings
 
     @property
     def full_report(self) -> bool:
@@ -134,85 +105,79 @@ class Settings:
         return self.top_l_layers.get(layer, self.top_l)
 
     @classmethod
-    def from_cfg(cls, m: Any) -> "Settings":
-        km, ev = m.get("kmeans") or {}, m.get("eval") or {}
-        use_gpu = km.get("use_gpu", "auto")
-        return cls(
-            clusters=_get(m, "clusters", int), iterations=_get(m, "iterations", int), window=_get(m, "window", int),
-            sink=_get(m, "sink", int), long_range=_get(m, "long_range", int), top_l=_get(m, "top_l", int),
-            top_l_layers=layer_map(m.get("top_l_layers"), "method.top_l_layers"), top_ls=_int_list(m, "top_ls"), dense_layers=_int_list(m, "dense_layers") or [],
-            causal_targets=_get(m, "causal_targets", bool), causal_top1=_get(m, "causal_top1", bool),
-            prompts=_get(m, "prompts", int), calib_lengths=_int_list(m, "calib_lengths", optional=True),
-            kmeans_backend=str(km.get("backend", "auto")), kmeans_use_gpu=use_gpu,
-            max_points_per_centroid=_get(m, "kmeans.max_points_per_centroid", int),
-            keys_per_prompt=_get(m, "kmeans.keys_per_prompt", int, optional=True),
-            hidden=_get(m, "classifier.hidden", int), lr=_get(m, "classifier.lr", float),
-            steps=_get(m, "classifier.steps", int), batch=_get(m, "classifier.batch", int),
-            queries_per_prompt=_get(m, "classifier.queries_per_prompt", int),
-            query_candidates=_get(m, "classifier.query_candidates", int, optional=True),
-            batch_from_one_prompt=_get(m, "classifier.batch_from_one_prompt", bool),
-            teacher_forced_answer=_get(m, "classifier.teacher_forced_answer", bool),
-            classifier_seed=_get(m, "classifier.seed", int),
-            eval_prompts=_get(m, "eval.prompts", int), eval_queries=_get(m, "eval.queries_per_prompt", int),
-            eval_length=_get(m, "eval.length", int, optional=True),
-            baseline_probe=str(ev.get("baseline_probe", "both")), oracle=bool(ev.get("oracle", True)),
-            recall_targets=[float(x) for x in (ev.get("recall_at_selectivity") or [])],
-            report=str(m.get("report") or "artifact"),
+    def from_cfg(cls, cfg: Any) -> "Settings":
+        """Every ``method.*`` key of ``cfg`` (one-line :class:`UserError` for a bad one); dense layers and
+        per-layer ℓ are checked against ``model.arch.num_layers``."""
+        m = Section(cfg.method, "method")
+        km, cl, ev = m.section("kmeans"), m.section("classifier"), m.section("eval")
+        sink, window = m.integer("sink", at_least=0), m.integer("window")
+        require(window > sink, f"method.window must be > method.sink={sink} (got {window}): the dense region is the "
+                               f"sink plus window - sink recent keys")
+        s = cls(
+            clusters=m.integer("clusters", at_least=2), iterations=m.integer("iterations", at_least=1),
+            window=window, sink=sink, long_range=m.integer("long_range", at_least=0),
+            top_l=m.integer("top_l", at_least=1),
+            top_l_layers=layer_map(m.value("top_l_layers"), m.key("top_l_layers")),
+            top_ls=m.integers("top_ls", at_least=1), dense_layers=m.integers("dense_layers", at_least=0),
+            causal_targets=m.flag("causal_targets"), prompts=m.integer("prompts", at_least=1),
+            calib_lengths=m.integers("calib_lengths", optional=True, at_least=1),
+            kmeans_backend=km.choice("backend", ("auto", "faiss", "torch")),
+            kmeans_use_gpu=km.choice("use_gpu", ("auto", True, False)),
+            max_points_per_centroid=km.integer("max_points_per_centroid", at_least=1),
+            hidden=cl.integer("hidden", at_least=1), lr=cl.number("lr", above=0), steps=cl.integer("steps", at_least=1),
+            batch=cl.integer("batch", at_least=1), queries_per_prompt=cl.integer("queries_per_prompt", at_least=1),
+            query_candidates=cl.integer("query_candidates", optional=True, at_least=1),
+            teacher_forced_answer=cl.flag("teacher_forced_answer"), classifier_seed=cl.integer("seed"),
+            eval_prompts=ev.integer("prompts", at_least=1), eval_queries=ev.integer("queries_per_prompt", at_least=1),
+            eval_length=ev.integer("length", optional=True, at_least=1),
+            baseline_probe=ev.choice("baseline_probe", ("head", "group", "both")), oracle=ev.flag("oracle"),
+            recall_targets=ev.numbers("recall_at_selectivity", above=0, below=1), report=report_mode(m),
+            profile=layer_profile.ProfileSettings.read(m.section("layer_profile")),
         )
+        s.check_layers(Section(cfg.model, "model").section("arch").integer("num_layers", at_least=1))
+        return s
+
+    def check_layers(self, n_layers: int) -> None:
+        """``dense_layers`` and ``top_l_layers`` name layers of a model of ``n_layers`` and leave one sparse."""
+        bad = [x for x in self.dense_layers if x >= n_layers]
+        require(not bad, f"method.dense_layers={self.dense_layers} out of range: the model has layers "
+                         f"0..{n_layers - 1}")
+        require(len(set(self.dense_layers)) < n_layers, "method.dense_layers covers every layer: nothing to calibrate")
+        bad = sorted(x for x in self.top_l_layers if x >= n_layers)
+        require(not bad, f"method.top_l_layers names layers {bad} out of range: the model has layers 0..{n_layers - 1}")
+        dense = sorted(set(self.top_l_layers) & set(self.dense_layers))
+        require(not dense, f"method.top_l_layers names dense layers {dense}: they attend to every key and have no ℓ")
 
 
 def validate(cfg: DictConfig) -> None:
-    """Range checks of ``cfg.method`` (one-line :class:`UserError`)."""
-    s = Settings.from_cfg(cfg.method)
-    layer_profile.ProfileSettings.from_cfg(cfg.method.get("layer_profile"))  # its own range checks
-    require(s.clusters >= 2, f"method.clusters must be >= 2 (got {s.clusters}); the paper uses 1024")
-    require(s.iterations >= 1, f"method.iterations must be >= 1 (got {s.iterations}); the paper uses 10")
-    require(s.sink >= 0, f"method.sink must be >= 0 (got {s.sink}); the paper uses 1")
-    require(s.window > s.sink, f"method.window must be > method.sink={s.sink} (got {s.window}): the dense region "
-                               f"is the sink plus window - sink recent keys (2048 = 1+2047 for llama31)")
-    require(s.top_l >= 1, f"method.top_l must be >= 1 (got {s.top_l}): buckets visited per KV head at decode")
-    require(not set(s.top_l_layers) & set(s.dense_layers),
-            f"method.top_l_layers names dense layers {sorted(set(s.top_l_layers) & set(s.dense_layers))}: "
-            f"they attend to every key and have no ℓ")
-    require(s.long_range >= 0, f"method.long_range must be >= 0 (got {s.long_range}); 1024 for llama31")
-    require(bool(s.top_ls) and min(s.top_ls) >= 1,
-            f"method.top_ls must be a non-empty list of ℓ >= 1 (got {s.top_ls})")
-    for key in ("prompts", "hidden", "steps", "batch", "queries_per_prompt", "max_points_per_centroid",
-                "eval_prompts", "eval_queries"):
-        require(getattr(s, key) >= 1, f"method setting {key} must be >= 1 (got {getattr(s, key)})")
-    for key in ("keys_per_prompt", "query_candidates", "eval_length"):
-        value = getattr(s, key)
-        require(value is None or value >= 1, f"method setting {key} must be >= 1 or null (got {value})")
-    require(s.lr > 0, f"method.classifier.lr must be > 0 (got {s.lr})")
-    require(s.kmeans_backend in ("auto", "faiss", "torch"),
-            f"method.kmeans.backend must be auto, faiss or torch (got {s.kmeans_backend!r})")
-    require(s.kmeans_use_gpu in ("auto", True, False),
-            f"method.kmeans.use_gpu must be auto, true or false (got {s.kmeans_use_gpu!r})")
-    require(s.baseline_probe in ("head", "group", "both"),
-            f"method.eval.baseline_probe must be head, group or both (got {s.baseline_probe!r})")
-    require(s.report in ("artifact", "full"), f"method.report must be one of artifact, full (got {s.report!r})")
-    require(bool(s.recall_targets) and all(0 < t < 1 for t in s.recall_targets),
-            f"method.eval.recall_at_selectivity must be a non-empty list in (0, 1) (got {s.recall_targets})")
-    require(s.calib_lengths is None or (bool(s.calib_lengths) and min(s.calib_lengths) >= 1),
-            f"method.calib_lengths must be null or a non-empty list of lengths (got {s.calib_lengths})")
-    n_layers = OmegaConf.select(cfg, "model.arch.num_layers")
-    if n_layers is not None:
-        bad = [x for x in s.dense_layers if not 0 <= x < int(n_layers)]
-        require(not bad, f"method.dense_layers={s.dense_layers} out of range: the model has layers "
-                         f"0..{int(n_layers) - 1}")
-        require(len(set(s.dense_layers)) < int(n_layers),
-                "method.dense_layers covers every layer: nothing to calibrate")
-        bad = sorted(x for x in s.top_l_layers if x >= int(n_layers))
-        require(not bad, f"method.top_l_layers names layers {bad} out of range: the model has layers "
-                         f"0..{int(n_layers) - 1}")
+    """Range checks of ``cfg.method`` (one-line :class:`UserError`); a layer profile on generated data must
+    name tasks that data generates (``data=synthetic`` on the command line with a model whose profile
+    answers book needles fails here, not after the calibration)."""
+    from calib.data.books import BOOK_TASKS
+    from calib.data.synthetic import TASKS
+
+    profile = Settings.from_cfg(cfg).profile
+    source = str(cfg.data.get("source", "synthetic"))
+    generated = {"synthetic": TASKS, "books": BOOK_TASKS}.get(source)
+    if profile.enabled and profile.tasks and generated is not None:
+        unknown = sorted(set(profile.tasks) - set(generated))
+        require(not unknown, f"method.layer_profile.tasks names {unknown}, which data={source} does not generate "
+                             f"(its tasks: {', '.join(generated)}): set method.layer_profile.tasks")
 
 
 # ------------------------------------------------------------------------------------------ prompts
 def data_needs(cfg: DictConfig) -> dict[str, str | None]:
     """Calibration and held-out rows, no answers needed (a gold answer, when given, is teacher-forced),
-    unless ``method.layer_profile`` scores greedy answers."""
-    profiled = layer_profile.ProfileSettings.from_cfg(cfg.method.get("layer_profile")).enabled
-    return {"calibration": "SAAP's layer profile scores greedy answers" if profiled else None, "evaluation": None}
+    unless ``method.layer_profile`` scores greedy answers on rows of the data. A profile on named tasks of
+    generated data (synthetic tasks, book needles) needs no check: those prompts always carry answers."""
+    from calib.data.books import ANSWERED_TASKS
+    from calib.data.synthetic import TASKS
+
+    profile = Settings.from_cfg(cfg).profile
+    generated = str(cfg.data.get("source", "synthetic")) in ("synthetic", "books")
+    answered = profile.tasks is not None and set(profile.tasks) <= {*TASKS, *ANSWERED_TASKS}
+    needs = profile.enabled and not (generated and answered)
+    return {"calibration": "SAAP's layer profile scores greedy answers" if needs else None, "evaluation": None}
 
 
 ANSWER_ROOM = 64  # positions a teacher-forced calibration prompt leaves free for its gold answer
@@ -284,9 +249,8 @@ def build_prompt_sets(cfg: DictConfig, s: Settings, tokenizer: Any) -> tuple[lis
 
 # ---------------------------------------------------------------------------------- collect + kmeans
 def keys_per_prompt(s: Settings, num_prompts: int) -> int:
-    """Key positions sampled per (prompt, layer, KV head) for k-means (see the module docstring)."""
-    if s.keys_per_prompt is not None:
-        return s.keys_per_prompt
+    """Key positions sampled per (prompt, layer, KV head) for k-means: together the ``clusters x
+    max_points_per_centroid`` keys per KV head that k-means subsamples to at most."""
     return math.ceil(s.clusters * s.max_points_per_centroid / num_prompts)
 
 
@@ -301,14 +265,6 @@ def collect_keys(cfg: DictConfig, loaded: Any, prompts: Sequence[Any], s: Settin
 
 
 # ---------------------------------------------------------------------------------- second pass
-def layer_scales(model: Any) -> dict[int, float | None]:
-    """Softmax scale per layer (the attention module's ``scaling``; None = 1/sqrt(D))."""
-    from calib.collect.capture import attention_modules
-
-    return {i: (float(a.scaling) if getattr(a, "scaling", None) is not None else None)
-            for i, a in attention_modules(model).items()}
-
-
 def derope_capture(model: Any, cap: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """De-RoPE'd ``(q [Hq, T, D], k [Hkv, T, D])`` float32 of a capture, with the model's rotary module."""
     from calib.rope import derope, rotary_cos_sin
@@ -372,7 +328,7 @@ def training_rows(loaded: Any, prompts: Sequence[Any], centroids: dict[int, torc
         gen = sample_generator(seed, cap.prompt_index, cap.layer, "saap-queries")
         kb = assign(kd, on_device[cap.layer])  # [Hkv, T]
         pr = prompt_training_rows(qr, kr, kb, n, s.long_range, s.clusters, prompt_len=prompt_len, sink=s.sink,
-                                  causal_top1=s.causal_top1, causal_targets=s.causal_targets,
+                                  causal_targets=s.causal_targets,
                                   candidates=s.query_candidates, scale=scales[cap.layer], generator=gen)
         r = rows[cap.layer]
         rows_q = qr.gather(1, pr.positions.unsqueeze(-1).expand(-1, -1, qr.shape[-1]))  # [Hq, n, D] RoPE'd
@@ -389,14 +345,15 @@ def training_rows(loaded: Any, prompts: Sequence[Any], centroids: dict[int, torc
 
 def train_layer(rows: TrainingRows, s: Settings, layer: int, device: torch.device,
                 bar: Any = None) -> tuple[Any, torch.Tensor]:
-    """All query heads of one layer at once -> ``(BatchedQueryClassifier, loss curve [steps, Hq])``.
+    """All query heads of one layer at once -> ``(BatchedQueryClassifier, loss curve [steps, Hq])``; each
+    step's batch comes from one prompt (the paper, App. A).
 
     ``bar``: the stage's progress bar (one step per optimizer step); None opens one for this layer."""
     from calib.saap.classifier import fit_query_classifiers
 
     x, t, index = rows.tensors()
     return fit_query_classifiers(x, t, hidden=s.hidden, lr=s.lr, steps=s.steps, batch=s.batch,
-                                 seed=s.classifier_seed, prompt_index=index if s.batch_from_one_prompt else None,
+                                 seed=s.classifier_seed, prompt_index=index,
                                  device=device, desc=f"saap classifiers, layer {layer}", bar=bar)
 
 
@@ -464,7 +421,7 @@ def calibrate(cfg: DictConfig, ctx: Any) -> Any:
     from calib.models import load_model
     from calib.saap import report, resume
 
-    s = Settings.from_cfg(cfg.method)
+    s = Settings.from_cfg(cfg)
     seed = int(cfg.get("seed", 0))
     with ctx.timer.stage("load"):
         loaded = load_model(cfg.model, device=str(ctx.device))
@@ -494,10 +451,10 @@ def calibrate(cfg: DictConfig, ctx: Any) -> Any:
                                                                              ctx.device, bar))
             params[layer], curves[layer] = resume.classifier_from_tensors(done, sink=s.sink, recent=s.recent)
             bar.update(s.steps * (layers.index(layer) + 1) - bar.n)  # a layer loaded from its checkpoint
-    profile, profiling = None, layer_profile.ProfileSettings.from_cfg(cfg.method.get("layer_profile"))
-    if profiling.enabled:
+    profile = None
+    if s.profile.enabled:
         with ctx.timer.stage("layers"):  # per-layer ℓ by greedy answers, before the report evaluates it
-            profile = layer_profile.profile(cfg, profiling, loaded, params, s, ctx.device,
+            profile = layer_profile.profile(cfg, s.profile, loaded, params, s, ctx.device,
                                             {p.prompt_id for p in calib_prompts})
         s = dataclasses.replace(s, top_l_layers={**s.top_l_layers, **profile.top_l_layers})
     with ctx.timer.stage("eval"):

@@ -187,16 +187,16 @@ class PromptRows:
 
 def prompt_training_rows(q_rope: torch.Tensor, k_rope: torch.Tensor, key_bucket: torch.Tensor, n: int,
                          long_range: int, C: int, *, prompt_len: int | None = None, sink: int = 1,
-                         causal_top1: bool = True, causal_targets: bool = False, candidates: int | None = None,
+                         causal_targets: bool = False, candidates: int | None = None,
                          scale: float | None = None, generator: torch.Generator | None = None) -> PromptRows:
     """Training queries and targets of one (possibly teacher-forced) sequence.
 
     ``q_rope [Hq, T, D]``, ``k_rope [Hkv, T, D]``, ``key_bucket [Hkv, T]`` cover the whole sequence;
     ``prompt_len`` (default ``T``) is where the prompt ends and the appended answer begins.
 
-    * ``n`` sampled rows per head: :func:`select_training_queries` and :func:`kl_targets` on the prompt
-      part ``[:prompt_len]`` only, so positions (same ``generator`` state) and targets are those of
-      the prompt alone.
+    * ``n`` sampled rows per head: :func:`select_training_queries` (the long-range test over each query's
+      past keys, as at decode) and :func:`kl_targets` on the prompt part ``[:prompt_len]`` only, so
+      positions (same ``generator`` state) and targets are those of the prompt alone.
     * ``m = T - prompt_len`` answer rows, the same positions for every head
       (:func:`answer_query_positions`), added on top of the ``n`` (not counted in them): causal
       targets over all ``T`` keys, the attention the decode step computes.
@@ -206,7 +206,7 @@ def prompt_training_rows(q_rope: torch.Tensor, k_rope: torch.Tensor, key_bucket:
     if not 0 < prompt_len <= t:
         raise ValueError(f"prompt_len={prompt_len} outside (0, {t}]")
     qp, kp = q_rope[:, :prompt_len], k_rope[:, :prompt_len]
-    pos, is_lr = select_training_queries(qp, kp, n, long_range, sink=sink, causal=causal_top1,
+    pos, is_lr = select_training_queries(qp, kp, n, long_range, sink=sink, causal=True,
                                          candidates=candidates, scale=scale, generator=generator)
     pos = pos.to(q_rope.device)
     tgt = kl_targets(qp, kp, key_bucket[:, :prompt_len], pos, C, causal=causal_targets, sink=sink, scale=scale)

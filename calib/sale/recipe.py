@@ -39,8 +39,8 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from calib.config import require, to_container
 from calib.errors import UserError
+from calib.recipe_settings import Section, layer_scales, report_mode
 from calib.sale.tables import (LadderEval, at_tau, evaluate_ladder, halve_from_table, match_shared_tau,
                                shared_tau_grid, tau_ladder)
 from runtime_kernels.manifest import DataRecord
@@ -48,91 +48,80 @@ from runtime_kernels.sale.api import SalePrefill, estimator_precision, sale_sele
 from runtime_kernels.sale.reference import SaleSelectionConfig
 
 BITS = {4: "int4", 8: "int8"}
-REPORT_MODES = ("artifact", "full")
 
 
 # ------------------------------------------------------------------------------------------- config
-def _number(m: Any, key: str, kind: type = float) -> Any:
-    try:
-        value = m.get(key)
-        if value is None or isinstance(value, bool):
-            raise ValueError
-        return kind(value)
-    except Exception:  # noqa: BLE001 - any unreadable value (missing interpolation, text) is the same user error
-        from omegaconf import OmegaConf
+@dataclass(frozen=True)
+class Settings:
+    """``cfg.method`` read and range-checked once (conf/method/sale/default.yaml documents every key)."""
 
-        raw = OmegaConf.to_container(m, resolve=False).get(key)
-        raise UserError(f"method.{key} must be a number ({kind.__name__}), got {raw!r}; "
-                        f"set method.{key}=<value>") from None
+    theta: float
+    tau0: float
+    tau_min: float
+    selection: SaleSelectionConfig  # bits, block_q, block_k, sink, local
+    num_samples: int
+    calib_length: int | None
+    calib_tasks: list[str] | None
+    report: str
+    sparsity_prompts: int
+    theta_curve: list[float]
+    compare_shared_tau: bool
+    ablation_prompts: int
+    ablation_length: int | None
+
+    @classmethod
+    def from_cfg(cls, cfg: Any) -> "Settings":
+        m = Section(cfg.method, "method")
+        tau0 = m.number("tau0", above=0, at_most=1)
+        selection = SaleSelectionConfig(block_q=m.integer("block_q", at_least=1),
+                                        block_k=m.integer("block_k", at_least=1), sink=m.integer("sink", at_least=0),
+                                        local=m.integer("local", at_least=0), bits=m.choice("bits", tuple(BITS)))
+        return cls(theta=m.number("theta", above=0), tau0=tau0, tau_min=m.number("tau_min", at_least=0, below=tau0),
+                   selection=selection, num_samples=m.integer("num_samples", at_least=1),
+                   calib_length=m.integer("calib_length", optional=True, at_least=1),
+                   calib_tasks=m.names("calib_tasks", optional=True), report=report_mode(m),
+                   sparsity_prompts=m.integer("sparsity_prompts", at_least=1),
+                   theta_curve=m.numbers("theta_curve", optional=True, above=0) or [],
+                   compare_shared_tau=m.flag("compare_shared_tau"),
+                   ablation_prompts=m.integer("ablation_prompts", at_least=0),
+                   ablation_length=m.integer("ablation_length", optional=True, at_least=1))
+
+    @property
+    def full_report(self) -> bool:
+        """The report extras run: sparsity by length, the theta curve, the shared-tau ablation."""
+        return self.report == "full"
+
+    @property
+    def compare(self) -> bool:
+        """The shared-tau ablation runs (a report extra)."""
+        return self.full_report and self.compare_shared_tau
 
 
 def validate(cfg: DictConfig) -> None:
     """Range checks of ``cfg.method`` (one-line :class:`UserError`)."""
-    m = cfg.method
-    theta, tau0, tau_min = _number(m, "theta"), _number(m, "tau0"), _number(m, "tau_min")
-    require(theta > 0, f"method.theta must be > 0 (got {theta}); e.g. method.theta=0.4 for llama31")
-    require(0 < tau0 <= 1, f"method.tau0 must lie in (0, 1] (got {tau0}); the paper uses 0.008")
-    require(0 <= tau_min < tau0, f"method.tau_min must lie in [0, tau0={tau0}) (got {tau_min}); default 1e-4")
-    bits = _number(m, "bits", int)
-    require(bits in BITS, f"method.bits must be 4 or 8 (got {bits}): the Selection-Pass precision")
-    for key in ("block_q", "block_k", "num_samples", "sparsity_prompts"):
-        require(_number(m, key, int) >= 1, f"method.{key} must be >= 1 (got {m.get(key)})")
-    for key in ("sink", "local", "ablation_prompts"):
-        require(_number(m, key, int) >= 0, f"method.{key} must be >= 0 (got {m.get(key)})")
-    for key in ("calib_length", "ablation_length"):
-        if m.get(key) is not None:
-            require(_number(m, key, int) >= 1, f"method.{key} must be >= 1 or null (got {m.get(key)})")
-    tasks = m.get("calib_tasks")
-    require(tasks is None or (not isinstance(tasks, str) and len(tasks) >= 1),
-            f"method.calib_tasks must be null or a non-empty list (got {tasks!r}), e.g. [kv_retrieval]")
-    curve = m.get("theta_curve") or []
-    require(not isinstance(curve, str) and all(float(x) > 0 for x in curve),
-            f"method.theta_curve must be a list of positive multiples of theta (got {curve!r})")
-    require(report_mode(m) in REPORT_MODES,
-            f"method.report must be one of {', '.join(REPORT_MODES)} (got {m.get('report')!r})")
-    require(isinstance(m.get("compare_shared_tau", True), bool),
-            f"method.compare_shared_tau must be true or false (got {m.get('compare_shared_tau')!r})")
-
-
-def report_mode(m: Any) -> str:
-    """``method.report``: ``artifact`` (default) or ``full`` (also the report extras)."""
-    return str(m.get("report") or "artifact")
-
-
-def full_report(m: Any) -> bool:
-    """True when the report extras run: sparsity by length, the theta curve, the shared-tau ablation."""
-    return report_mode(m) == "full"
+    Settings.from_cfg(cfg)
 
 
 def data_needs(cfg: DictConfig) -> dict[str, str | None]:
     """Calibration and held-out rows; answers only for the accuracy ablation (the errors need none)."""
-    m = cfg.method
-    scored = full_report(m) and bool(m.get("compare_shared_tau", True)) and int(m.get("ablation_prompts", 0)) > 0
+    s = Settings.from_cfg(cfg)
     return {"calibration": None,
             "evaluation": "SALE's accuracy ablation scores held-out answers (method.ablation_prompts=0 skips it)"
-            if scored else None}
+            if s.compare and s.ablation_prompts > 0 else None}
 
 
-def selection_config(m: Any) -> SaleSelectionConfig:
-    """The Selection-Pass config of ``cfg.method``."""
-    return SaleSelectionConfig(block_q=int(m.block_q), block_k=int(m.block_k), sink=int(m.sink),
-                               local=int(m.local), bits=int(m.bits))
+def calibration_length(cfg: DictConfig, s: Settings) -> int:
+    return s.calib_length if s.calib_length is not None else max(int(x) for x in cfg.data.lengths)
 
 
-def calibration_length(cfg: DictConfig) -> int:
-    m = cfg.method
-    return int(m.calib_length) if m.get("calib_length") is not None else max(int(x) for x in cfg.data.lengths)
-
-
-def calibration_prompts(cfg: DictConfig, tokenizer: Any) -> list[Any]:
+def calibration_prompts(cfg: DictConfig, s: Settings, tokenizer: Any) -> list[Any]:
     """``num_samples`` prompts (``data.seed``, ``calib_length``), tasks taken in turn."""
     from calib.data import build_prompts
 
-    m = cfg.method
-    n = int(m.num_samples)
-    tasks = [str(t) for t in (m.get("calib_tasks") or cfg.data.tasks or [])]  # file/hub data: [] = every task
+    n = s.num_samples
+    tasks = [str(t) for t in (s.calib_tasks or cfg.data.tasks or [])]  # file/hub data: [] = every task
     per_task = -(-n // max(1, len(tasks)))
-    prompts = build_prompts(cfg.data, tokenizer, seed=int(cfg.data.seed), lengths=[calibration_length(cfg)],
+    prompts = build_prompts(cfg.data, tokenizer, seed=int(cfg.data.seed), lengths=[calibration_length(cfg, s)],
                             tasks=tasks, num_prompts=per_task, purpose="calibration")
     by_task: dict[str, list[Any]] = defaultdict(list)
     for p in prompts:
@@ -165,14 +154,6 @@ class Calibrated:
     err: torch.Tensor  # [S, L, H] float32, Err at the chosen tau per sample
     density: torch.Tensor  # [S, L, H] float32, kept / causal blocks at the chosen tau
     steps: list[int]  # halving evaluations per layer
-
-
-def layer_scales(model: Any) -> dict[int, float | None]:
-    """Softmax scale per layer (the attention module's ``scaling``; None = 1/sqrt(D))."""
-    from calib.collect.capture import attention_modules
-
-    return {i: (float(a.scaling) if getattr(a, "scaling", None) is not None else None)
-            for i, a in attention_modules(model).items()}
 
 
 def collect_tables(loaded: Any, prompts: Sequence[Any], ladder: list[float], sel: SaleSelectionConfig,
@@ -263,8 +244,8 @@ def errors_at_shared_tau(loaded: Any, prompts: Sequence[Any], tau: float,
     return err, density
 
 
-def ablation_accuracy(cfg: DictConfig, loaded: Any, taus: dict[str, torch.Tensor],
-                      sel: SaleSelectionConfig, length: int) -> dict[str, float]:
+def ablation_accuracy(cfg: DictConfig, s: Settings, loaded: Any, taus: dict[str, torch.Tensor],
+                      length: int) -> dict[str, float]:
     """Held-out exact-match accuracy dense and with SALE at each ``taus[name]: [L, H]``."""
     from calib.data import build_prompts
     from calib.evaluate import answer_prompts
@@ -272,13 +253,13 @@ def ablation_accuracy(cfg: DictConfig, loaded: Any, taus: dict[str, torch.Tensor
     from runtime_kernels import hf
 
     prompts = build_prompts(cfg.data, loaded.tokenizer, seed=int(cfg.eval.seed), lengths=[length],
-                            tasks=cfg.data.tasks, num_prompts=int(cfg.method.ablation_prompts),
+                            tasks=cfg.data.tasks, num_prompts=s.ablation_prompts,
                             purpose="evaluation")
     max_new = int(cfg.eval.max_new_tokens)
     correct = {"dense": np.array([r.correct for r in answer_prompts(loaded, prompts, max_new)], dtype=float)}
     out: dict[str, float] = {}
     for name, tau in taus.items():
-        runtime = hf.attach(loaded.model, prefill=SalePrefill(tau, sel))
+        runtime = hf.attach(loaded.model, prefill=SalePrefill(tau, s.selection))
         try:
             res = answer_prompts(loaded, prompts, max_new, runtime=runtime, desc=f"sale {name}")
         finally:
@@ -360,17 +341,14 @@ def calibrate(cfg: DictConfig, ctx: Any) -> Any:
     from calib.models import load_model
     from calib.run import MethodOutput
 
-    m = cfg.method
-    theta, tau0, tau_min = float(m.theta), float(m.tau0), float(m.tau_min)
-    sel = selection_config(m)
-    full = full_report(m)
-    compare = full and bool(m.get("compare_shared_tau", True))
+    s = Settings.from_cfg(cfg)
+    theta, tau0, tau_min, sel, full = s.theta, s.tau0, s.tau_min, s.selection, s.full_report
     with ctx.timer.stage("load"):
         loaded = load_model(cfg.model, device=str(ctx.device))
-        prompts = calibration_prompts(cfg, loaded.tokenizer)
-    length = calibration_length(cfg)
+        prompts = calibration_prompts(cfg, s, loaded.tokenizer)
+    length = calibration_length(cfg, s)
     ladder = tau_ladder(tau0, tau_min)
-    grid = shared_tau_grid() if compare else None
+    grid = shared_tau_grid() if s.compare else None
     with ctx.timer.stage("calibrate"):
         tables = collect_tables(loaded, prompts, ladder, sel, grid)
         cal = halve_layers(tables, theta=theta, tau0=tau0, tau_min=tau_min)
@@ -381,7 +359,7 @@ def calibrate(cfg: DictConfig, ctx: Any) -> Any:
         "tau_mean": float(cal.tau.mean()), "err_dense_floor": float(tables.err[:, -1].max()),
         "bound_met": float(bool(((cal.err <= theta) | (cal.tau == 0)[None]).all())),
     }
-    curve = theta_curve(tables, theta, list(m.get("theta_curve") or []) if full else [], tau0, tau_min)
+    curve = theta_curve(tables, theta, s.theta_curve if full else [], tau0, tau_min)
     if full:
         metrics["sparsity_vs_theta"] = {f"{th:g}": v for th, v in curve.items()}
     by_length: dict[int, list[float]] = {}
@@ -389,7 +367,7 @@ def calibrate(cfg: DictConfig, ctx: Any) -> Any:
         with ctx.timer.stage("sparsity_by_length"):
             held_out = build_prompts(cfg.data, loaded.tokenizer, seed=int(cfg.eval.seed),
                                      lengths=[int(x) for x in cfg.data.lengths], tasks=cfg.data.tasks,
-                                     num_prompts=int(m.sparsity_prompts), purpose="evaluation")
+                                     num_prompts=s.sparsity_prompts, purpose="evaluation")
             by_length = sparsity_by_length(loaded, held_out, cal.tau, sel)
     metrics.update({f"sparsity_at_{n}": float(np.mean(v)) for n, v in by_length.items()})
     # What ran during calibration here (the reference honours 4 bits; the CUDA kernels estimate in int8).
@@ -398,9 +376,9 @@ def calibrate(cfg: DictConfig, ctx: Any) -> Any:
                                "calibration_estimator": ran, "cuda_runtime_estimator": "float" if sel.bits is None
                                else "int8", "ladder": ladder,
                                "sparsity_by_length": {str(n): float(np.mean(v)) for n, v in by_length.items()}}
-    if compare:
+    if s.compare:
         with ctx.timer.stage("ablation"):
-            ablation = shared_tau_ablation(cfg, loaded, prompts, tables, cal, sel, length)
+            ablation = shared_tau_ablation(cfg, s, loaded, prompts, tables, cal, length)
         metrics["ablation"] = {k: v for k, v in ablation.items() if isinstance(v, float)}
         payload["shared_tau"] = ablation
     mlflow.log_dict(per_head_table(cal, theta), "sale/per_head.json")
@@ -415,29 +393,29 @@ def calibrate(cfg: DictConfig, ctx: Any) -> Any:
     hyper = {"theta": theta, "tau0": tau0, "tau_min": tau_min, "bits": sel.bits, "block_q": sel.block_q,
              "block_k": sel.block_k, "sink": sel.sink, "local": sel.local, "smooth_k": sel.smooth_k,
              "num_samples": len(prompts), "calib_length": length,
-             "calib_tasks": to_container(cfg)["method"].get("calib_tasks"), "precision": sel.precision}
+             "calib_tasks": s.calib_tasks, "precision": sel.precision}
     tensors = {"thresholds": {"tau": cal.tau.float().contiguous(), "err": cal.err.float().contiguous(),
                               "density": cal.density.mean(0).float().contiguous()}}
     return MethodOutput(tensors=tensors, hyperparameters=hyper, model=loaded.facts.to_dict(), data=data,
                         metrics=metrics, payload=payload)
 
 
-def shared_tau_ablation(cfg: DictConfig, loaded: Any, prompts: Sequence[Any], tables: CalibTables,
-                        cal: Calibrated, sel: SaleSelectionConfig, length: int) -> dict[str, float]:
+def shared_tau_ablation(cfg: DictConfig, s: Settings, loaded: Any, prompts: Sequence[Any], tables: CalibTables,
+                        cal: Calibrated, length: int) -> dict[str, float]:
     """Per-head vs one shared tau at equal mean sparsity (paper Fig. 3b): worst Err and accuracy."""
-    theta = float(cfg.method.theta)
+    theta = s.theta
     target = float(cal.density.mean())
     tau_shared, predicted = match_shared_tau(tables.kept, tables.causal, shared_tau_grid(), target)
-    err_shared, dens_shared = errors_at_shared_tau(loaded, prompts, tau_shared, sel)
+    err_shared, dens_shared = errors_at_shared_tau(loaded, prompts, tau_shared, s.selection)
     log_shared_tau(cal, err_shared, dens_shared, tau_shared, theta, str(cfg.model.name))
     out = {"tau_shared": tau_shared, "sparsity_per_head": 1 - target, "sparsity_shared": float(1 - dens_shared.mean()),
            "sparsity_shared_predicted": 1 - predicted,
            "err_worst_per_head": float(cal.err.max()), "err_worst_shared": float(err_shared.max()),
            "heads_over_theta_per_head": float((cal.err.amax(0) > theta).float().mean()),
            "heads_over_theta_shared": float((err_shared.amax(0) > theta).float().mean())}
-    if int(cfg.method.ablation_prompts) > 0:
+    if s.ablation_prompts > 0:
         shared = torch.full_like(cal.tau, tau_shared)
-        acc_length = int(cfg.method.get("ablation_length") or length)
-        out.update(ablation_accuracy(cfg, loaded, {"per_head": cal.tau, "shared": shared}, sel, acc_length))
+        acc_length = s.ablation_length or length
+        out.update(ablation_accuracy(cfg, s, loaded, {"per_head": cal.tau, "shared": shared}, acc_length))
         out["ablation_length"] = float(acc_length)
     return out

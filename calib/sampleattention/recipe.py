@@ -10,10 +10,10 @@ Steps (docs/methods.md, SampleAttention; Zhu et al., arXiv:2406.15486, §4.2.6; 
    ``answer_prob`` by default, ``exact_match`` on SmolLM2); threshold = ``min_relative_score`` x dense.
 3. ``tune``: per bucket :func:`calib.sampleattention.tuning.tune_length_bucket` over the grid
    ``alphas_c x alphas_s x chunk_ns``; each point is scored by attaching ``SampleAttentionPrefill`` with
-   that fixed row. Maximize sparsity subject to the threshold; ties (``sparsity_tie_tol``) go to the
+   that fixed row. Maximize sparsity subject to the threshold; ties (:data:`SPARSITY_TIE_TOL`) go to the
    smaller chunk_n, then (GPU, ``measure_time``) to the faster attention. Dominated points are skipped.
 4. ``table3`` (``method.report=full`` only; the default ``artifact`` skips it): at each bucket's chosen
-   alphas, every chunk_n of ``table3_chunk_ns`` (default: ``chunk_ns``) scored on all prompts
+   alphas, every chunk_n of ``table3_chunk_ns`` (null: ``chunk_ns``) scored on all prompts
    (evaluating what the search skipped or stopped early).
 5. ``report``: every evaluated point, skipped point and the choice per bucket
    (``sampleattention/tuning.json``), per-bucket heatmaps (``plots/sampleattention/bucket<i>.png``),
@@ -28,13 +28,16 @@ the nearest shorter tuned row (:func:`build_bucket_table`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from calib.config import require, to_container
+from calib.config import require
+from calib.recipe_settings import Section, report_mode
 from calib.sampleattention.report import BucketReport, heatmap_figure, table3_markdown
 from calib.sampleattention.scoring import SCORES, BucketEvaluator, PointEval
 from calib.sampleattention.tuning import GridPoint, build_bucket_table, tune_length_bucket
@@ -43,50 +46,76 @@ from runtime_kernels.sampleattention.buckets import BucketRow, BucketTable
 log = logging.getLogger(__name__)
 
 
-def _ints(values: Any) -> list[int]:
-    return [int(v) for v in values]
+SPARSITY_TIE_TOL = 0.005  # feasible sparsities within this of the best tie: the smaller chunk_n (less sampling) wins
 
 
-def _floats(values: Any) -> list[float]:
-    return [float(v) for v in values]
+@dataclass(frozen=True)
+class ProfilingSettings:
+    """``method.profiling``: the prompts each grid point is scored on and how they are answered."""
+
+    lengths: list[int]
+    prompts_per_length: int
+    tasks: list[str] | None
+    max_new_tokens: int
+    loop: str  # auto | eager | static
+    batch_tokens: int
+    report_cra: bool
+
+
+@dataclass(frozen=True)
+class Settings:
+    """``cfg.method`` read and range-checked once (conf/method/sampleattention/default.yaml documents every key)."""
+
+    blk: int
+    alphas_c: list[float]  # sorted, distinct
+    alphas_s: list[float]
+    chunk_ns: list[int]
+    table3_chunk_ns: list[int]
+    min_relative_score: float
+    measure_time: bool | str  # auto | True | False
+    score: str
+    report: str
+    bucket_edges: list[int]
+    profiling: ProfilingSettings
+
+    @classmethod
+    def from_cfg(cls, cfg: Any) -> "Settings":
+        m = Section(cfg.method, "method")
+        p = m.section("profiling")
+        chunk_ns = sorted(set(m.integers("chunk_ns", at_least=1)))
+        edges = m.integers("bucket_edges", at_least=1)
+        require(all(a < b for a, b in zip(edges, edges[1:])),
+                f"method.bucket_edges={edges} must be strictly increasing (lower edges of buckets 1..n)")
+        profiling = ProfilingSettings(
+            lengths=p.integers("lengths", at_least=1), prompts_per_length=p.integer("prompts_per_length", at_least=1),
+            tasks=p.names("tasks", optional=True), max_new_tokens=p.integer("max_new_tokens", at_least=1),
+            loop=p.choice("loop", ("auto", "eager", "static")), batch_tokens=p.integer("batch_tokens", at_least=1),
+            report_cra=p.flag("report_cra"))
+        return cls(blk=m.integer("blk", at_least=1), alphas_c=sorted(set(m.numbers("alphas_c", above=0, at_most=1))),
+                   alphas_s=sorted(set(m.numbers("alphas_s", above=0, at_most=1))), chunk_ns=chunk_ns,
+                   table3_chunk_ns=sorted(set(m.integers("table3_chunk_ns", optional=True, at_least=1) or chunk_ns)),
+                   min_relative_score=m.number("min_relative_score", above=0, at_most=1),
+                   measure_time=m.choice("measure_time", ("auto", True, False)), score=m.choice("score", SCORES),
+                   report=report_mode(m), bucket_edges=edges, profiling=profiling)
+
+    @property
+    def grid_points(self) -> int:
+        return len(self.alphas_c) * len(self.alphas_s) * len(self.chunk_ns)
+
+    def timed(self, device: Any) -> bool:
+        """``measure_time``: ``auto`` times the attention per point on CUDA only."""
+        return device.type == "cuda" if self.measure_time == "auto" else bool(self.measure_time)
+
+    def loop_on(self, device: Any) -> str:
+        """``profiling.loop``: ``auto`` = ``static`` on CUDA (exact-match answers batched through the serving
+        loop, as ``calib eval`` answers them there), else ``eager``."""
+        loop = self.profiling.loop
+        return ("static" if device.type == "cuda" else "eager") if loop == "auto" else loop
 
 
 def validate(cfg: DictConfig) -> None:
-    """Range checks of ``cfg.method`` (one-line ``UserError`` naming the key and the fix)."""
-    m = cfg.method
-    require(int(m.blk) >= 1, f"method.blk={m.blk} must be >= 1 (64 in the paper)")
-    for key in ("alphas_c", "alphas_s"):
-        vals = list(m[key] or [])
-        require(bool(vals) and all(0.0 < float(a) <= 1.0 for a in vals),
-                f"method.{key}={vals} must be a non-empty list of CRA thresholds in (0, 1], e.g. [0.8, 0.9, 0.95]")
-    chunk_ns = list(m.chunk_ns or [])
-    require(bool(chunk_ns) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in chunk_ns),
-            f"method.chunk_ns={chunk_ns} must be a non-empty list of integers >= 1, e.g. [1, 2, 4, 6]")
-    table3_ns = m.get("table3_chunk_ns")
-    require(table3_ns is None or (not isinstance(table3_ns, str) and bool(list(table3_ns)) and all(
-        isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in table3_ns)),
-            f"method.table3_chunk_ns={table3_ns} must be null (= chunk_ns) or a non-empty list of integers >= 1")
-    require(0.0 < float(m.min_relative_score) <= 1.0,
-            f"method.min_relative_score={m.min_relative_score} must be in (0, 1]")
-    require(float(m.sparsity_tie_tol) >= 0.0, f"method.sparsity_tie_tol={m.sparsity_tie_tol} must be >= 0")
-    require(str(m.measure_time) in ("auto", "True", "False", "true", "false"),
-            f"method.measure_time={m.measure_time!r} must be auto, true or false")
-    require(str(m.get("report") or "artifact") in ("artifact", "full"),
-            f"method.report={m.get('report')!r} must be one of artifact, full")
-    require(str(m.score) in SCORES, f"method.score={m.score!r} must be one of {', '.join(SCORES)}")
-    edges = list(m.bucket_edges or [])
-    require(all(int(e) > 0 for e in edges) and all(int(a) < int(b) for a, b in zip(edges, edges[1:])),
-            f"method.bucket_edges={edges} must be positive and strictly increasing (lower edges of buckets 1..n)")
-    p = m.profiling
-    lengths = list(p.lengths or [])
-    require(bool(lengths) and all(int(n) >= 1 for n in lengths),
-            f"method.profiling.lengths={lengths} must be a non-empty list of prompt lengths")
-    require(int(p.prompts_per_length) >= 1, f"method.profiling.prompts_per_length={p.prompts_per_length} must be >= 1")
-    require(int(p.max_new_tokens) >= 1, f"method.profiling.max_new_tokens={p.max_new_tokens} must be >= 1")
-    require(str(p.get("loop", "auto")) in ("auto", "eager", "static"),
-            f"method.profiling.loop={p.get('loop')!r} must be auto, eager or static")
-    require(int(p.get("batch_tokens", 16384)) >= 1,
-            f"method.profiling.batch_tokens={p.get('batch_tokens')} must be >= 1")
+    """Range checks of ``cfg.method`` (one-line ``UserError`` naming the key)."""
+    Settings.from_cfg(cfg)
 
 
 def data_needs(cfg: DictConfig) -> dict[str, str | None]:
@@ -94,25 +123,12 @@ def data_needs(cfg: DictConfig) -> dict[str, str | None]:
     return {"calibration": "SampleAttention scores every grid point on the profiling prompts' answers"}
 
 
-def _measure_time(cfg: DictConfig, device: Any) -> bool:
-    flag = str(cfg.method.measure_time).lower()
-    return device.type == "cuda" if flag == "auto" else flag == "true"
-
-
-def _profiling_loop(cfg: DictConfig, device: Any) -> str:
-    """``method.profiling.loop``: ``auto`` = ``static`` on CUDA (exact-match answers batched through the
-    serving loop, as ``calib eval`` answers them there), else ``eager``."""
-    loop = str(cfg.method.profiling.get("loop", "auto"))
-    return ("static" if device.type == "cuda" else "eager") if loop == "auto" else loop
-
-
-def _profiling_prompts(cfg: DictConfig, tokenizer: Any) -> list[Any]:
+def _profiling_prompts(cfg: DictConfig, s: Settings, tokenizer: Any) -> list[Any]:
     from calib.data import build_prompts
 
-    p = cfg.method.profiling
-    tasks = list(p.tasks) if p.get("tasks") else None
-    return build_prompts(cfg.data, tokenizer, seed=int(cfg.data.seed), lengths=_ints(p.lengths), tasks=tasks,
-                         num_prompts=int(p.prompts_per_length), purpose="calibration")
+    p = s.profiling
+    return build_prompts(cfg.data, tokenizer, seed=int(cfg.data.seed), lengths=p.lengths, tasks=p.tasks,
+                         num_prompts=p.prompts_per_length, purpose="calibration")
 
 
 def _by_bucket(edges: list[int], prompts: list[Any]) -> list[list[Any]]:
@@ -129,35 +145,30 @@ def _bucket_bounds(edges: list[int], index: int) -> tuple[int, int | None]:
     return lower, edges[index] if index < len(edges) else None
 
 
-def _tune_bucket(cfg: DictConfig, evaluator: BucketEvaluator, index: int, lengths: list[int]) -> BucketReport:
+def _tune_bucket(s: Settings, evaluator: BucketEvaluator, index: int, lengths: list[int]) -> BucketReport:
     """Dense score, search, Table-3 points of one bucket."""
-    m = cfg.method
-    alphas_c, alphas_s = sorted(set(_floats(m.alphas_c))), sorted(set(_floats(m.alphas_s)))
-    chunk_ns = sorted(set(_ints(m.chunk_ns)))
-    grid = len(alphas_c) * len(alphas_s) * len(chunk_ns)
-    full = str(m.get("report") or "artifact") == "full"
-    table3_ns = sorted(set(_ints(m.get("table3_chunk_ns") or chunk_ns))) if full else []
-    bar = tqdm(total=1 + grid + len(table3_ns), desc=f"sampleattention bucket {index}", unit="point", leave=False)
+    table3_ns = s.table3_chunk_ns if s.report == "full" else []
+    bar = tqdm(total=1 + s.grid_points + len(table3_ns), desc=f"sampleattention bucket {index}", unit="point",
+               leave=False)
     try:
         dense = evaluator.dense()
         bar.update(1)
-        mrs = float(m.min_relative_score)
-        evaluator.threshold = mrs * dense
-        result = tune_length_bucket(evaluator, alphas_c=alphas_c, alphas_s=alphas_s, chunk_ns=chunk_ns,
-                                    dense_score=dense, min_relative_score=mrs, sparsity_tol=float(m.sparsity_tie_tol),
-                                    probe_min_corner=bool(m.get("probe_min_corner", True)),
-                                    on_decided=lambda _: bar.update(1))
-        point = result.chosen.point if result.chosen is not None else GridPoint(alphas_c[-1], alphas_s[-1], chunk_ns[0])
+        evaluator.threshold = s.min_relative_score * dense
+        result = tune_length_bucket(evaluator, alphas_c=s.alphas_c, alphas_s=s.alphas_s, chunk_ns=s.chunk_ns,
+                                    dense_score=dense, min_relative_score=s.min_relative_score,
+                                    sparsity_tol=SPARSITY_TIE_TOL, on_decided=lambda _: bar.update(1))
+        point = result.chosen.point if result.chosen is not None else GridPoint(s.alphas_c[-1], s.alphas_s[-1],
+                                                                                s.chunk_ns[0])
         table3 = {}
         for n in table3_ns:  # Table 3, a report extra: every chunk_n at the chosen alphas, on all prompts
             table3[n] = evaluator.full(GridPoint(point.alpha_c, point.alpha_s, n))
             bar.update(1)
     finally:
         bar.close()
-    lower, upper = _bucket_bounds(_ints(m.bucket_edges), index)
-    dense_exact = sum(s.exact for s in evaluator.dense_scores) / len(evaluator.dense_scores)
+    lower, upper = _bucket_bounds(s.bucket_edges, index)
+    dense_exact = sum(p.exact for p in evaluator.dense_scores) / len(evaluator.dense_scores)
     return BucketReport(index, lower, upper, lengths, len(evaluator.prompts), dense, dense_exact, evaluator.threshold,
-                        result, evaluator.cache, (point.alpha_c, point.alpha_s), table3, grid)
+                        result, evaluator.cache, (point.alpha_c, point.alpha_s), table3, s.grid_points)
 
 
 def _row_metrics(point: GridPoint) -> dict[str, float]:
@@ -186,15 +197,14 @@ def _metrics(reports: list[BucketReport]) -> dict[str, Any]:
     return out
 
 
-def _log_reports(reports: list[BucketReport], cfg: DictConfig) -> None:
+def _log_reports(reports: list[BucketReport], s: Settings) -> None:
     import mlflow
 
     from calib.tracking import log_figure
 
-    alphas_c, alphas_s = sorted(set(_floats(cfg.method.alphas_c))), sorted(set(_floats(cfg.method.alphas_s)))
     mlflow.log_dict({"buckets": [r.to_dict() for r in reports]}, "sampleattention/tuning.json")
     for r in reports:
-        log_figure(heatmap_figure(r, alphas_c, alphas_s), f"plots/sampleattention/bucket{r.index}.png")
+        log_figure(heatmap_figure(r, s.alphas_c, s.alphas_s), f"plots/sampleattention/bucket{r.index}.png")
     if any(r.table3 for r in reports):
         mlflow.log_text(table3_markdown(reports), "sampleattention/table3.md")
         log.info("SampleAttention Table 3 (score / sparsity per chunk_n at the chosen alphas):\n%s",
@@ -211,45 +221,42 @@ def calibrate(cfg: DictConfig, ctx: Any) -> Any:
     from runtime_kernels.manifest import DataRecord
     from runtime_kernels.sampleattention.api import bucket_table_tensor
 
-    m = cfg.method
-    edges = _ints(m.bucket_edges)
+    s = Settings.from_cfg(cfg)
+    edges, p = s.bucket_edges, s.profiling
     with ctx.timer.stage("load"):
         loaded = load_model(cfg.model, device=str(ctx.device))
     with ctx.timer.stage("data"):
-        prompts = _profiling_prompts(cfg, loaded.tokenizer)
-    timing = _measure_time(cfg, ctx.device)
-    loop = _profiling_loop(cfg, ctx.device)
+        prompts = _profiling_prompts(cfg, s, loaded.tokenizer)
+    timing, loop = s.timed(ctx.device), s.loop_on(ctx.device)
     reports: list[BucketReport] = []
     results: list[Any] = []
     for index, bucket_prompts in enumerate(_by_bucket(edges, prompts)):
         if not bucket_prompts:
             results.append(None)
             continue
-        lengths = sorted({p.length for p in bucket_prompts})
-        evaluator = BucketEvaluator(loaded, bucket_prompts, int(m.blk), str(m.score), int(m.profiling.max_new_tokens),
-                                    loop=loop, batch_tokens=int(m.profiling.batch_tokens), timing=timing,
-                                    report_cra=bool(m.profiling.report_cra), early_stop=bool(m.early_stop))
+        lengths = sorted({q.length for q in bucket_prompts})
+        evaluator = BucketEvaluator(loaded, bucket_prompts, s.blk, s.score, p.max_new_tokens, loop=loop,
+                                    batch_tokens=p.batch_tokens, timing=timing, report_cra=p.report_cra)
         with ctx.timer.stage("tune"):
-            report = _tune_bucket(cfg, evaluator, index, lengths)
+            report = _tune_bucket(s, evaluator, index, lengths)
         reports.append(report)
         results.append(report.result)
         chosen = report.chosen_eval()
         log.info("bucket %d %s: dense %.4f, chosen %s (sparsity %.4f), %d of %d points evaluated", index, report.label,
                  report.dense_score, chosen.point if chosen else "none -> dense", chosen.sparsity if chosen else 0.0,
                  len(report.result.evaluated_points), report.grid_points)
-    table = build_bucket_table(edges, results, blk=int(m.blk), max_length=max(_ints(m.profiling.lengths)))
+    table = build_bucket_table(edges, results, blk=s.blk, max_length=max(p.lengths))
     with ctx.timer.stage("report"):
         if mlflow.active_run() is not None:
-            _log_reports(reports, cfg)
-    hyper = {k: v for k, v in to_container(m).items() if k not in ("name", "abi_version")}
-    hyper["measure_time"] = timing
+            _log_reports(reports, s)
+    hyper = {**dataclasses.asdict(s), "measure_time": timing, "sparsity_tie_tol": SPARSITY_TIE_TOL}
     summary = [{"bucket": r.index, "range": r.label, "lengths": r.lengths, "num_prompts": r.num_prompts,
                 "dense_score": r.dense_score, "threshold": r.threshold,
                 "chosen": None if r.chosen_eval() is None else r.chosen_eval().record()} for r in reports]
     data = DataRecord(source=str(cfg.data.source), seed=int(cfg.data.seed), count=len(prompts),
-                      lengths=_ints(m.profiling.lengths), content_hash=dataset_hash(prompts),
-                      tasks=sorted({p.task for p in prompts}),
-                      details={"purpose": "profiling", "prompts_per_length": int(m.profiling.prompts_per_length),
+                      lengths=p.lengths, content_hash=dataset_hash(prompts),
+                      tasks=sorted({q.task for q in prompts}),
+                      details={"purpose": "profiling", "prompts_per_length": p.prompts_per_length,
                                "prompts_per_bucket": {str(r.index): r.num_prompts for r in reports}})
     return MethodOutput(tensors={"buckets": {"table": bucket_table_tensor(table)}}, hyperparameters=hyper,
                         model=loaded.facts.to_dict(), data=data, metrics=_metrics(reports),

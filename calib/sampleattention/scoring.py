@@ -4,37 +4,25 @@ A point ``(alpha_c, alpha_s, chunk_n)`` is scored by plugging :class:`SampleAtte
 one fixed row into the model (``runtime_kernels.hf.attach``) and answering the bucket's prompts. Two
 task scores (``method.score``), both in ``[0, 1]`` per prompt and averaged over the prompts:
 
-* ``answer_prob`` (the default, except on SmolLM2): the gold answer's per-token geometric-mean
-  probability under teacher forcing, ``exp(mean_t log p(y_t | prompt, y_<t))`` over the answer tokens
-  and, for tasks scored by exact match, the end of the answer (the summed probability of the stop
-  tokens: EOS or newline, as greedy decoding stops). Tasks scored by ``contains`` (a model that answers in a sentence, such as
-  SmolLM2: ``… is 1841451. This is the number …``) get no stop term: their reply goes on after the
-  answer, so the stop's probability is ~1e-6 whatever the attention, and as one of ~8 averaged terms it
-  held the dense score near 0.1 and buried the answer tokens' change under its noise (the 8k bucket of
-  SmolLM2 then passed at its sparsest point and lost 17 points held out). Only the
-  prompt's prefill runs SampleAttention; the answer tokens then attend densely to the sparse-prefilled
-  KV cache, exactly as in greedy generation where every decode step is dense. It is continuous: a
-  0.99 x dense threshold on it bounds the *degradation* of the answers, where exact match on a few
-  prompts only says "no prompt flipped" (with a dense score of 1.0 the 0.99 rule on exact match is
-  "all correct", a weak certificate on 5-20 prompts). It also gives ``tf_exact`` (every answer token
-  and the stop are the argmax: what greedy decoding would produce), logged with every point. Where it
-  fails: on SmolLM2 at 8k the point it chose (73 % skipped) moved the teacher-forced probability of 24
-  profiling prompts by 0.1-0.6 % yet flipped 5 % of held-out greedy answers, so that model profiles by
-  ``exact_match`` (``method_defaults.sampleattention.score``; docs/notes/smollm2-investigations.md, SampleAttention).
-* ``exact_match``: greedy generation scored with ``calib.data.is_correct`` (the task's rule,
-  ``data.scoring``; generation stops where ``calib eval``'s does for that rule): the task score of
-  ``calib eval`` and of the paper (§4.2.6 tunes for accuracy relative to full attention). With
+* ``answer_prob``: the gold answer's per-token geometric-mean probability under teacher forcing,
+  ``exp(mean_t log p(y_t | prompt, y_<t))`` over the answer tokens and, for tasks scored by exact
+  match, the end of the answer (the summed probability of the stop tokens: EOS or newline, as greedy
+  decoding stops). Tasks scored by ``contains`` (a model that answers in a sentence) get no stop term:
+  their reply goes on after the answer, so the stop's probability is tiny whatever the attention and
+  would bury the answer tokens' change. Only the prompt's prefill runs SampleAttention; the answer
+  tokens then attend densely to the sparse-prefilled KV cache, as greedy decode steps do. Continuous,
+  so a 0.99 x dense threshold bounds the *degradation* of the answers; it also gives ``tf_exact``
+  (every answer token and the stop are the argmax: what greedy decoding would produce).
+* ``exact_match``: greedy generation scored with ``calib.data.is_correct`` (the task's rule, as
+  ``calib eval`` scores it): the paper's accuracy criterion (§4.2.6), and SmolLM2's choice
+  (conf/method/sampleattention/smollm2.yaml; why: docs/notes/smollm2-investigations.md). With
   ``loop="static"`` (the recipe's choice on CUDA) prompts are answered ``batch_tokens`` at a time
-  through the serving loop (``calib.generation.static_greedy_generate``: SampleAttention prefills rows
-  of one token count together and the others one by one, as in ``calib eval``; the dense decode steps
-  are graph-captured). Eager generation of one prompt at a time made a SmolLM2 run with this score take
-  1180 s of tuning on an H200 (69 points × 24 prompts at 1k-8k).
+  through the serving loop (``calib.generation.static_greedy_generate``, as in ``calib eval``).
 
-Early stop (``method.early_stop``): prompts are scored one at a time (a batch at a time in the static
-loop); once even perfect scores (1.0) on the remaining prompts could not lift the mean to the feasibility
-threshold, the point is failing whatever the rest give, and the evaluator stops and reports that upper
-bound as its score (so the decision is the one a full evaluation makes; sparsity and time are then means
-over the prompts scored).
+Early stop: prompts are scored one at a time (a batch at a time in the static loop); once even perfect
+scores (1.0) on the remaining prompts could not lift the mean to the feasibility threshold, the point is
+failing whatever the rest give, and the evaluator stops and reports that upper bound as its score (so the
+decision is the one a full evaluation makes; sparsity and time are then means over the prompts scored).
 Prompts are ordered so that likely failures come first: ascending dense answer probability
 (``answer_prob``), dense-correct first (``exact_match``).
 """
@@ -149,7 +137,6 @@ class BucketEvaluator:
     batch_tokens: int = 16384  # static loop: prompts per batch = max(1, batch_tokens // longest prompt)
     timing: bool = False
     report_cra: bool = True
-    early_stop: bool = True
     on_point: Callable[[PointEval], None] | None = None
     threshold: float | None = None
     cache: dict[GridPoint, PointEval] = field(default_factory=dict)
@@ -248,8 +235,7 @@ class BucketEvaluator:
             scores += self._score_chunk(chunk, rt)
             total = sum(s.score for s in scores)
             bound = (total + (n - len(scores))) / n
-            if (allow_stop and self.early_stop and self.threshold is not None and len(scores) < n
-                    and bound < self.threshold):
+            if allow_stop and self.threshold is not None and len(scores) < n and bound < self.threshold:
                 result = PointEval(point, scores, n, bound, complete=False)
                 break
         else:

@@ -21,14 +21,13 @@ Pruning rules, each sound under those assumptions (a skipped point could not cha
   3. ``dominates_feasible``: both alphas >= those of a feasible evaluated point ``q`` (same chunk_n)
      => feasible, but sparsity <= q's and time >= q's, so it never beats ``q``.
 
-Search. chunk_n ascending; within one chunk_n, with ``probe_min_corner`` first the sparsest point
-(smallest alpha_c, smallest alpha_s): when it is feasible, rule 3 covers every other point of that
-chunk_n (one evaluation settles it); when it fails it cost one (early-stopped) evaluation. Then a
-staircase (saddleback) walk over the monotone feasibility frontier: start at (largest alpha_c,
-smallest alpha_s); feasible -> next smaller alpha_c, failing -> next larger alpha_s. It evaluates at
-most ``|alphas_c| + |alphas_s| - 1`` points per chunk_n (one more with the probe) and visits every
-minimal feasible point. A final sweep evaluates any grid point no rule covers, so the result equals
-the exhaustive-grid optimum whenever the assumptions hold.
+Search. chunk_n ascending; within one chunk_n first the sparsest point (smallest alpha_c, smallest
+alpha_s): when it is feasible, rule 3 covers every other point of that chunk_n (one evaluation settles
+it); when it fails it cost one (early-stopped) evaluation. Then a staircase (saddleback) walk over the
+monotone feasibility frontier: start at (largest alpha_c, smallest alpha_s); feasible -> next smaller
+alpha_c, failing -> next larger alpha_s. It evaluates at most ``|alphas_c| + |alphas_s|`` points per
+chunk_n (the probe and the walk) and visits every minimal feasible point. A final sweep evaluates any
+grid point no rule covers, so the result equals the exhaustive-grid optimum whenever the assumptions hold.
 """
 
 from __future__ import annotations
@@ -181,7 +180,6 @@ def tune_length_bucket(
     dense_score: float,
     min_relative_score: float = 0.99,
     sparsity_tol: float = 0.0,
-    probe_min_corner: bool = False,
     on_decided: Callable[[GridPoint], None] | None = None,
 ) -> TuningResult:
     """Search one length bucket's grid with the dominance pruning of the module docstring.
@@ -199,8 +197,7 @@ def tune_length_bucket(
     cs, ss, ns = sorted(set(alphas_c)), sorted(set(alphas_s)), sorted(set(chunk_ns))
     search = _Search(evaluate, min_relative_score * dense_score, sparsity_tol, on_decided)
     for n in ns:
-        if probe_min_corner:
-            search.visit(GridPoint(cs[0], ss[0], n))
+        search.visit(GridPoint(cs[0], ss[0], n))  # the sparsest point: feasible settles this chunk_n
         search.staircase(cs, ss, n)
     for n in ns:  # safety net: anything no rule covers gets evaluated (nothing, for monotone tables)
         for c in cs:

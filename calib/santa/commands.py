@@ -31,6 +31,7 @@ import numpy as np
 
 from calib.config import require
 from calib.errors import UserError
+from calib.recipe_settings import Section
 
 log = logging.getLogger("calib.santa")
 
@@ -40,36 +41,21 @@ RUN_FILE = "aggregator-run.json"
 # ------------------------------------------------------------------------------------ settings
 
 
-def _int(value: Any, key: str) -> int:
-    try:
-        if isinstance(value, bool) or value is None or float(value) != int(value):
-            raise ValueError
-        return int(value)
-    except (TypeError, ValueError):
-        raise UserError(f"{key} must be an integer (got {value!r})") from None
-
-
-def _float(value: Any, key: str) -> float:
-    try:
-        if isinstance(value, bool) or value is None:
-            raise ValueError
-        return float(value)
-    except (TypeError, ValueError):
-        raise UserError(f"{key} must be a number (got {value!r})") from None
-
-
 @dataclass(frozen=True)
 class RLSettings:
-    """The ``rl`` block, checked: what the worker, the aggregator and ``run`` need."""
+    """The ``rl`` block, read and range-checked once: what the worker, the aggregator and ``run`` need
+    (conf/method/santa/default.yaml documents every key)."""
 
     dir: Path | None
     num_layers: int  # L (model.arch.num_layers)
+    budget_per_layer: int
     budget: int  # N
     workers: int
     iterations: int
     episodes: int
     questions_per_episode: int
     heldout_questions: int
+    heldout_uniform_placements: bool
     lr: float
     seed: int | None
     max_batches: int | None
@@ -81,47 +67,29 @@ class RLSettings:
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> "RLSettings":
-        rl = cfg.get("rl")
-        require(rl is not None, "no rl block in the config: add +method=santa")
-        layers = _int(cfg.model.arch.num_layers, "model.arch.num_layers")
-        per_layer = _int(rl.budget_per_layer, "rl.budget_per_layer")
-        total = per_layer * layers if rl.get("budget") is None else _int(rl.budget, "rl.budget")
-        opt = {k: rl.get(k) for k in ("seed", "max_batches", "threads", "lease_wait_s")}
+        require(cfg.get("rl") is not None, "no rl block in the config: add +method=santa")
+        rl = Section(cfg.rl, "rl")
+        layers = Section(cfg.model, "model").section("arch").integer("num_layers", at_least=1)
+        per_layer = rl.integer("budget_per_layer")
+        total = rl.integer("budget", optional=True)
+        budget = per_layer * layers if total is None else total
+        require(budget >= layers, f"the SANTA budget N={budget} is below one sample per layer (L={layers}): "
+                                  "raise rl.budget_per_layer (or rl.budget)")
+        path = rl.value("dir")
         return cls(
-            dir=Path(str(rl.dir)).expanduser().resolve() if rl.get("dir") else None,
-            num_layers=layers, budget=total, workers=_int(rl.workers, "rl.workers"),
-            iterations=_int(rl.iterations, "rl.iterations"), episodes=_int(rl.episodes, "rl.episodes"),
-            questions_per_episode=_int(rl.questions_per_episode, "rl.questions_per_episode"),
-            heldout_questions=_int(rl.get("heldout_questions", 0), "rl.heldout_questions"),
-            lr=_float(rl.lr, "rl.lr"),
-            seed=None if opt["seed"] is None else _int(opt["seed"], "rl.seed"),
-            max_batches=None if opt["max_batches"] is None else _int(opt["max_batches"], "rl.max_batches"),
-            threads=None if opt["threads"] is None else _int(opt["threads"], "rl.threads"),
-            poll_s=_float(rl.poll_s, "rl.poll_s"), lease_ttl_s=_float(rl.lease_ttl_s, "rl.lease_ttl_s"),
-            lease_wait_s=None if opt["lease_wait_s"] is None else _float(opt["lease_wait_s"], "rl.lease_wait_s"),
-            temp_max_age_s=_float(rl.temp_max_age_s, "rl.temp_max_age_s"),
+            dir=Path(str(path)).expanduser().resolve() if path else None, num_layers=layers,
+            budget_per_layer=per_layer, budget=budget, workers=rl.integer("workers", at_least=1),
+            iterations=rl.integer("iterations", at_least=0), episodes=rl.integer("episodes", at_least=1),
+            questions_per_episode=rl.integer("questions_per_episode", at_least=1),
+            heldout_questions=rl.integer("heldout_questions", at_least=1),
+            heldout_uniform_placements=rl.flag("heldout_uniform_placements"),
+            lr=rl.number("lr", above=0), seed=rl.integer("seed", optional=True),
+            max_batches=rl.integer("max_batches", optional=True, at_least=1),
+            threads=rl.integer("threads", optional=True, at_least=1),
+            poll_s=rl.number("poll_s", above=0), lease_ttl_s=rl.number("lease_ttl_s", above=0),
+            lease_wait_s=rl.number("lease_wait_s", optional=True, at_least=0),
+            temp_max_age_s=rl.number("temp_max_age_s", above=0),
         )
-
-    def check(self) -> None:
-        """Range checks (one-line UserError)."""
-        require(self.num_layers >= 1, f"model.arch.num_layers must be >= 1 (got {self.num_layers})")
-        require(self.budget >= self.num_layers,
-                f"the SANTA budget N={self.budget} is below one sample per layer (L={self.num_layers}): "
-                "raise rl.budget_per_layer (or rl.budget)")
-        require(self.workers >= 1, f"rl.workers must be >= 1 (got {self.workers})")
-        require(self.iterations >= 0, f"rl.iterations must be >= 0 (got {self.iterations})")
-        require(self.episodes >= 1, f"rl.episodes must be >= 1 (got {self.episodes})")
-        require(self.questions_per_episode >= 1,
-                f"rl.questions_per_episode must be >= 1 (got {self.questions_per_episode})")
-        require(self.heldout_questions >= 1, f"rl.heldout_questions must be >= 1 (got {self.heldout_questions})")
-        require(self.lr > 0 and np.isfinite(self.lr), f"rl.lr must be a positive number (got {self.lr})")
-        require(self.max_batches is None or self.max_batches >= 1,
-                f"rl.max_batches must be >= 1 or null (got {self.max_batches})")
-        require(self.threads is None or self.threads >= 1, f"rl.threads must be >= 1 or null (got {self.threads})")
-        for key in ("poll_s", "lease_ttl_s", "temp_max_age_s"):
-            require(getattr(self, key) > 0, f"rl.{key} must be > 0 (got {getattr(self, key)})")
-        require(self.lease_wait_s is None or self.lease_wait_s >= 0,
-                f"rl.lease_wait_s must be >= 0 or null (got {self.lease_wait_s})")
 
     def require_dir(self, command: str) -> Path:
         """``rl.dir``, which must be set and be (or be creatable as) a writable directory."""
@@ -134,40 +102,12 @@ class RLSettings:
         return self.dir
 
 
-def validate_reward(cfg: Any) -> None:
-    """Range checks of ``method`` (estimator, tiling, reward) shared by run, worker and aggregator."""
-    from runtime_kernels.santa.reference import ESTIMATORS, TILINGS
-
-    m = cfg.method
-    require(str(m.estimator) in ESTIMATORS, f"method.estimator must be one of {', '.join(ESTIMATORS)} "
-                                            f"(got {m.estimator!r})")
-    require(str(m.tiling) in TILINGS, f"method.tiling must be one of {', '.join(TILINGS)} (got {m.tiling!r})")
-    require(str(m.tiling) == "none" or str(m.estimator) == "sys",
-            f"method.tiling={m.tiling} samples systematically inside tiles: use method.estimator=sys "
-            "(or method.tiling=none)")
-    require(_int(m.tile, "method.tile") >= 1, f"method.tile must be >= 1 (got {m.tile})")
-    reward = m.reward
-    phases = list(reward.phases) if not isinstance(reward.phases, str) else [reward.phases]
-    require("decode" in phases and set(phases) <= {"prefill", "decode"},
-            f"method.reward.phases must be [decode] or [prefill,decode] (got {phases})")
-    if reward.get("length") is not None:
-        require(_int(reward.length, "method.reward.length") >= 16,
-                f"method.reward.length must be >= 16 tokens or null (got {reward.length})")
-    if reward.get("max_new_tokens") is not None:
-        require(_int(reward.max_new_tokens, "method.reward.max_new_tokens") >= 1,
-                f"method.reward.max_new_tokens must be >= 1 or null (got {reward.max_new_tokens})")
-    pool = _int(reward.pool, "method.reward.pool")
-    require(pool >= _int(cfg.rl.questions_per_episode, "rl.questions_per_episode"),
-            f"method.reward.pool ({pool}) must be >= rl.questions_per_episode ({cfg.rl.questions_per_episode}): "
-            "an episode draws distinct questions")
-
-
 def settings(cfg: Any) -> RLSettings:
-    """Checked :class:`RLSettings` plus the method checks."""
-    s = RLSettings.from_cfg(cfg)
-    s.check()
-    validate_reward(cfg)
-    return s
+    """Checked :class:`RLSettings`, after the method's reward settings are checked too."""
+    from calib.santa.reward import RewardSettings
+
+    RewardSettings.from_cfg(cfg)
+    return RLSettings.from_cfg(cfg)
 
 
 def setup_logging() -> None:
@@ -190,10 +130,10 @@ def worker_seed(seed: int | None, worker_id: str) -> np.random.SeedSequence | No
 def prepare_worker(cfg: Any) -> tuple[Any, Any]:
     """Load the model and build the reward evaluator: ``(loaded, evaluate)``."""
     from calib.models import load_model, resolve_device
-    from calib.santa.reward import make_evaluator, reward_prompts
+    from calib.santa.reward import RewardSettings, make_evaluator, reward_prompts
 
     loaded = load_model(cfg.model, device=str(resolve_device(str(cfg.get("device", "auto")))))
-    pool = reward_prompts(cfg, loaded.tokenizer, heldout=False, count=int(cfg.method.reward.pool))
+    pool = reward_prompts(cfg, loaded.tokenizer, heldout=False, count=RewardSettings.from_cfg(cfg).pool)
     return loaded, make_evaluator(cfg, loaded, pool)
 
 
@@ -331,14 +271,16 @@ def aggregator(cfg: Any) -> dict[str, Any]:
     from calib import tracking
     from calib.santa.aggregator import exit_on_sigterm
 
+    from calib.santa.reward import RewardSettings
+
     exit_on_sigterm()
-    s = settings(cfg)
+    s, rs = settings(cfg), RewardSettings.from_cfg(cfg)
     rl_dir = s.require_dir("aggregator")
     setup_logging()
     params = {"rl_dir": rl_dir, "num_layers": s.num_layers, "budget": s.budget, "iterations": s.iterations,
               "lr": s.lr, "episodes": s.episodes, "questions_per_episode": s.questions_per_episode,
-              "model": cfg.model.name, "estimator": cfg.method.estimator, "tiling": cfg.method.tiling,
-              "tile": cfg.method.tile, "phases": list(cfg.method.reward.phases)}
+              "model": cfg.model.name, "estimator": rs.estimator, "tiling": rs.tiling, "tile": rs.tile,
+              "phases": list(rs.phases)}
     logger = IterationLogger(tracking.resolve_target(cfg.get("tracking")), rl_dir, f"santa-aggregator-{cfg.model.name}",
                              params)
     failed = True

@@ -27,8 +27,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from calib.config import require
-from calib.errors import UserError
+from calib.recipe_settings import Section
 
 log = logging.getLogger("calib.santa")
 
@@ -44,22 +43,10 @@ class DeploySettings:
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> "DeploySettings":
-        d = cfg.method.get("deploy")
-        require(d is not None, "no method.deploy block: add +method=santa")
-        try:
-            ladder = tuple(int(b) for b in d.budgets_per_layer)
-            length = d.get("length")
-            out = cls(budgets_per_layer=ladder, questions=int(d.questions), tolerance=float(d.tolerance),
-                      length=None if length is None else int(length))
-        except (TypeError, ValueError):
-            raise UserError("method.deploy needs budgets_per_layer (a list of integers), questions (an integer), "
-                            f"tolerance (a number) and length (an integer or null); got {dict(d)}") from None
-        require(len(ladder) >= 1 and min(ladder) >= 1,
-                f"method.deploy.budgets_per_layer must be a non-empty list of integers >= 1 (got {list(ladder)})")
-        require(out.questions >= 1, f"method.deploy.questions must be >= 1 (got {out.questions})")
-        require(0 <= out.tolerance < 1, f"method.deploy.tolerance must lie in [0, 1) (got {out.tolerance})")
-        require(out.length is None or out.length >= 1, f"method.deploy.length must be >= 1 or null (got {out.length})")
-        return out
+        d = Section(cfg.method, "method").section("deploy")
+        return cls(budgets_per_layer=tuple(d.integers("budgets_per_layer", at_least=1)),
+                   questions=d.integer("questions", at_least=1), tolerance=d.number("tolerance", at_least=0, below=1),
+                   length=d.integer("length", optional=True, at_least=1))
 
 
 def ladder(num_layers: int, budgets_per_layer: Sequence[int], training_budget: int) -> list[int]:
@@ -126,15 +113,15 @@ def run_ladder(cfg: Any, loaded: Any, probs: np.ndarray, training_budget: int, s
     from calib.santa.reward import RewardSettings, new_token_budgets, question_seeds, reward_prompts
     from runtime_kernels.santa.schedule import apportion
 
-    ds = DeploySettings.from_cfg(cfg)
+    ds, rs = DeploySettings.from_cfg(cfg), RewardSettings.from_cfg(cfg)
     layers = len(probs)
     budgets = [n for n in ladder(layers, ds.budgets_per_layer, training_budget) if n >= layers]
-    prompts = reward_prompts(cfg, loaded.tokenizer, heldout=False, count=ds.questions, skip=int(cfg.method.reward.pool),
+    prompts = reward_prompts(cfg, loaded.tokenizer, heldout=False, count=ds.questions, skip=rs.pool,
                              setting="method.deploy.questions", allow_fewer=True, length=ds.length)
     if len(prompts) < ds.questions:
         log.warning("the data holds %d calibration questions beyond the reward pool; the budget ladder uses them "
                     "instead of method.deploy.questions=%d", len(prompts), ds.questions)
-    max_new = new_token_budgets(prompts, loaded.tokenizer, RewardSettings.from_cfg(cfg))
+    max_new = new_token_budgets(prompts, loaded.tokenizer, rs)
     learned = {n: apportion(probs.tolist(), n) for n in budgets}
     schedules: dict[str, list[int] | None] = {"dense": None}
     for n in budgets:

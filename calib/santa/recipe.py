@@ -51,6 +51,7 @@ from omegaconf import DictConfig
 from calib.config import to_container
 from calib.errors import UserError
 from calib.santa.commands import IterationLogger, RLSettings, final_schedule, run_aggregator_checked, settings
+from calib.santa.reward import RewardSettings
 from runtime_kernels.manifest import DataRecord
 
 log = logging.getLogger("calib.santa")
@@ -194,14 +195,13 @@ def _data_record(cfg: DictConfig, prompts: list[Any]) -> DataRecord:
                                "prompt_ids": [p.prompt_id for p in prompts]})
 
 
-def _hyperparameters(cfg: DictConfig, s: RLSettings) -> dict[str, Any]:
-    m, reward = cfg.method, cfg.method.reward
-    return {"N": s.budget, "budget_per_layer": int(cfg.rl.budget_per_layer), "num_layers": s.num_layers,
+def _hyperparameters(s: RLSettings, rs: RewardSettings) -> dict[str, Any]:
+    return {"N": s.budget, "budget_per_layer": s.budget_per_layer, "num_layers": s.num_layers,
             "iterations": s.iterations, "lr": s.lr, "episodes": s.episodes,
             "questions_per_episode": s.questions_per_episode, "workers": s.workers,
-            "heldout_questions": s.heldout_questions, "estimator": str(m.estimator), "tiling": str(m.tiling),
-            "tile": int(m.tile), "phases": [str(p) for p in reward.phases],
-            "reward_pool": int(reward.pool), "reward_max_new_tokens": reward.get("max_new_tokens")}
+            "heldout_questions": s.heldout_questions, "estimator": rs.estimator, "tiling": rs.tiling,
+            "tile": rs.tile, "phases": list(rs.phases), "reward_pool": rs.pool,
+            "reward_max_new_tokens": rs.max_new_tokens}
 
 
 def calibrate(cfg: DictConfig, ctx: Any) -> Any:
@@ -215,7 +215,7 @@ def calibrate(cfg: DictConfig, ctx: Any) -> Any:
     from calib.santa.policy import deployment_probs, schedule_from_policy, softmax
     from calib.santa.reward import reward_prompts
 
-    s = settings(cfg)
+    s, rs = settings(cfg), RewardSettings.from_cfg(cfg)
     DeploySettings.from_cfg(cfg)  # fail before training, not after
     rl_dir = s.dir or default_rl_dir(ctx.run_id)
     log.info("SANTA REINFORCE in %s: L=%d, N=%d, %d workers, %d iterations", rl_dir, s.num_layers, s.budget,
@@ -226,7 +226,7 @@ def calibrate(cfg: DictConfig, ctx: Any) -> Any:
     uniform = schedule_from_policy(np.zeros(s.num_layers), s.budget)
     with ctx.timer.stage("load"):
         loaded = load_model(cfg.model, device=str(ctx.device))
-        pool = reward_prompts(cfg, loaded.tokenizer, heldout=False, count=int(cfg.method.reward.pool))
+        pool = reward_prompts(cfg, loaded.tokenizer, heldout=False, count=rs.pool)
     with ctx.timer.stage("heldout"):
         metrics = heldout_comparison(cfg, loaded, learned, uniform, s.heldout_questions, shards=s.workers)
     probs = deployment_probs(theta)
@@ -244,9 +244,9 @@ def calibrate(cfg: DictConfig, ctx: Any) -> Any:
                     "training_schedule": {f"layer_{i}": float(x) for i, x in enumerate(learned)},
                     "p": {f"layer_{i}": float(x) for i, x in enumerate(p64)}})
     return MethodOutput(tensors=_artifact_tensors(deployed, theta, probs),
-                        hyperparameters={**_hyperparameters(cfg, s), "default_budget": ladder.default_budget},
+                        hyperparameters={**_hyperparameters(s, rs), "default_budget": ladder.default_budget},
                         model=loaded.facts.to_dict(), data=_data_record(cfg, pool), metrics=metrics,
-                        payload=_payload(cfg, rl_dir, iteration, summary, learned, uniform, ladder))
+                        payload=_payload(rs, rl_dir, iteration, summary, learned, uniform, ladder))
 
 
 def _artifact_tensors(deployed: list[int], theta: np.ndarray, probs: np.ndarray) -> dict[str, dict[str, torch.Tensor]]:
@@ -257,11 +257,10 @@ def _artifact_tensors(deployed: list[int], theta: np.ndarray, probs: np.ndarray)
                          "probs": torch.as_tensor(probs, dtype=torch.float32)}}
 
 
-def _payload(cfg: DictConfig, rl_dir: Path, iteration: int, summary: Any, learned: np.ndarray, uniform: np.ndarray,
-             ladder: Any) -> dict[str, Any]:
-    m = cfg.method
-    return {"estimator": str(m.estimator), "tiling": str(m.tiling), "tile": int(m.tile),
-            "phases": [str(p) for p in m.reward.phases], "schedule": ladder.schedules[ladder.default_budget],
+def _payload(rs: RewardSettings, rl_dir: Path, iteration: int, summary: Any, learned: np.ndarray,
+             uniform: np.ndarray, ladder: Any) -> dict[str, Any]:
+    return {"estimator": rs.estimator, "tiling": rs.tiling, "tile": rs.tile,
+            "phases": list(rs.phases), "schedule": ladder.schedules[ladder.default_budget],
             "default_budget": ladder.default_budget, "default_budget_within_tolerance": ladder.within_tolerance,
             "training_budget": int(np.sum(learned)), "training_schedule": learned.tolist(),
             "uniform_schedule": uniform.tolist(), "rl_dir": str(rl_dir), "iterations": int(iteration),

@@ -26,9 +26,8 @@ one batch, not eleven); ``eager`` is transformers' DynamicCache with a Python pa
 step; ``auto`` (the default) is ``static`` on CUDA. The two draw the same samples (offsets keyed by seed,
 layer and position: :mod:`runtime_kernels.santa.draws`), so they give the same answers up to
 floating-point ties; the static loop decodes every one of the budget's steps (it cannot stop a graph
-early) and cuts each reply at its stop token. Why: on smollm2 the eager loop is launch-bound (a 135M
-model's decode step is ~1,000 small kernels, each costing more host time than GPU time): 16 questions
-of 1k tokens and 32 new tokens took 7.3 s dense eager and 0.74 s static on an H100.
+early) and cuts each reply at its stop token. Why: for a small model the eager loop is launch-bound (a
+decode step is many small kernels, each costing more host time than GPU time).
 """
 
 from __future__ import annotations
@@ -39,7 +38,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from calib.config import require
 from calib.errors import UserError
+from calib.recipe_settings import Section
 
 Evaluate = Callable[[list[int], np.random.Generator], float]
 SEED_BOUND = 2**62  # torch.Generator.manual_seed takes a 64-bit seed
@@ -48,7 +49,8 @@ LOOPS = ("auto", "eager", "static")
 
 @dataclass(frozen=True)
 class RewardSettings:
-    """What a reward episode runs (from ``cfg.method`` and ``cfg.rl``)."""
+    """What a reward episode runs (``method.*``, ``method.reward.*`` and ``rl.questions_per_episode``),
+    read and range-checked once (conf/method/santa/default.yaml documents every key)."""
 
     estimator: str
     tiling: str
@@ -59,20 +61,37 @@ class RewardSettings:
     cap_new_tokens: int
     batch_tokens: int = 0  # questions of one length answered together, up to this many prompt tokens
     loop: str = "auto"  # auto | eager | static (module docstring)
+    tasks: list[str] | None = None  # synthetic tasks of the questions (None: data.tasks)
+    length: int | None = None  # synthetic question length in tokens (None: the shortest data length)
+    pool: int = 128  # reward questions that episodes draw from
+    heldout_dense: bool = True  # also score the held-out questions densely
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> "RewardSettings":
-        m, reward = cfg.method, cfg.method.reward
-        fixed = reward.get("max_new_tokens")
-        return cls(estimator=str(m.estimator), tiling=str(m.tiling), tile=int(m.tile),
-                   phases=tuple(str(p) for p in reward.phases), questions=int(cfg.rl.questions_per_episode),
-                   max_new_tokens=None if fixed is None else int(fixed), cap_new_tokens=int(cfg.eval.max_new_tokens),
-                   batch_tokens=int(cfg.eval.get("batch_tokens") or 0), loop=str(reward.get("loop") or "auto"))
+        from runtime_kernels.santa.reference import ESTIMATORS, TILINGS
+
+        m = Section(cfg.method, "method")
+        r = m.section("reward")
+        estimator, tiling = m.choice("estimator", ESTIMATORS), m.choice("tiling", TILINGS)
+        require(tiling == "none" or estimator == "sys", f"method.tiling={tiling} samples systematically inside "
+                                                        "tiles: use method.estimator=sys (or method.tiling=none)")
+        phases = r.names("phases")
+        require("decode" in phases and set(phases) <= {"prefill", "decode"},
+                f"method.reward.phases must be [decode] or [prefill,decode] (got {phases})")
+        questions = Section(cfg.rl, "rl").integer("questions_per_episode", at_least=1)
+        pool = r.integer("pool")
+        require(pool >= questions, f"method.reward.pool ({pool}) must be >= rl.questions_per_episode ({questions}): "
+                                   "an episode draws distinct questions")
+        ev = Section(cfg.eval, "eval")
+        return cls(estimator=estimator, tiling=tiling, tile=m.integer("tile", at_least=1), phases=tuple(phases),
+                   questions=questions, max_new_tokens=r.integer("max_new_tokens", optional=True, at_least=1),
+                   cap_new_tokens=ev.integer("max_new_tokens", at_least=1),
+                   batch_tokens=ev.integer("batch_tokens", at_least=0), loop=r.choice("loop", LOOPS),
+                   tasks=r.names("tasks", optional=True), length=r.integer("length", optional=True, at_least=16),
+                   pool=pool, heldout_dense=r.flag("heldout_dense"))
 
     def loop_on(self, device: Any) -> str:
         """The loop that answers on ``device``: ``auto`` is ``static`` on CUDA, else ``eager``."""
-        if self.loop not in LOOPS:
-            raise UserError(f"method.reward.loop must be one of {', '.join(LOOPS)} (got {self.loop!r})")
         if self.loop != "auto":
             return self.loop
         return "static" if getattr(device, "type", str(device)) == "cuda" else "eager"
@@ -80,8 +99,8 @@ class RewardSettings:
 
 def reward_length(cfg: Any) -> int:
     """Prompt length of synthetic reward questions (``method.reward.length``, null: shortest data length)."""
-    length = cfg.method.reward.get("length")
-    return int(length) if length is not None else min(int(x) for x in cfg.data.lengths)
+    length = RewardSettings.from_cfg(cfg).length
+    return length if length is not None else min(int(x) for x in cfg.data.lengths)
 
 
 def reward_prompts(cfg: Any, tokenizer: Any, *, heldout: bool, count: int, skip: int = 0,
@@ -102,7 +121,7 @@ def reward_prompts(cfg: Any, tokenizer: Any, *, heldout: bool, count: int, skip:
     purpose = "evaluation" if heldout else "calibration"
     which = setting or ("rl.heldout_questions" if heldout else "method.reward.pool")
     if str(data.get("source", "synthetic")) == "synthetic":
-        tasks = [str(t) for t in (cfg.method.reward.get("tasks") or data.tasks)]
+        tasks = [str(t) for t in (RewardSettings.from_cfg(cfg).tasks or data.tasks)]
         per_task, skip_per_task = -(-count // len(tasks)), -(-skip // len(tasks))
         seed = int(cfg.eval.seed if heldout else data.seed)
         length = reward_length(cfg) if length is None else int(length)

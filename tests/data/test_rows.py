@@ -121,13 +121,12 @@ def test_check_data_skips_synthetic():
 
 
 def test_sale_needs_answers_only_for_its_ablation():
-    from omegaconf import OmegaConf
-
+    from calib.config import compose
     from calib.sale.recipe import data_needs
 
     def needs(**method):
-        return data_needs(OmegaConf.create({"method": {"report": "full", "compare_shared_tau": True, "ablation_prompts": 4,
-                                                 **method}}))
+        values = {"report": "full", "compare_shared_tau": True, "ablation_prompts": 4, **method}
+        return data_needs(compose(["+method=sale", *(f"method.{k}={str(v).lower()}" for k, v in values.items())]))
 
     assert needs()["evaluation"] and needs()["calibration"] is None
     assert needs(ablation_prompts=0)["evaluation"] is None

@@ -96,27 +96,53 @@ def test_explicit_ladder_keeps_rungs_between_top_l_and_c():
     assert [t.step for t in res.trials][-1] == "ladder 64" and res.top_l_layers == {5: 64, 6: 64, 7: 64, 8: 64}
 
 
+def profile_settings(*overrides: str) -> ProfileSettings:
+    from calib.saap.recipe import Settings
+
+    return Settings.from_cfg(compose(["+method=saap", *overrides])).profile
+
+
 def test_settings_from_config_and_their_errors():
-    tiny = ProfileSettings.from_cfg(compose(["+method=saap"]).method.layer_profile)
+    tiny = profile_settings()
     assert not tiny.enabled and tiny.tasks is None and tiny.prompts == 96
-    follows_eval = compose(["+method=saap", "eval.batch_tokens=4096"]).method.layer_profile
-    assert ProfileSettings.from_cfg(follows_eval).batch_tokens == 4096
-    smol = compose(["+method=saap", "model=smollm2"]).method.layer_profile  # on by default there
-    assert ProfileSettings.from_cfg(smol) == ProfileSettings(enabled=True, tasks=["niah_single"], batch_tokens=65536)
-    for bad, message in ((["method.layer_profile.group=0"], "group must be >= 1"),
+    assert profile_settings("eval.batch_tokens=4096").batch_tokens == 4096  # follows eval's unless a model sets it
+    smol = profile_settings("model=smollm2")  # on by default there, on the books' needles (its SAAP data)
+    assert smol == ProfileSettings(enabled=True, tasks=["book_needle"], batch_tokens=65536)
+    for bad, message in ((["method.layer_profile.group=0"], "method.layer_profile.group must be >= 1"),
                          (["method.layer_profile.batch_tokens=-1"], "batch_tokens must be >= 0"),
-                         (["method.layer_profile.max_drop=1.5"], "max_drop must be in"),
-                         (["method.layer_profile.prompts=many"], "wrong type")):
-        with pytest.raises(UserError, match=message):
-            ProfileSettings.from_cfg(compose(["+method=saap", *bad]).method.layer_profile)
+                         (["method.layer_profile.max_drop=1.5"], r"max_drop must be in \[0, 1\)"),
+                         (["method.layer_profile.prompts=many"], "method.layer_profile.prompts must be an integer"),
+                         (["method.layer_profile.tasks=niah_single"], "tasks must be a non-empty list of names")):
+        with pytest.raises(UserError, match=message) as info:
+            profile_settings(*bad)
+        assert "\n" not in str(info.value)
 
 
-def test_data_needs_answers_only_when_profiling():
+def test_profile_tasks_must_be_tasks_the_data_generates():
+    from calib.saap.recipe import validate
+
+    validate(compose(["+method=saap", "model=smollm2"]))  # the books, profiled on their needles
+    with pytest.raises(UserError, match=r"names \['book_needle'\], which data=synthetic does not generate") as info:
+        validate(compose(["+method=saap", "model=smollm2", "data=synthetic"]))
+    assert "\n" not in str(info.value)
+    validate(compose(["+method=saap", "model=smollm2", "data=synthetic", "method.layer_profile.tasks=[niah_single]"]))
+
+
+def test_data_needs_answers_only_when_profiling_rows_may_lack_them(tmp_path):
     from calib.saap.recipe import data_needs
 
     assert data_needs(compose(["+method=saap"]))["calibration"] is None
-    on = data_needs(compose(["+method=saap", "method.layer_profile.enabled=true"]))
+    on = data_needs(compose(["+method=saap", "method.layer_profile.enabled=true"]))  # profiles data.tasks
     assert "greedy answers" in on["calibration"]
+    # generated prompts of named answered tasks always carry answers: the books' plain text is not profiled
+    assert data_needs(compose(["+method=saap", "model=smollm2"]))["calibration"] is None
+    assert "greedy answers" in data_needs(compose(["+method=saap", "model=smollm2",
+                                                   "method.layer_profile.tasks=[book_text]"]))["calibration"]
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "a b c", "answer": "1", "task": "t"}\n')
+    on_file = compose(["+method=saap", "model=smollm2", "data=jsonl", f"data.path={rows}",
+                       "method.layer_profile.tasks=[t]"])
+    assert "greedy answers" in data_needs(on_file)["calibration"]  # file rows: checked
 
 
 def test_profiling_prompts_skip_the_calibration_prompts_and_take_tasks_in_turn():

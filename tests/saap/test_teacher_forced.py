@@ -152,9 +152,9 @@ def test_option_default_on_and_recorded():
     from calib.config import compose
     from calib.saap.recipe import Settings, hyperparameters
 
-    s = Settings.from_cfg(compose(["+method=saap"]).method)
+    s = Settings.from_cfg(compose(["+method=saap"]))
     assert s.teacher_forced_answer is True
-    off = Settings.from_cfg(compose(["+method=saap", "method.classifier.teacher_forced_answer=false"]).method)
+    off = Settings.from_cfg(compose(["+method=saap", "method.classifier.teacher_forced_answer=false"]))
     assert off.teacher_forced_answer is False
     hyper = hyperparameters(s, 10, [1024], 2048, 1e-5)
     assert hyper["classifier"]["teacher_forced_answer"] is True
@@ -169,7 +169,7 @@ def test_default_calibration_lengths_leave_room_for_the_answer():
 
     def lengths(*extra):
         cfg = compose(["+method=saap", "model=smollm2", *extra])
-        return prompt_lengths(cfg, Settings.from_cfg(cfg.method))
+        return prompt_lengths(cfg, Settings.from_cfg(cfg))
 
     assert lengths() == ([4096, 8192 - ANSWER_ROOM], 4096)  # smollm2's own choice (its long recipe)
     assert lengths("method.calib_lengths=null") == ([1024, 2048, 8192 - ANSWER_ROOM], 4096)
@@ -189,7 +189,7 @@ def test_answer_past_the_context_fails_before_collection(tokenizer):
     def prompt_sets(*extra):
         cfg = compose(["+method=saap", "model.arch.max_position_embeddings=300", "data.lengths=[128,256,300]",
                        "method.prompts=2", "method.eval.prompts=1", *extra])
-        return build_prompt_sets(cfg, Settings.from_cfg(cfg.method), tokenizer)
+        return build_prompt_sets(cfg, Settings.from_cfg(cfg), tokenizer)
 
     with pytest.raises(UserError, match=r"method.calib_lengths <= 236 or .*teacher_forced_answer=false") as info:
         prompt_sets("method.calib_lengths=[300]")
@@ -243,7 +243,7 @@ def random_llama(tmp_path_factory: pytest.TempPathFactory):
     save_tiny_tokenizer(out)
     arch = [f"model.arch.{k}={'null' if v is None else v}" for k, v in ARCH.items()]
     base = ["+method=saap", f"model.path={out}", "model.name=rand-saap-tf", *arch, "model.lengths=[256]",
-            "device=cpu", "method.clusters=8", "method.window=32", "method.long_range=64",
+            "device=cpu", "method.clusters=8", "method.window=32", "method.long_range=64", "method.top_l_layers=null",
             "method.classifier.queries_per_prompt=24", "method.classifier.query_candidates=null"]
     return load_model(compose(base).model, device="cpu"), base
 
@@ -259,8 +259,8 @@ def test_training_rows_on_off(random_llama):
     prompts = build_prompts({"source": "synthetic", "chat_template": None}, loaded.tokenizer, seed=2,
                             lengths=[256], tasks=["niah_single", "kv_retrieval"], num_prompts=1)
     centroids = {l: torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(l)) for l in (1,)}
-    s_on = Settings.from_cfg(compose(base).method)
-    s_off = Settings.from_cfg(compose([*base, "method.classifier.teacher_forced_answer=false"]).method)
+    s_on = Settings.from_cfg(compose(base))
+    s_off = Settings.from_cfg(compose([*base, "method.classifier.teacher_forced_answer=false"]))
     on, off = training_rows(loaded, prompts, centroids, s_on, 0)[1], training_rows(loaded, prompts, centroids, s_off, 0)[1]
     n = s_on.queries_per_prompt
     for k, p in enumerate(prompts):

@@ -205,14 +205,16 @@ def test_eval_reports_dense_vs_sale_accuracy_and_sparsity_per_length(low_run, sa
 @pytest.mark.parametrize("override, needle", [
     ("method.theta=0", "method.theta must be > 0"),
     ("method.theta=-1", "method.theta must be > 0"),
-    ("method.bits=3", "method.bits must be 4 or 8"),
+    ("method.bits=3", "method.bits must be one of 4, 8"),
     ("method.block_q=0", "method.block_q must be >= 1"),
     ("method.block_k=0", "method.block_k must be >= 1"),
     ("method.num_samples=0", "method.num_samples must be >= 1"),
     ("method.sink=-1", "method.sink must be >= 0"),
-    ("method.tau0=2", "method.tau0 must lie in (0, 1]"),
-    ("method.tau_min=0.01", "method.tau_min must lie in [0, tau0"),
-    ("method.calib_tasks=[]", "method.calib_tasks must be null or a non-empty list"),
+    ("method.tau0=2", "method.tau0 must be in (0, 1]"),
+    ("method.tau_min=0.01", "method.tau_min must be in [0, 0.008)"),
+    ("method.calib_tasks=[]", "method.calib_tasks must be a non-empty list of names or null"),
+    ("method.theta_curve=[0.5,-1]", "method.theta_curve must list numbers > 0"),
+    ("method.compare_shared_tau=yes", "method.compare_shared_tau must be true or false"),
     ("method.calib_length=0", "method.calib_length must be >= 1"),
     ("method.theta=abc", "method.theta must be a number"),
     ("method.report=some", "method.report must be one of artifact, full"),
@@ -265,9 +267,9 @@ def test_eval_static_loop_gives_the_eager_answers_and_stats(low_run, loaded):
     assert lo < ragged[0].stats["sparsity"] < hi
 
 
-def test_eval_loop_is_static_on_cuda_but_for_host_ranked_saap():
-    """SAAP (mass ranking) and SANTA count their stats inside the graphs; SAAP's density ranking needs
-    eager calls, and a static loop of it on CUDA is refused."""
+def test_eval_loop_is_static_on_cuda():
+    """SAAP and SANTA count their stats inside the graphs, so ``auto`` is the static loop on CUDA for
+    every method."""
     from omegaconf import OmegaConf
 
     from calib.errors import UserError
@@ -276,15 +278,10 @@ def test_eval_loop_is_static_on_cuda_but_for_host_ranked_saap():
     auto = OmegaConf.create({"eval": {"loop": "auto"}})
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert [eval_loop(auto, cuda, m) for m in ("dense", "sale", "sampleattention", "saap", "santa")] == [
-        "static-ragged", "static-ragged", "static-ragged", "static", "static-ragged"]  # SAAP: one length a batch
+        "static-ragged"] * 5
     assert eval_loop(auto, cpu, "sale") == "eager" and eval_loop(auto, cpu, "saap") == "eager"
-    assert eval_loop(OmegaConf.create({"eval": {"loop": "auto", "ranking": "mass"}}), cuda, "saap") == "static"
-    density = {"ranking": "density"}
-    assert eval_loop(OmegaConf.create({"eval": {"loop": "auto", **density}}), cuda, "saap") == "eager"
-    assert eval_loop(OmegaConf.create({"eval": {"loop": "static", **density}}), cpu, "saap") == "static"
-    with pytest.raises(UserError, match="CUDA graphs cannot capture"):
-        eval_loop(OmegaConf.create({"eval": {"loop": "static", **density}}), cuda, "saap")
-    assert eval_loop(OmegaConf.create({"eval": {"loop": "static"}}), cpu, "saap") == "static"
+    assert eval_loop(OmegaConf.create({"eval": {"loop": "auto"}}), cuda, "saap") == "static-ragged"
+    assert eval_loop(OmegaConf.create({"eval": {"loop": "static"}}), cpu, "saap") == "static-ragged"
     assert eval_loop(OmegaConf.create({"eval": {"loop": "static"}}), cpu, "sale") == "static-ragged"
     with pytest.raises(UserError, match="eval.loop must be auto, eager or static"):
         eval_loop(OmegaConf.create({"eval": {"loop": "fast"}}), cpu, "sale")

@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -189,10 +190,10 @@ def test_dense_score_matches_an_independent_teacher_forced_pass(run, loaded, mod
     """The dense answer probability, recomputed with ONE forward over prompt + answer."""
     from calib.config import compose
     from calib.evaluate import stop_token_ids
-    from calib.sampleattention.recipe import _profiling_prompts
+    from calib.sampleattention.recipe import Settings, _profiling_prompts
 
     cfg = compose(overrides(model_dir))
-    prompts = _profiling_prompts(cfg, loaded.tokenizer)
+    prompts = _profiling_prompts(cfg, Settings.from_cfg(cfg), loaded.tokenizer)
     stops = sorted(stop_token_ids(loaded.tokenizer))
     per_length: dict[int, list[float]] = {}
     for p in prompts:
@@ -214,10 +215,10 @@ def test_contains_scored_prompts_get_no_stop_term(loaded, model_dir: Path) -> No
     from dataclasses import replace
 
     from calib.config import compose
-    from calib.sampleattention.recipe import _profiling_prompts
+    from calib.sampleattention.recipe import Settings, _profiling_prompts
 
     cfg = compose(overrides(model_dir))
-    p = _profiling_prompts(cfg, loaded.tokenizer)[0]
+    p = _profiling_prompts(cfg, Settings.from_cfg(cfg), loaded.tokenizer)[0]
     ans = answer_token_ids(loaded.tokenizer, p)
     ids = torch.tensor([list(p.input_ids) + ans])
     with torch.no_grad():
@@ -254,15 +255,21 @@ def test_validate_rejects_bad_method_values(model_dir: Path) -> None:
     from calib.sampleattention.recipe import validate
 
     validate(compose(overrides(model_dir)))
-    for bad, match in (("method.alphas_c=[0.5,1.2]", "alphas_c"), ("method.chunk_ns=[0,2]", "chunk_ns"),
-                       ("method.score=bleu", "method.score"), ("method.bucket_edges=[512,384]", "bucket_edges"),
-                       ("method.min_relative_score=1.5", "min_relative_score"),
-                       ("method.profiling.prompts_per_length=0", "prompts_per_length"),
-                       ("method.report=some", "method.report"), ("method.table3_chunk_ns=[0]", "table3_chunk_ns"),
-                       ("method.profiling.loop=graph", "profiling.loop"),
-                       ("method.profiling.batch_tokens=0", "batch_tokens")):
-        with pytest.raises(UserError, match=match):
+    for bad, message in (("method.alphas_c=[0.5,1.2]", "method.alphas_c must list numbers in (0, 1]"),
+                         ("method.chunk_ns=[0,2]", "method.chunk_ns must list integers >= 1"),
+                         ("method.score=bleu", "method.score must be one of answer_prob, exact_match"),
+                         ("method.bucket_edges=[512,384]",
+                          "method.bucket_edges=[512, 384] must be strictly increasing"),
+                         ("method.min_relative_score=1.5", "method.min_relative_score must be in (0, 1]"),
+                         ("method.profiling.prompts_per_length=0", "method.profiling.prompts_per_length must be >= 1"),
+                         ("method.report=some", "method.report must be one of artifact, full"),
+                         ("method.table3_chunk_ns=[0]", "method.table3_chunk_ns must list integers >= 1"),
+                         ("method.profiling.loop=graph", "method.profiling.loop must be one of auto, eager, static"),
+                         ("method.profiling.batch_tokens=0", "method.profiling.batch_tokens must be >= 1"),
+                         ("method.measure_time=sometimes", "method.measure_time must be one of auto, true, false")):
+        with pytest.raises(UserError) as info:
             validate(compose(overrides(model_dir, bad)))
+        assert message in str(info.value) and "\n" not in str(info.value), (bad, str(info.value))
 
 
 # ------------------------------------------------------------------------------- early stop, no model
@@ -287,16 +294,39 @@ def test_early_stop_reports_an_upper_bound_below_the_threshold_and_full_rescores
     assert full.score == pytest.approx((0.9 + 0.3 + 0.95 + 0.97) / 4) and full.sparsity == 0.5
 
 
+def test_early_stop_decides_every_point_as_scoring_every_prompt_would(loaded) -> None:
+    """On random per-prompt scores and thresholds, the early-stopped evaluation is feasible exactly when
+    the mean over every prompt reaches the threshold (computed here directly), and a stopped score is an
+    upper bound of that mean."""
+    rng = np.random.default_rng(0)
+    stopped_any = False
+    for case in range(300):
+        n = int(rng.integers(1, 9))
+        scores = rng.integers(0, 9, n) / 8  # eighths: sums are exact, and ties with the threshold occur
+        threshold = float(rng.integers(0, 9) / 8)
+        prompts = [type("P", (), {"text": "a", "answer": "b", "input_ids": [1, 2]})() for _ in range(n)]
+        ev = BucketEvaluator(loaded, prompts, blk=32)
+        ev._score_prompt = lambda index, rt, scores=scores: PromptScore(float(scores[index]), False, {})
+        ev.threshold = threshold
+        got = ev.evaluate(GridPoint(0.5, 0.5, 1))
+        mean = float(scores.sum()) / n
+        assert (got.score >= threshold) == (mean >= threshold), (case, scores, threshold)
+        if not got.complete:
+            stopped_any = True
+            assert mean <= got.score + 1e-12 < threshold
+    assert stopped_any
+
+
 def test_static_exact_match_answers_in_batches_what_eager_answers_one_by_one(loaded, model_dir: Path,
                                                                             monkeypatch) -> None:
     """The serving-loop batches give every prompt the reply eager one-prompt generation gives it, under
     dense and under a sparse point, and the same sparsity (a batch's mean given to each of its prompts)."""
     import calib.data
     from calib.config import compose
-    from calib.sampleattention.recipe import _profiling_prompts
+    from calib.sampleattention.recipe import Settings, _profiling_prompts
 
     cfg = compose(overrides(model_dir, "method.profiling.prompts_per_length=3"))
-    prompts = _profiling_prompts(cfg, loaded.tokenizer)
+    prompts = _profiling_prompts(cfg, Settings.from_cfg(cfg), loaded.tokenizer)
     replies: dict[str, list[str]] = {"eager": [], "static": []}
     evals = {}
     for loop in ("eager", "static"):

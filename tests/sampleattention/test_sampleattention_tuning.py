@@ -61,14 +61,13 @@ class CountingEvaluator:
         return self.table[(alpha_c, alpha_s, chunk_n)]
 
 
-def check_against_exhaustive(table: Table, alphas_c, alphas_s, chunk_ns, quantile: float, tol: float,
-                             probe: bool = False) -> None:
+def check_against_exhaustive(table: Table, alphas_c, alphas_s, chunk_ns, quantile: float, tol: float) -> None:
     threshold = float(np.quantile([r.score for r in table.values()], quantile))
     dense_score = threshold / 0.99
     ev, decided = CountingEvaluator(table), []
     result = tune_length_bucket(ev, alphas_c=alphas_c, alphas_s=alphas_s, chunk_ns=chunk_ns,
                                 dense_score=dense_score, min_relative_score=0.99, sparsity_tol=tol,
-                                probe_min_corner=probe, on_decided=decided.append)
+                                on_decided=decided.append)
     expected = exhaustive_choice(table, 0.99 * dense_score, tol)
     got = None if result.chosen is None else (result.chosen.point.alpha_c, result.chosen.point.alpha_s,
                                               result.chosen.point.chunk_n)
@@ -76,7 +75,7 @@ def check_against_exhaustive(table: Table, alphas_c, alphas_s, chunk_ns, quantil
     grid = len(alphas_c) * len(alphas_s) * len(chunk_ns)
     assert len(ev.calls) == len(set(ev.calls)) == len(result.evaluated_points)  # no point evaluated twice
     assert len(ev.calls) <= grid
-    assert len(ev.calls) <= len(chunk_ns) * (len(alphas_c) + len(alphas_s) - 1 + probe)  # staircase (+ probe) bound
+    assert len(ev.calls) <= len(chunk_ns) * (len(alphas_c) + len(alphas_s))  # the probe and the staircase
     assert len(decided) == len(set(decided)) == grid  # the progress callback sees every grid point once
     evaluated = {(e.point.alpha_c, e.point.alpha_s, e.point.chunk_n) for e in result.evaluated_points}
     skipped = {(s.point.alpha_c, s.point.alpha_s, s.point.chunk_n) for s in result.skipped_points}
@@ -95,14 +94,13 @@ ALPHAS = [0.80, 0.85, 0.90, 0.92, 0.95, 0.98]
 @settings(max_examples=150, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), m=st.integers(2, 6), n=st.integers(2, 6),
        n_chunks=st.integers(1, 4), timed=st.booleans(), decimals=st.sampled_from([1, 2, 6]),
-       quantile=st.floats(0.0, 1.0), tol=st.sampled_from([0.0, 0.005, 0.05]), probe=st.booleans())
-def test_pruned_search_equals_exhaustive_on_monotone_tables(seed, m, n, n_chunks, timed, decimals, quantile, tol,
-                                                            probe):
+       quantile=st.floats(0.0, 1.0), tol=st.sampled_from([0.0, 0.005, 0.05]))
+def test_pruned_search_equals_exhaustive_on_monotone_tables(seed, m, n, n_chunks, timed, decimals, quantile, tol):
     rng = np.random.default_rng(seed)
     alphas_c, alphas_s = ALPHAS[:m], ALPHAS[-n:]
     chunk_ns = [1, 2, 4, 6][:n_chunks]
     table = monotone_table(rng, alphas_c, alphas_s, chunk_ns, timed, decimals)
-    check_against_exhaustive(table, alphas_c, alphas_s, chunk_ns, quantile, tol, probe)
+    check_against_exhaustive(table, alphas_c, alphas_s, chunk_ns, quantile, tol)
 
 
 def test_feasible_min_corner_settles_each_chunk_n_in_one_evaluation() -> None:
@@ -111,7 +109,7 @@ def test_feasible_min_corner_settles_each_chunk_n_in_one_evaluation() -> None:
     threshold = min(r.score for r in table.values())  # every point feasible
     ev = CountingEvaluator(table)
     result = tune_length_bucket(ev, alphas_c=ALPHAS[:4], alphas_s=ALPHAS[:4], chunk_ns=[1, 2, 4],
-                                dense_score=threshold / 0.99, probe_min_corner=True)
+                                dense_score=threshold / 0.99)
     assert ev.calls == [(ALPHAS[0], ALPHAS[0], n) for n in (1, 2, 4)]
     assert result.chosen is not None and result.chosen.point == exhaustive_choice_point(table, threshold)
 
@@ -164,9 +162,11 @@ def test_nothing_feasible_gives_none_and_dense_row(caplog: pytest.LogCaptureFixt
     table = {k: PointResult(0.5, r.sparsity, None) for k, r in flat_table({1: 0.5, 2: 0.5}).items()}
     result = tune(table, dense_score=1.0)
     assert result.chosen is None
-    # per chunk_n the walk tries the largest alpha_c with each alpha_s (all fail); the rest is dominated
-    assert len(result.evaluated_points) == 2 * 3
-    assert {e.point.alpha_c for e in result.evaluated_points} == {0.90}
+    # per chunk_n the sparsest point (the probe), then the walk tries the largest alpha_c with each alpha_s
+    # (all fail); the rest is dominated
+    assert len(result.evaluated_points) == 2 * (1 + 3)
+    assert {(e.point.alpha_c, e.point.alpha_s) for e in result.evaluated_points} == {
+        (0.80, 0.80), (0.90, 0.80), (0.90, 0.85), (0.90, 0.90)}
     with caplog.at_level(logging.WARNING):
         bucket_table = build_bucket_table([1536], [result, result], blk=64, max_length=None)
     assert bucket_table.rows == [BucketRow(1.0, 1.0, 1)] * 2

@@ -346,12 +346,20 @@ def test_placement_summary_hand_worked():
     (["rl.lr=-1"], "rl.lr"),
     (["rl.iterations=1.5"], "integer"),
     (["rl.heldout_questions=0"], "heldout_questions"),
-], ids=["workers", "budget", "total-budget", "estimator", "phases", "pool", "lr", "iterations", "heldout"])
+    (["rl.lease_wait_s=-1"], "rl.lease_wait_s must be >= 0 or null"),
+    (["rl.heldout_uniform_placements=2"], "rl.heldout_uniform_placements must be true or false"),
+    (["method.reward.heldout_dense=null"], "method.reward.heldout_dense must be true or false"),
+    (["method.reward.length=8"], "method.reward.length must be >= 16 or null"),
+    (["method.deploy.tolerance=1"], r"method.deploy.tolerance must be in \[0, 1\)"),
+    (["method.deploy.budgets_per_layer=[8,0]"], "method.deploy.budgets_per_layer must list integers >= 1"),
+], ids=["workers", "budget", "total-budget", "estimator", "phases", "pool", "lr", "iterations", "heldout",
+        "lease-wait", "placements", "heldout-dense", "reward-length", "tolerance", "ladder"])
 def test_validate_errors(model_dir, extra, match):
     from calib.santa.recipe import validate
 
-    with pytest.raises(UserError, match=match):
+    with pytest.raises(UserError, match=match) as info:
         validate(_compose(model_dir, *extra))
+    assert "\n" not in str(info.value)
 
 
 def test_validate_accepts_defaults(model_dir):

@@ -120,5 +120,8 @@ def test_reward_loop_setting():
     assert settings("auto").loop_on(torch.device("cpu")) == "eager"
     assert settings("auto").loop_on(torch.device("cuda")) == "static"
     assert settings("eager").loop_on(torch.device("cuda")) == "eager"
+    from calib.config import compose
+
+    assert reward.RewardSettings.from_cfg(compose(["+method=santa"])).loop == "auto"
     with pytest.raises(UserError, match="method.reward.loop must be one of auto, eager, static"):
-        settings("graph").loop_on(torch.device("cpu"))
+        reward.RewardSettings.from_cfg(compose(["+method=santa", "method.reward.loop=graph"]))

@@ -1,0 +1,155 @@
+"""Per-model method settings as Hydra deltas (conf/method/<method>/default.yaml + <model>.yaml).
+
+``resolved_before.json`` is the resolved ``method`` (and SANTA's ``rl``) node of every method x model, and
+the ``data`` / ``eval`` nodes of every model without a method, composed from the configuration as it was
+before the per-model settings moved out of ``model.method_defaults`` (values only). Composition today
+must give the same values except the changes listed here on purpose.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from omegaconf import OmegaConf
+
+from calib.config import available, available_methods, compose
+
+BEFORE = json.loads((Path(__file__).parent / "resolved_before.json").read_text())
+MODELS = available("model")
+REAL_MODELS = [m for m in MODELS if m != "tiny"]
+
+# Knobs removed on purpose (their behaviour is now fixed: the value they had) and the key another change
+# removed (eval.ranking).
+REMOVED = {
+    "method.abi_version",  # never read: the artifact's ABI version comes from runtime_kernels
+    "method.causal_top1", "method.classifier.batch_from_one_prompt", "method.kmeans.keys_per_prompt",  # saap
+    "method.sparsity_tie_tol", "method.early_stop", "method.probe_min_corner",  # sampleattention
+    "eval.ranking",
+}
+# SAAP on a real model calibrates on the books: its layer profile answers book needles.
+SAAP_BOOKS = {"method.layer_profile.tasks": ["book_needle"]}
+
+
+def resolved(cfg: Any, node: str) -> Any:
+    """A node's resolved values as JSON gives them back (map keys as strings)."""
+    return json.loads(json.dumps(OmegaConf.to_container(cfg[node], resolve=True)))
+
+
+def without(values: dict[str, Any], prefix: str, keys: set[str]) -> dict[str, Any]:
+    """``values`` (the node at ``prefix``) without the dotted ``keys`` under it."""
+    out = {}
+    for k, v in values.items():
+        path = f"{prefix}.{k}"
+        if path in keys:
+            continue
+        out[k] = without(v, path, keys) if isinstance(v, dict) else v
+    return out
+
+
+def with_values(values: dict[str, Any], prefix: str, changes: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``values`` (the node at ``prefix``) with the dotted ``changes`` under it set."""
+    out = json.loads(json.dumps(values))
+    for path, value in changes.items():
+        node, parts = out, path.split(".")[1:]
+        for part in parts[:-1]:
+            node = node[part]
+        node[parts[-1]] = value
+    return out
+
+
+@pytest.mark.parametrize("method", available_methods())
+@pytest.mark.parametrize("model", MODELS)
+def test_method_node_resolves_as_before(method: str, model: str) -> None:
+    cfg = compose([f"+method={method}", f"model={model}"])
+    before = BEFORE["method"][f"{method}/{model}"]
+    expected = without(before["method"], "method", REMOVED)
+    if method == "saap" and model == "smollm2":
+        expected = with_values(expected, "method", SAAP_BOOKS)
+    assert resolved(cfg, "method") == expected
+    if "rl" in before:
+        assert resolved(cfg, "rl") == before["rl"]
+    else:
+        assert "rl" not in cfg
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_without_a_method_nothing_changes(model: str) -> None:
+    """``calib eval`` composes without ``+method``: no method node, and data / eval as before."""
+    cfg = compose([f"model={model}"])
+    assert "method" not in cfg and "rl" not in cfg
+    assert resolved(cfg, "data") == BEFORE["plain"][model]["data"]
+    assert resolved(cfg, "eval") == without(BEFORE["plain"][model]["eval"], "eval", REMOVED)
+
+
+@pytest.mark.parametrize("method", available_methods())
+@pytest.mark.parametrize("model", MODELS)
+def test_data_is_the_models_except_saap_on_a_real_model(method: str, model: str) -> None:
+    cfg = compose([f"+method={method}", f"model={model}"])
+    data = resolved(cfg, "data")
+    if method == "saap" and model != "tiny":
+        assert data["source"] == "books"
+        assert data["tasks"] == ["book_needle", "book_needle_word", "book_multineedle"]
+        assert data["synthetic_share"] == 0.5 and data["synthetic_tasks"] == ["niah_single", "niah_multikey"]
+        assert data["lengths"] == BEFORE["plain"][model]["data"]["lengths"]
+    else:
+        assert data == BEFORE["plain"][model]["data"]
+
+
+@pytest.mark.parametrize("model", REAL_MODELS)
+def test_data_on_the_command_line_wins_over_saaps_choice(model: str) -> None:
+    synthetic = compose(["+method=saap", f"model={model}", "data=synthetic"])
+    assert resolved(synthetic, "data") == BEFORE["plain"][model]["data"]
+    books = compose(["data=books", "+method=saap", f"model={model}"])  # order does not matter
+    assert books.data.source == "books" and books.data.synthetic_share == 0.0
+    assert list(books.data.tasks) == ["book_needle", "book_needle_word", "book_needle_phrase", "book_multineedle"]
+
+
+def test_a_models_delta_changes_only_its_own_method() -> None:
+    """smollm2's SAAP delta does not leak into SALE, and tiny's SALE theta is not smollm2's."""
+    assert compose(["+method=sale", "model=smollm2"]).method.theta == 0.4
+    assert compose(["+method=sale", "model=tiny"]).method.theta == 0.05
+    assert compose(["+method=saap", "model=llama31"]).method.clusters == 1024
+    assert compose(["+method=saap", "model=smollm2"]).method.clusters == 256
+
+
+def test_command_line_values_win_over_a_delta() -> None:
+    cfg = compose(["+method=saap", "model=smollm2", "method.clusters=64", "method.layer_profile.enabled=false"])
+    assert cfg.method.clusters == 64 and cfg.method.layer_profile.enabled is False
+    assert compose(["+method=santa", "model=smollm2", "rl.lr=0.5"]).rl.lr == 0.5
+
+
+def test_no_model_file_carries_method_settings() -> None:
+    for model in MODELS:
+        assert "method_defaults" not in compose([f"model={model}"]).model
+
+
+def cli_config(*args: str) -> Any:
+    """The job config ``python -m calib`` composes (``--cfg job``: printed, nothing run)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    proc = subprocess.run([sys.executable, "-m", "calib", *args, "--cfg", "job"], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return OmegaConf.create(proc.stdout)
+
+
+@pytest.mark.parametrize("args, source", [
+    (("run", "+method=saap", "model=smollm2"), "books"),
+    (("run", "+method=saap", "model=smollm2", "data=synthetic", "method.layer_profile.tasks=[niah_single]"),
+     "synthetic"),
+    (("eval", "model=smollm2"), "synthetic"),
+], ids=["saap-smollm2", "saap-smollm2-data-synthetic", "eval-smollm2"])
+def test_the_cli_composes_the_same(args: tuple[str, ...], source: str) -> None:
+    """``@hydra.main`` (the CLI) selects the same deltas and data as the compose helper the tests use."""
+    cfg = cli_config(*args)
+    assert cfg.data.source == source
+    helper = compose(list(args[1:]))
+    if "method" in helper:
+        assert OmegaConf.to_container(cfg.method) == OmegaConf.to_container(helper.method)
+    else:
+        assert "method" not in cfg

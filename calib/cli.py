@@ -31,6 +31,12 @@ commands:
                                    point an alias at a version (warns, --strict: refuses, without good held-out evals)
   ui [--port 5000] [--host 127.0.0.1] [--workers 1] [--jobs] [-- <mlflow server options>]
                                    the MLflow UI on the project's tracking store (prints the runs table URL)
+
+method tools (python -m <module> [overrides]):
+  calib.santa.sweep [sweep=1,2,4,8] [sweep_total=5,6,7]
+                                   held-out reward of uniform SANTA schedules: pick a starved budget
+  calib.sampleattention.acceptance artifact=<uri|dir> [--min-prompts 100] [--max-drop 0.02]
+                                   per-length-bucket acceptance check of a SampleAttention artifact
 """
 
 

@@ -1,4 +1,4 @@
-"""Held-out acceptance check of a SampleAttention artifact, per length bucket (issue 6).
+"""Held-out acceptance check of a SampleAttention artifact, per length bucket: does it keep dense accuracy?
 
     python -m calib.sampleattention.acceptance artifact=models:/sampleattention-tiny/1 \
         eval.num_prompts=20 [device=cuda] [--min-prompts 100 --max-drop 0.02]
@@ -104,7 +104,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     from calib.config import compose
     from calib.errors import UserError
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m calib.sampleattention.acceptance",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--min-prompts", type=int, default=100, help="held-out prompts needed per bucket")
     parser.add_argument("--max-drop", type=float, default=0.02, help="allowed CI lower bound of the accuracy drop")
     args, overrides = parser.parse_known_args(argv)

@@ -62,9 +62,7 @@ refuses to replace an existing snapshot, so a split brain cannot commit one iter
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import logging
 import math
 import os
@@ -96,7 +94,7 @@ from calib.santa.inbox import (
     sweep_temp_files,
     write_manifest,
 )
-from calib.santa.lease import Lease, LeaseHeld, LeaseLost
+from calib.santa.lease import Lease, LeaseLost
 from calib.santa.policy import NonFiniteUpdate, reinforce_update, softmax
 from calib.santa.volume import (atomic_write_json, entry_kind, exclusive_publish_json, is_temp_name, printable,
                                read_json)
@@ -469,6 +467,8 @@ def run_aggregator(
     the directory holds. Raises ``LeaseHeld`` if another aggregator keeps the lease for
     ``lease_wait_s`` seconds (None: wait, taking a stale lease over after ``lease_ttl_s``),
     ``LeaseLost`` if the lease is taken over while running, ``UserError`` on a mismatched directory.
+    ``fault_hook(point, iteration)`` is called at each of :data:`CRASH_POINTS` (the crash-window tests
+    kill the process there).
     """
     for name, value in (("poll_s", poll_s), ("lease_ttl_s", lease_ttl_s), ("temp_max_age_s", temp_max_age_s)):
         if not value > 0:
@@ -526,51 +526,3 @@ def exit_on_sigterm() -> None:
     """Turn SIGTERM (``kubectl delete``, a Recreate rollout) into SystemExit so the lease is released
     at once instead of after ``lease_ttl_s``. Call from the main thread of a command."""
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-
-
-def _crash_hook(spec: str | None) -> FaultHook | None:
-    """``POINT:ITER`` -> a hook that SIGKILLs this process at that point (tests of crash windows)."""
-    if not spec:
-        return None
-    point, _, it = spec.partition(":")
-    if point not in CRASH_POINTS or not it.isdigit():
-        raise SystemExit(f"--crash-at {spec!r}: expected one of {', '.join(CRASH_POINTS)} followed by :ITERATION")
-
-    def hook(at: str, iteration: int) -> None:
-        if at == point and iteration == int(it):
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return hook
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m calib.santa.aggregator", description=__doc__.splitlines()[0])
-    parser.add_argument("--dir", required=True, help="the shared rl.dir")
-    parser.add_argument("--layers", type=int, required=True, help="L, the number of attention layers")
-    parser.add_argument("--budget", type=int, required=True, help="N, the total samples of a schedule")
-    parser.add_argument("--iterations", type=int, required=True)
-    parser.add_argument("--lr", type=float, default=0.02)
-    parser.add_argument("--poll-s", type=float, default=1.0)
-    parser.add_argument("--lease-ttl-s", type=float, default=30.0)
-    parser.add_argument("--lease-wait-s", type=float, default=None)
-    parser.add_argument("--temp-max-age-s", type=float, default=600.0)
-    parser.add_argument("--crash-at", default=None, help="testing: SIGKILL self at POINT:ITERATION")
-    ns = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
-    exit_on_sigterm()
-    try:
-        summary = run_aggregator(ns.dir, ns.layers, ns.budget, iterations=ns.iterations, lr=ns.lr, poll_s=ns.poll_s,
-                                 lease_ttl_s=ns.lease_ttl_s, temp_max_age_s=ns.temp_max_age_s,
-                                 lease_wait_s=ns.lease_wait_s, fault_hook=_crash_hook(ns.crash_at))
-    except LeaseHeld as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 3
-    except (UserError, CorruptState, LeaseLost) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(asdict(summary), sort_keys=True), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -71,6 +71,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from calib.santa.commands import settings
 
     args = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in args or "--help" in args:
+        print(__doc__.strip())
+        return 0
     sweep, totals = [1, 2, 4, 8, 16], []
     rest = []
     for a in args:

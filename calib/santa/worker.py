@@ -9,21 +9,14 @@ carries the ``policy_iteration`` it was drawn from, so the aggregator uses that 
 A worker can be killed at any instant: before the rename nothing is visible (its hidden temp file is
 swept by the aggregator later), after it the whole batch is. Workers never touch MLflow, never wait
 for the aggregator and are never signalled by it; they stop when ``done.json`` appears (the
-aggregator reached its target), after ``max_batches``, or when ``stop_event`` is set.
-
-``python -m calib.santa.worker --dir D --evaluate module:function`` runs one from a shell (tests and
-debugging; the product CLI is ``python -m calib worker``).
+aggregator reached its target), after ``max_batches``, or when ``stop_event`` is set. The command
+that runs one is ``python -m calib worker`` (:mod:`calib.santa.commands`).
 """
 
 from __future__ import annotations
 
-import argparse
-import importlib
-import importlib.util
-import json
 import logging
 import math
-import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -114,42 +107,3 @@ def _should_stop(layout: Layout, summary: WorkerSummary, max_batches: int | None
     if exit_when_done and layout.done.exists():
         return "done"
     return ""
-
-
-def load_callable(spec: str) -> Callable:
-    """``package.module:attr`` or ``path/to/file.py:attr`` -> the object."""
-    target, _, attr = spec.rpartition(":")
-    if not target or not attr:
-        raise ValueError(f"--evaluate {spec!r}: expected module:function or file.py:function")
-    if target.endswith(".py"):
-        mod_spec = importlib.util.spec_from_file_location(Path(target).stem, target)
-        if mod_spec is None or mod_spec.loader is None:
-            raise ValueError(f"cannot import {target}")
-        module = importlib.util.module_from_spec(mod_spec)
-        mod_spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(target)
-    return getattr(module, attr)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m calib.santa.worker", description=__doc__.splitlines()[0])
-    parser.add_argument("--dir", required=True, help="the shared rl.dir")
-    parser.add_argument("--evaluate", required=True,
-                        help="module:function or file.py:function: (budgets, rng) -> reward")
-    parser.add_argument("--episodes", type=int, default=10)
-    parser.add_argument("--max-batches", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--worker-id", default=None)
-    parser.add_argument("--poll-s", type=float, default=1.0)
-    parser.add_argument("--line-delay-s", type=float, default=0.0, help="testing: pause per written line")
-    ns = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
-    summary = run_worker(ns.dir, load_callable(ns.evaluate), episodes=ns.episodes, max_batches=ns.max_batches,
-                         worker_id=ns.worker_id, seed=ns.seed, poll_s=ns.poll_s, line_delay_s=ns.line_delay_s)
-    print(json.dumps(summary.__dict__, sort_keys=True), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

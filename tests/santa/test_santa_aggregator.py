@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
+import harness
 import pytest
 from santa_checks import check_rl_dir, publish_lines, random_batch, result_lines, softmax64
 
@@ -226,8 +226,8 @@ def test_commit_with_a_lost_lease_writes_no_snapshot(tmp_path):
 
 
 def _aggregator_cmd(root: Path, iterations: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "calib.santa.aggregator", "--dir", str(root), "--layers", str(L), "--budget", str(N),
-            "--iterations", str(iterations), "--poll-s", "0.02", "--lease-ttl-s", "2", *extra]
+    return harness.command("aggregator", "--dir", str(root), "--layers", str(L), "--budget", str(N),
+                           "--iterations", str(iterations), "--poll-s", "0.02", "--lease-ttl-s", "2", *extra)
 
 
 def test_two_aggregators(tmp_path):
@@ -258,7 +258,7 @@ def test_two_aggregators(tmp_path):
 
 
 def test_killed_aggregator_subprocess_resumes(tmp_path):
-    """A real SIGKILL between snapshot and history (the --crash-at hook kills the process itself)."""
+    """A real SIGKILL between snapshot and history (the harness's --crash-at hook kills the process itself)."""
     env = dict(os.environ, PYTHONPATH=python_path(REPO))
     plant, _ = _feeder(tmp_path)
     run_aggregator(tmp_path, L, N, iterations=0, **FAST)

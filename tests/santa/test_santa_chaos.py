@@ -1,6 +1,6 @@
 """Chaos: real worker and aggregator processes on one rl.dir, killed with SIGKILL at random instants.
 
-The aggregator is killed several times in one run: inside protocol crash windows (``--crash-at``) and
+The aggregator is killed several times in one run: inside protocol crash windows (the harness's ``--crash-at``) and
 from outside at random instants, while workers are killed at random (one of them mid-write) and
 poison lands in the inbox mid-run (garbage files, deep nesting, a directory, a FIFO, a symlink to a
 file outside rl.dir, non-UTF-8 bytes). Acceptance: every policy snapshot parses and never changes
@@ -17,11 +17,11 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import harness
 import pytest
 from santa_checks import check_rl_dir, publish_lines, result_lines, temp_files
 
@@ -53,17 +53,17 @@ class Chaos:
 
     def start_worker(self, *extra: str) -> subprocess.Popen:
         self.seeds += 1
-        cmd = [sys.executable, "-m", "calib.santa.worker", "--dir", str(self.root), "--evaluate",
-               "synthetic_reward:reward", "--episodes", "3", "--seed", str(self.seeds), "--poll-s", "0.05",
-               "--worker-id", f"w{self.seeds}", "--line-delay-s", "0.01", *extra]
+        cmd = harness.command("worker", "--dir", str(self.root), "--evaluate", "synthetic_reward:reward",
+                              "--episodes", "3", "--seed", str(self.seeds), "--poll-s", "0.05",
+                              "--worker-id", f"w{self.seeds}", "--line-delay-s", "0.01", *extra)
         proc = subprocess.Popen(cmd, env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.workers.append(proc)
         return proc
 
     def aggregator_cmd(self, iterations: int) -> list[str]:
-        return [sys.executable, "-m", "calib.santa.aggregator", "--dir", str(self.root), "--layers", str(L),
-                "--budget", str(N), "--iterations", str(iterations), "--poll-s", "0.02", "--lease-ttl-s", "3",
-                "--temp-max-age-s", str(TEMP_MAX_AGE_S)]
+        return harness.command("aggregator", "--dir", str(self.root), "--layers", str(L), "--budget", str(N),
+                               "--iterations", str(iterations), "--poll-s", "0.02", "--lease-ttl-s", "3",
+                               "--temp-max-age-s", str(TEMP_MAX_AGE_S))
 
     def start_aggregator(self, iterations: int, crash_point: str = "") -> subprocess.Popen:
         """Start an aggregator; with ``crash_point`` it SIGKILLs itself in that window 1-3 iterations on."""

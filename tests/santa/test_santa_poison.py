@@ -14,12 +14,12 @@ import random
 import shutil
 import socket
 import subprocess
-import sys
 import threading
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
+import harness
 import pytest
 from santa_checks import check_rl_dir, publish_lines, result_lines
 
@@ -278,8 +278,8 @@ def test_the_aggregator_command_survives_the_poison_that_crash_looped_it(tmp_pat
     run_aggregator(root, L, N, iterations=0, **FAST)
     _valid(root, 1)
     poison = _plant(root, tmp_path, ["deep", "directory"])
-    cmd = [sys.executable, "-m", "calib.santa.aggregator", "--dir", str(root), "--layers", str(L), "--budget", str(N),
-           "--iterations", "1", "--poll-s", "0.02"]
+    cmd = harness.command("aggregator", "--dir", str(root), "--layers", str(L), "--budget", str(N),
+                          "--iterations", "1", "--poll-s", "0.02")
     proc = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=python_path(REPO)), capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 0, proc.stderr

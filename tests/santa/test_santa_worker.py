@@ -7,10 +7,11 @@ import threading
 
 import numpy as np
 import pytest
+from harness import load_callable
 
 from calib.santa.aggregator import run_aggregator
 from calib.santa.inbox import Layout, PolicySnapshot, atomic_write_json, parse_result_file
-from calib.santa.worker import load_callable, run_worker
+from calib.santa.worker import run_worker
 
 
 def _policy(root, iteration: int, theta: list[float], budget: int) -> None:

@@ -67,6 +67,44 @@ def test_unknown_command():
     assert_one_line_error(proc, "unknown command 'frobnicate'")
 
 
+CALIB = Path(__file__).resolve().parents[2] / "calib"
+INTERNAL_MAINS = {"calib.__main__", "calib.santa.local_worker"}  # `python -m calib` itself; a child of `run`
+
+
+def user_entry_modules() -> list[str]:
+    """Every ``calib`` module runnable as ``python -m`` except the internal ones."""
+    found = []
+    for path in sorted(CALIB.rglob("*.py")):
+        if 'if __name__ == "__main__":' in path.read_text():
+            found.append(".".join(path.relative_to(CALIB.parent).with_suffix("").parts))
+    return [m for m in found if m not in INTERNAL_MAINS]
+
+
+def test_help_lists_every_command_and_user_entry_point():
+    proc = calib_cli("--help")
+    assert proc.returncode == 0 and proc.stderr == ""
+    for command in ("run", "eval", "worker", "aggregator", "ls", "promote", "ui"):
+        assert f"\n  {command} " in proc.stdout, command
+    modules = user_entry_modules()
+    assert "calib.sampleattention.acceptance" in modules and "calib.santa.sweep" in modules
+    for module in modules:
+        assert f"\n  {module} " in proc.stdout, f"{module} runs as `python -m` but `calib --help` does not list it"
+
+
+@pytest.mark.parametrize("module", ["calib.sampleattention.acceptance", "calib.santa.sweep"])
+def test_listed_entry_points_answer_help(module, capsys):
+    import importlib
+
+    main = importlib.import_module(module).main
+    try:
+        code = main(["--help"])
+    except SystemExit as exc:  # argparse's --help
+        code = exc.code
+    assert code in (0, None)
+    out = capsys.readouterr()
+    assert out.err == "" and module.rsplit(".", 1)[1] in out.out
+
+
 def test_ui_dry_run_prints_url_and_store(tmp_path):
     proc = calib_cli("ui", "--dry-run", "--port", "5123", env_home=tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -170,7 +208,7 @@ def test_every_method_composes_with_every_model(method, model):
     cfg = config.compose([f"+method={method}", f"model={model}"])
     resolved = OmegaConf.to_container(cfg, resolve=True)
     assert resolved["method"]["name"] == method
-    assert isinstance(resolved["method"]["abi_version"], int)
+    __import__(f"calib.{method}.recipe", fromlist=["validate"]).validate(cfg)  # every setting reads and checks
 
 
 def test_eval_seed_must_differ_from_data_seed():

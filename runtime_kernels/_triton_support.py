@@ -8,7 +8,7 @@ sets it on CPU-only machines), so CI exercises the same kernel code a GPU compil
 Triton 3.6's interpreter turns a scalar into a Python int with ``int(ndarray of shape (1,))``, which
 numpy >= 2.4 refuses, so ``for t in range(a, n)`` with a loaded or computed ``n`` fails on the CPU
 (triton-lang/triton#9171, fixed upstream by a ``squeeze()``). :func:`patch_interpreter` applies that
-one-line fix once per process, and only under the interpreter. Import-time cost: none on a GPU.
+one-line fix once per process, and only under the interpreter.
 """
 
 from __future__ import annotations
@@ -18,6 +18,9 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+# triton.runtime.interpreter and triton.language.extra.cuda are imported where used: the first only under
+# the CPU interpreter, the second only when a CUDA device asks; a GPU process never loads the interpreter.
 
 
 def interpreting() -> bool:
@@ -92,6 +95,7 @@ def pdl_available(device: torch.device) -> bool:
     if key not in _PDL:
         try:
             from triton.language.extra import cuda as tl_cuda
+
             ok = (hasattr(tl_cuda, "gdc_wait") and hasattr(tl_cuda, "gdc_launch_dependents")
                   and torch.cuda.get_device_capability(device)[0] >= 9)
         except (ImportError, RuntimeError):

@@ -22,19 +22,18 @@ decode step of the whole (unmodified) model in a CUDA graph, gpt-fast style: a s
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
+from transformers.cache_utils import Cache as _HFCache  # so `isinstance(cache, Cache)` in model code holds
+from transformers.cache_utils import DynamicCache
 
+from runtime_kernels import hf
 from runtime_kernels.serving_policy import choose_dense_layers, graph_ms
-
-try:  # transformers' Cache base class, so `isinstance(cache, Cache)` checks in model code hold
-    from transformers.cache_utils import Cache as _HFCache
-except ImportError:  # pragma: no cover - transformers is needed to use this module at all
-    _HFCache = object
 
 DEFAULT_BUCKET = 256  # positions per view length; SANTA's tile, so a view never splits a tile
 
@@ -192,9 +191,7 @@ class StaticGenerator:
                  bucket: int = DEFAULT_BUCKET, compile: bool = False) -> None:
         self.model = model
         if getattr(model, "calib_attention", None) is None:  # dense decode steps run flash-decoding on the
-            from runtime_kernels import hf                    # valid length, not SDPA on the masked view
-
-            hf.attach(model)
+            hf.attach(model)                                  # valid length, not SDPA on the masked view
         # decode steps only: prefill calls self.model, eagerly
         self._decode_model = torch.compile(model) if compile else model
         self.compile = bool(compile)
@@ -278,15 +275,13 @@ class StaticGenerator:
         """Device ms of one decode attention call of ``layer`` at ``view``: the method's, flash-decoding's
         (a random query on the real cache; each a CUDA graph replay, :func:`serving_policy.graph_ms`);
         None without CUDA graphs (nothing to compare with: the method runs)."""
-        from runtime_kernels.hf import AttentionCall
-
         if not self.graphs:
             return None
         k, v = self.cache.keys[layer][:, :, :view], self.cache.values[layer][:, :, :view]
         heads = self.model.config.num_attention_heads
         q = torch.randn(k.shape[0], heads, 1, k.shape[3], device=self.device, dtype=k.dtype)
         cache_len = self.pos + 1
-        ctx = AttentionCall(None, self.pos[:, None], state.rotary_emb, None, cache_len)
+        ctx = hf.AttentionCall(None, self.pos[:, None], state.rotary_emb, None, cache_len)
         scale = k.shape[3] ** -0.5
         stats = runtime.stats_checkpoint() if hasattr(runtime, "stats_checkpoint") else None
 
@@ -455,8 +450,6 @@ def eager_generate(model: Any, input_ids: torch.Tensor, max_new_tokens: int,
 
     The reference the static path is checked against (and what ``hf.apply`` users get by default).
     """
-    from transformers import DynamicCache
-
     cache = DynamicCache(config=model.config) if _takes(DynamicCache.__init__, "config") else DynamicCache()
     arg = cache_argument(model)
     ids = input_ids
@@ -475,8 +468,6 @@ def eager_generate(model: Any, input_ids: torch.Tensor, max_new_tokens: int,
 
 
 def _takes(fn: Callable[..., Any], name: str) -> bool:
-    import inspect
-
     try:
         return name in inspect.signature(fn).parameters
     except (TypeError, ValueError):
@@ -504,12 +495,12 @@ def flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     ``[B, Hq, 1, D]``; None on CPU or without Triton.
 
     Why not SDPA: on a static cache SDPA needs a mask over the view, and transformers then expands
-    K/V to every query head (a copy of the whole cache per layer and step) before a masked kernel;
-    at 128k that costs 8x the attention itself. Static-cache steps of the dense layers of a method
+    K/V to every query head (a copy of the whole cache per layer and step) before a masked kernel,
+    which at long lengths costs several times the attention itself. Static-cache steps of the dense layers of a method
     (SAAP's layer 0) and the dense baseline of ``scripts/bench/bench_generate.py`` run this instead."""
     if not q.is_cuda:
         return None
-    try:
+    try:  # triton is optional (CPU-only installs): imported at the first CUDA call
         from runtime_kernels.saap.triton import saap_sparse_attention_triton
     except ImportError:
         return None

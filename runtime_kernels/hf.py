@@ -1,41 +1,24 @@
 """Plug calib artifacts into a transformers model through ``transformers.AttentionInterface``.
 
 ``apply(model, artifact_or_uri, ...)`` verifies each artifact against the model (every sha256, the
-architecture facts), builds the method's runtime object, registers one attention function
+architecture facts), builds the method's runtime object (:data:`RUNTIMES`), registers one attention function
 ``"calib_sparse"`` and switches the model to it — no model class is patched. Methods compose: at most
 one *prefill* method (SALE, SampleAttention) and one *decode* method (SAAP, SANTA). A call with more
 than one query is a prefill, a single query a decode step; whatever phase has no method runs the
 model's previous attention implementation (SDPA by default), as does any call the method cannot take
 (e.g. a padded batch for a prefill method), logged once.
 
-A method runtime is an object with ``phase`` (``"prefill"``, ``"decode"`` or ``"both"``, e.g. SANTA
-sampling in prefill and decode) and
-
-* prefill: ``prefill(layer, q, k, v, scale, ctx) -> out | None`` with ``q: [B, Hq, T, D]``,
-  ``k, v: [B, Hkv, T, D]`` (RoPE'd), returning ``[B, Hq, T, D]`` (``None`` = run dense);
-* decode: ``observe_prefill(layer, q, k, v, ctx)`` (build per-layer state from the prompt's cache) and
-  ``decode(layer, q, k, v, scale, ctx) -> out | None`` with ``q: [B, Hq, 1, D]`` and the full cache;
-* optionally ``pop_stats() -> dict`` (method statistics since the last call, which ``calib eval``
-  reports) and ``stats_checkpoint() -> object`` / ``stats_restore(object)``, with which the static loop
-  keeps its uncaptured warm-up steps out of those statistics;
-* optionally ``cost_signature(layer) -> str | None`` (decode): layers of equal signatures cost the same,
-  ``None`` never beats dense (:mod:`runtime_kernels.serving_policy`).
-
-``serve="fastest"`` (the default) runs a method only where it measured faster than dense attention on
-this GPU (per layer, batch and length: :mod:`runtime_kernels.serving_policy`); ``serve="method"`` runs
-it wherever it can, which is what ``calib eval`` measures accuracy with.
-
-``ctx`` is an :class:`AttentionCall` carrying the module, the position ids and the model's rotary
-embedding (for de-RoPE). Under :class:`runtime_kernels.generate.StaticGenerator` (a preallocated cache,
-CUDA graphs) decode calls get ``k, v`` as views of the preallocated buffers, longer than the valid
-length, and ``ctx.cache_len [B]`` (int64, on the device) says how many keys are valid; a decode runtime
-must then read no key past it and must not synchronize with the host (``ctx.cache_len is None`` in the
-eager path, where ``k.shape[2]`` is the length).
+What a method runtime provides: :func:`attach`. What a decode runtime sees under the static-cache serving
+loop (:class:`runtime_kernels.generate.StaticGenerator`): :func:`calib_attention_forward`. Serving modes:
+``serve="fastest"`` (the default) runs a method only where it times faster than dense attention on this GPU
+(per layer, batch and length: :mod:`runtime_kernels.serving_policy`); ``serve="method"`` runs it wherever it
+can, which is what ``calib eval`` measures accuracy with.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib
 import logging
 import os
@@ -46,8 +29,11 @@ import torch
 
 from runtime_kernels.artifact import load_artifact
 from runtime_kernels.errors import ArtifactError
-from runtime_kernels.manifest import Artifact, facts_from_hf_config
+from runtime_kernels.manifest import Artifact, check_model_facts, facts_from_hf_config
 from runtime_kernels.serving_policy import PrefillChooser
+
+# Imported where used: transformers' attention registry (its modeling_utils takes seconds to import, and a
+# caller holding a model has it loaded already) and runtime_kernels.generate (it imports this module).
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +57,7 @@ class AttentionCall:
     position_ids: torch.Tensor | None
     rotary_emb: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None
     attention_mask: torch.Tensor | None
-    cache_len: torch.Tensor | None = None  # [B] valid keys of a static-cache decode step (module docstring)
+    cache_len: torch.Tensor | None = None  # [B] valid keys of a static-cache decode step (calib_attention_forward)
     rows: slice | None = None  # the batch rows a prefill call covers (a ragged batch's one-row prefill); None: all
 
 
@@ -140,8 +126,6 @@ def apply(model: Any, *artifacts: str | os.PathLike | Artifact, tracking_uri: st
     loaded: list[Artifact] = []
     for a in artifacts:
         if isinstance(a, Artifact):
-            from runtime_kernels.manifest import check_model_facts
-
             check_model_facts(a.manifest.model, facts, where=str(a.path))
             loaded.append(a)
         else:
@@ -176,8 +160,6 @@ def apply(model: Any, *artifacts: str | os.PathLike | Artifact, tracking_uri: st
 
 def artifact_identity(art: Artifact) -> str:
     """A short hash of an artifact's tensors (their recorded sha256s): what its prefill timings depend on."""
-    import hashlib
-
     digest = hashlib.sha256("".join(sorted(f"{t.name}:{t.sha256}" for t in art.manifest.tensors)).encode())
     return digest.hexdigest()[:16]
 
@@ -190,6 +172,19 @@ def attach(model: Any, *, prefill: Any | None = None, decode: Any | None = None,
     ``apply`` is this plus artifact loading and verification. Replaces any earlier attachment. ``serve``
     defaults to ``"method"`` here: calibration scores the method itself; a prefill method is timed
     against dense only with a ``prefill_identity`` (the key its timings are cached under).
+
+    A method runtime is an object with ``phase`` (``"prefill"``, ``"decode"`` or ``"both"``, e.g. SANTA
+    sampling in prefill and decode) and
+
+    * prefill: ``prefill(layer, q, k, v, scale, ctx) -> out | None`` with ``q: [B, Hq, T, D]``,
+      ``k, v: [B, Hkv, T, D]`` (RoPE'd), returning ``[B, Hq, T, D]`` (``None`` = run dense);
+    * decode: ``observe_prefill(layer, q, k, v, ctx)`` (build per-layer state from the prompt's cache) and
+      ``decode(layer, q, k, v, scale, ctx) -> out | None`` with ``q: [B, Hq, 1, D]`` and the full cache;
+    * optionally ``pop_stats() -> dict`` (method statistics since the last call, which ``calib eval``
+      reports) and ``stats_checkpoint() -> object`` / ``stats_restore(object)``, with which the static loop
+      keeps its uncaptured warm-up steps out of those statistics;
+    * optionally ``cost_signature(layer) -> str | None`` (decode): layers of equal signatures cost the same,
+      ``None`` never beats dense (:mod:`runtime_kernels.serving_policy`).
     """
     if serve not in SERVE_MODES:
         raise ArtifactError(f"serve must be one of {', '.join(SERVE_MODES)} (got {serve!r})")
@@ -272,7 +267,13 @@ def calib_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                             **kwargs: Any) -> tuple[torch.Tensor, None]:
     """The registered attention function: ``query [B, Hq, Tq, D]``, ``key/value [B, Hkv, Tk, D]``.
 
-    Returns ``([B, Tq, Hq, D], None)`` like transformers' SDPA integration.
+    Returns ``([B, Tq, Hq, D], None)`` like transformers' SDPA integration. ``ctx`` (the runtime's last
+    argument) is an :class:`AttentionCall` carrying the module, the position ids and the model's rotary
+    embedding (for de-RoPE). Under :class:`runtime_kernels.generate.StaticGenerator` (a preallocated cache,
+    CUDA graphs) decode calls get ``k, v`` as views of the preallocated buffers, longer than the valid
+    length, and ``ctx.cache_len [B]`` (int64, on the device) says how many keys are valid; a decode runtime
+    must then read no key past it and must not synchronize with the host (``ctx.cache_len is None`` in the
+    eager path, where ``k.shape[2]`` is the length).
     """
     state: CalibAttention | None = getattr(module, "calib_attention", None)
     if state is None:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+import safetensors.torch
 import torch
 
 from runtime_kernels.errors import ArtifactError
@@ -200,8 +201,6 @@ def write_artifact(
     Tensor names must be unique across files. ``manifest.tensors``/``files`` are filled in here.
     Returns the final directory. Raises ``FileExistsError`` if it already exists.
     """
-    from safetensors.torch import save_file  # local: keep `import runtime_kernels` light
-
     out = Path(out_dir).resolve()
     if out.exists():
         raise FileExistsError(f"artifact directory already exists: {out}")
@@ -221,7 +220,7 @@ def write_artifact(
                 _check_writable(name, cpu[name])
                 records.append(TensorRecord(name, fname, list(cpu[name].shape), _dtype_name(cpu[name].dtype),
                                             tensor_sha256(cpu[name])))
-            save_file(cpu, str(tmp / fname), metadata={"format": "pt"})
+            safetensors.torch.save_file(cpu, str(tmp / fname), metadata={"format": "pt"})
             files.append(FileRecord(fname, (tmp / fname).stat().st_size, file_sha256(tmp / fname)))
         manifest = dataclasses.replace(manifest, tensors=records, files=files)
         with open(tmp / MANIFEST_NAME, "w") as f:
@@ -314,12 +313,9 @@ def _read_listed_file(root: Path, rec: FileRecord, where: str) -> bytes:
 def _load_tensors(data: bytes, file: str, records: list[TensorRecord], where: str) -> dict[str, torch.Tensor]:
     """The tensors ``records`` names, parsed from the verified bytes of ``file``; each must match its
     record's dtype, shape and sha256 and, if floating point, hold no NaN or infinite value."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load
-
     try:
-        loaded = load(data)
-    except (SafetensorError, ValueError, TypeError, KeyError, RuntimeError, OverflowError) as exc:
+        loaded = safetensors.torch.load(data)
+    except (safetensors.SafetensorError, ValueError, TypeError, KeyError, RuntimeError, OverflowError) as exc:
         reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
         raise ArtifactError(f"{where}: cannot read {file} ({reason})") from None
     out: dict[str, torch.Tensor] = {}

@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from calib.data.prompt import PromptFormatter  # noqa: E402
 from calib.data.synthetic import fit_to_length  # noqa: E402
@@ -55,8 +56,6 @@ def needle_prompt(tokenizer, length: int, index: int) -> tuple[list[int], list[i
 @torch.no_grad()
 def head_statistics(model_dir: str | Path, length: int = 2048, prompts: int = 2, device: str = "cpu") -> dict:
     """``{"entropy"|"sink"|"local"|"retrieval": [L][H] lists, "needle_tokens": int, "length": int}``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
                                                  attn_implementation="eager").to(device).eval()

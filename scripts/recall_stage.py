@@ -1,37 +1,23 @@
 #!/usr/bin/env python
 """Stage 0 of the tiny model's training: multi-query associative recall on batches built on the device.
 
-Why this stage exists (docs/results/tiny-model.md, "How the tiny model learned key-value lookup"):
-trained only on the synthetic tasks, the tiny Llama never formed the circuit that
-key-conditioned copying needs - a head that moves a key's identity onto the position of its value, and a
-head that matches the asked key against it (K-composition, the induction mechanism). Fifteen recipes of
-3100 steps left kv_retrieval at chance. Isolated here, the same lookup sits on a loss plateau for
-thousands of steps: in ``json`` form (value 4 tokens after its key) it stayed at chance for 5500 steps of
-256 sequences; in ``adjacent`` form (``k v``, offset 1) the plateau breaks after ~5500 steps, and a model
-that has learned ``adjacent`` learns ``json`` within 1000-4000 steps, to 1.00 at up to 32 pairs and
-0.95-0.995 at 64. So ``train_tiny.py`` runs recall stages (``TrainConfig.recall``: adjacent, then json
-and colon forms with name and 7-digit values, then up to 256 pairs) before its task phases.
+Trained only on the synthetic tasks, the tiny Llama never formed the circuit key-conditioned copying needs
+(a head that moves a key's identity onto its value's position, and one that matches the asked key against
+it); isolated here, the lookup sits on a long loss plateau that the ``adjacent`` form breaks first. So
+``train_tiny.py`` runs recall stages (``TrainConfig.recall``) before its task phases. Findings:
+docs/results/tiny-model.md, "How the tiny model learned key-value lookup".
 
 Data: a context of ``n`` pairs (keys: distinct name tokens of the tiny vocabulary; values: names, or
-numbers written as the tokenizer writes them, a leading digit then ``##d`` pieces), then ``queries``
-recall lines whose keys are drawn with replacement from the context, each value token a supervised
-target (no other loss). Batches are pure functions of a seeded device generator: no tokenizer calls,
-no data workers.
+numbers as the tokenizer writes them, a leading digit then ``##d`` pieces), then ``queries`` recall lines
+whose keys are drawn with replacement from the context, each value token a supervised target (no other
+loss), a pure function of a seeded device generator. Formats (``layout`` + optional value digits, ``json7``):
+``adjacent`` ``k v`` (offset 1), ``colon`` ``k: v,`` (offset 2), ``json`` ``"k": "v",`` as kv_retrieval writes
+it (offset 4), ``repeat`` (the control: ``adjacent``'s context copied in order, solvable without matching keys).
 
-Formats (``layout`` + optional value length in digits, e.g. ``json7``):
-
-- ``adjacent``: ``k v`` (offset 1; the classic associative-recall setup).
-- ``colon``: ``k: v,`` (offset 2).
-- ``json``: ``"k": "v",`` exactly as the kv_retrieval task writes its JSON object (offset 4).
-- ``repeat``: ``adjacent``'s context, then its tokens again in order, every copied token after the
-  first supervised. Solvable without matching keys (copy the earliest context token not yet copied);
-  kept as the ablation's control.
-
-As a script this is the ablation harness that produced those findings: every variant trains a fresh
-model of the tiny shape (``conf/model/tiny.yaml``, changes per variant), then prints held-out
+As a script, the ablation harness: every variant trains a fresh model of the tiny shape and prints held-out
 teacher-forced accuracy by number of pairs (chance = 1/n)::
 
-    python scripts/recall_stage.py --variants base,adjacent --steps 1500        # GPU, ~25 s a variant
+    python scripts/recall_stage.py --variants base,adjacent --steps 1500
     python scripts/recall_stage.py --variants "A=formats:adjacent;B=formats:json,init:A" --save /tmp/r
 """
 
@@ -50,6 +36,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from calib.data.tokenizer import tiny_vocabulary  # noqa: E402
+from calib.data.vocab import name_pool  # noqa: E402
 
 LAYOUTS = {  # one pair line; "K" and "V" are the key and the value tokens
     "adjacent": ("K", "V"),
@@ -76,9 +67,8 @@ class RecallStage:
     names: int = 3000  # keys (and name values) come from the first `names` names of the vocabulary
     # Stop early once held-out accuracy reaches ``until`` in every format at ``until_pairs`` pairs (0 =
     # max_pairs), checked every ``check_every`` steps; the learning rate then stays at ``lr`` after warm-up
-    # instead of following the cosine, because the plateau breaks at a step no schedule can know: the
-    # same 7000-step cosine stage broke at ~5500 steps in one run and, decayed by then, only half broke
-    # in another (0.66 at 4 pairs). ``steps`` is then the most it may take.
+    # instead of following the cosine, because the plateau breaks at a step no schedule can know (a cosine
+    # decayed by then may leave it half broken). ``steps`` is then the most it may take.
     until: float = 0.0
     until_pairs: int = 0
     check_every: int = 250
@@ -142,9 +132,6 @@ class RecallTokens:
 
     @classmethod
     def tiny(cls) -> "RecallTokens":
-        from calib.data.tokenizer import tiny_vocabulary
-        from calib.data.vocab import name_pool
-
         vocab = {t: i for i, t in enumerate(tiny_vocabulary())}
         return cls(punct={p: vocab[p] for p in ('"', ":", ",", "{", "}", "<s>")},
                    names=torch.tensor([vocab[n] for n in name_pool()]),
@@ -320,8 +307,6 @@ def parse_variant(spec: str) -> tuple[str, Variant, RecallStage]:
 
 
 def build_model(v: Variant, vocab_size: int, seed: int, device):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=v.hidden, intermediate_size=3 * v.hidden,
                       num_hidden_layers=v.layers, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
                       max_position_embeddings=4096, tie_word_embeddings=v.tied, initializer_range=0.02,
@@ -354,8 +339,6 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"error: {e}")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tokens = RecallTokens.tiny()
-    from calib.data.tokenizer import tiny_vocabulary
-
     results = []
     for name, v, stage in variants:
         stage = replace(stage, **{k: getattr(args, k) for k in ("steps", "batch") if getattr(args, k)})
@@ -364,8 +347,6 @@ def main(argv: list[str] | None = None) -> int:
         if v.init:
             if args.save is None:
                 raise SystemExit(f"error: variant {name!r} starts from {v.init!r}: pass --save (where it was saved)")
-            from safetensors.torch import load_file
-
             missing, unexpected = model.load_state_dict(load_file(str(args.save / v.init / "model.safetensors")),
                                                         strict=False)
             assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)

@@ -1,39 +1,23 @@
 #!/usr/bin/env python
 """Train the embedded ``tiny`` model on the synthetic tasks and write it, with its card.
 
-    python scripts/train_tiny.py                      # GPU: ~5 min of training + evaluation
-    python scripts/train_tiny.py --smoke --out /tmp/t # CPU smoke run (< 60 s)
+    python scripts/train_tiny.py                      # GPU
+    python scripts/train_tiny.py --smoke --out /tmp/t # CPU smoke run
 
-What it does, deterministically from ``--seed``:
+What it does, deterministically from ``--seed`` (the recipe and its results: docs/results/tiny-model.md):
 
-0. Recall stages (:mod:`recall_stage`): multi-query associative recall on token batches generated on the
-   device - first ``k v`` pairs, then the JSON ``"k": "v"`` form with name and 7-digit values and
-   ``k: 1234567`` (a number two tokens after its key, as in the needles "... for k is 1234567"). Without
-   them the key-conditioned copying circuit never formed (kv_retrieval at chance in 15 recipes;
-   docs/results/tiny-model.md).
-1. Architecture from ``conf/model/tiny.yaml`` (a 4-layer ``LlamaForCausalLM``, GQA 8 query / 2 KV
-   heads of dim 64, RoPE θ=10000, tied embeddings) and the tokenizer of
-   :mod:`calib.data.tokenizer`.
-2. Data: every step is one batch of fresh prompts from the same generators as ``calib.data``
-   (training seeds live in their own namespace, ``calib-train/<seed>/<step>/<j>``, disjoint from every
-   ``build_prompts`` seed), built in DataLoader workers so the GPU never waits. A curriculum of three
-   phases moves from short prompts (retrieval/induction heads form fast) to prompts up to 8192 tokens
-   (RoPE positions up to 8k are seen). After the evaluated question, a training sequence may carry
-   further questions on the same context (other keys of the JSON object, the other needles) - extra
-   answer tokens for the same context cost; by causality they cannot change how the model answers the
-   first question.
+0. Recall stages (:mod:`recall_stage`): associative recall in ``k v``, then JSON and ``k: 1234567`` form.
+1. The architecture of ``conf/model/tiny.yaml`` and the tokenizer of :mod:`calib.data.tokenizer`.
+2. Data (``scripts/tiny/data.py``): every step a batch of fresh prompts from ``calib.data``'s generators, in
+   a curriculum of three phases from short prompts to 8192 tokens, built in DataLoader workers.
 3. Loss: cross-entropy on the answer tokens and the EOS after each answer (each example weighted
    equally), plus ``lm_loss_weight`` x next-token loss on all other tokens.
 4. AdamW, linear warm-up + cosine decay, gradient clipping, bf16 autocast, SDPA attention.
-5. Saves bf16 safetensors + tokenizer + ``training_config.json``, then evaluates the saved weights with
-   greedy decoding on held-out prompts (``calib.data.build_prompts`` with ``--eval-seed``), writes
-   ``eval.json`` and ``MODEL_CARD.md`` (accuracy table, attention-structure summary).
+5. Saves bf16 safetensors + tokenizer + ``training_config.json``, evaluates the saved weights greedily on
+   held-out prompts (``--eval-seed``) and writes ``eval.json`` and ``MODEL_CARD.md``.
 
-The stages live in the package ``scripts/tiny/`` (config, data, training, evaluation, export); this
-file is the command line that chains them.
-
-GPU nondeterminism: data and initialization are bitwise deterministic; the CUDA backward of SDPA
-(flash) and of the embedding use atomics, so two GPU runs agree only up to float rounding.
+The stages live in ``scripts/tiny/``; this file chains them. Data and initialization are bitwise deterministic;
+the CUDA backward of SDPA and of the embedding use atomics, so two GPU runs agree only up to float rounding.
 """
 
 from __future__ import annotations
@@ -55,6 +39,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # forked data workers 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+import transformers  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 
 from calib.data import TASKS  # noqa: E402
 from calib.data.tokenizer import load_tokenizer, save_tiny_tokenizer  # noqa: E402
@@ -193,7 +179,7 @@ def training_record(cfg: TrainConfig, arch: dict, model, tokenizer, args: argpar
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     record = {"config": asdict(cfg), "arch": arch, "params": sum(p.numel() for p in model.parameters()),
               "vocab_size": len(tokenizer), "init_from": str(args.init_from) if args.init_from else None,
-              "torch": torch.__version__, "transformers": __import__("transformers").__version__,
+              "torch": torch.__version__, "transformers": transformers.__version__,
               "device": device_name, "train_seconds": result["train_seconds"], "recall": recall,
               "recall_inherited": inherited, "log": result["log"]}
     record["lineage"] = lineage + [lineage_entry(record, str(args.out))]
@@ -201,10 +187,8 @@ def training_record(cfg: TrainConfig, arch: dict, model, tokenizer, args: argpar
 
 
 def evaluate_saved(cfg: TrainConfig, out: Path, tokenizer, device, eval_jobs: list, eval_async, log
-                   ) -> tuple[dict, dict | None, str]:
+                   ) -> tuple[dict, dict, str]:
     """Greedy accuracy of the weights as saved (on the prompts the pool built) and the attention summary."""
-    from transformers import AutoModelForCausalLM
-
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     saved = AutoModelForCausalLM.from_pretrained(out, dtype=dtype, attn_implementation="sdpa").to(device)
     chunks = eval_async.get()

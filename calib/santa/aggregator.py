@@ -1,63 +1,22 @@
 """The SANTA REINFORCE aggregator (Lee et al., arXiv:2605.01910, App. K Alg. 1 lines 10-15, App. L).
 
-Whenever at least one result file is in ``inbox/``, the aggregator validates them (malformed ones
-go to ``quarantine/``), claims the rest for the next iteration ``k`` and commits update ``k``::
+Whenever result files are in ``inbox/``, it judges each (:meth:`Aggregator.judge`; refused entries go to
+``quarantine/`` with their reason), claims the rest for iteration ``k`` and commits update ``k`` (quoted:
+the ``fault_hook`` points where the crash tests kill it)::
 
-    1. write claimed/k/manifest.json   (the file list, atomically)        "after-manifest"
-    2. rename each file inbox/ -> claimed/k/                              "after-first-move", "after-moves"
-    3. compute theta_k from theta_{k-1} and the claimed records, each with the p of its own
-       policy_iteration (read from policy/policy-<i>.json)
-    4. check the lease, then publish policy/policy-k.json exclusively     "after-snapshot"
-       (temp + fsync + link: THE COMMIT POINT of iteration k)
-    5. write history/k.json (atomically)                                   "after-history"
-    6. call on_iteration(record)  (e.g. MLflow logging, aggregator only)
+    1. write claimed/k/manifest.json (the file list, atomically)            "after-manifest"
+    2. rename each file inbox/ -> claimed/k/                                "after-first-move", "after-moves"
+    3. theta_k from theta_{k-1} and the claimed records, each with the p of its own policy_iteration
+    4. check the lease, publish policy/policy-k.json exclusively (temp + fsync + link:
+       THE COMMIT POINT of iteration k)                                     "after-snapshot"
+    5. write history/k.json (atomically)                                    "after-history"
+    6. call on_iteration(record) (MLflow logging)
 
-It never waits for or signals workers. Iteration ``k`` produces ``policy-k`` from ``policy-(k-1)``;
-``policy-0`` is theta = 0, written at the first start.
-
-Crash windows (the quoted names are the ``fault_hook`` points the tests kill at). On restart the
-aggregator takes the lease, lets ``c`` be the newest snapshot (snapshots 0..c must be consecutive)
-and repairs before doing anything else:
-
-* killed while writing the manifest (before 1 completes): ``claimed/k/`` holds at most a hidden
-  temp file and every result is still in ``inbox/``. The folder's temp files are removed and the
-  results are claimed afresh (new arrivals may join the claim: nothing was counted yet).
-* "after-manifest" / "after-first-move" / "after-moves" (killed between 1 and 4, including during
-  the snapshot's temp write): no ``policy-k`` exists, so iteration ``k`` never happened. The
-  manifest fixes the claim: files it lists that are still in ``inbox/`` are moved, files that arrived
-  later are not part of it, and update ``k`` is recomputed from exactly the listed files (the same
-  bytes, order and theta_{k-1}, so the same numbers). No result of ``k`` is in any history, so none
-  is counted twice; ``k`` is not skipped or reused.
-* "after-snapshot" (killed between 4 and 5): ``policy-k`` exists, so iteration ``k`` is complete.
-  Its missing ``history/k.json`` is rebuilt from the manifest and the claimed files (marked
-  ``rebuilt``), after checking that recomputing the update reproduces the committed theta.
-* "after-history" (killed between 5 and 6): everything is on disk; the callback may not have run.
-  After every restart the callback is called again for the newest committed iteration with
-  ``replayed=True`` (at-least-once for the last iteration; earlier ones had theirs before the next
-  claim started).
-* killed while quarantining: the reason file is written before the rename, so the garbage file is
-  either still in ``inbox/`` (judged again) or already in ``quarantine/``.
-* a claim manifest that is missing, does not parse, or names anything but plain result files of its
-  claim (a path separator, ``..``, an absolute path, a symlink) is not trusted: the claim is taken
-  from the regular result files in ``claimed/k/`` themselves, recorded as its new manifest. Before
-  the commit nothing of ``k`` was counted, so files still in ``inbox/`` are simply claimed later.
-* killed anywhere: temp files (``.<name>.tmp-*``) are hidden from every reader and swept once
-  older than ``temp_max_age_s``.
-
-"Counted" means listed in a committed iteration's history (``result_ids``); a file whose ids were
-already counted, or that repeats ids of another file in the same claim, is quarantined, so every
-result counts at most once even if a file were replayed into the inbox. Results never enter theta
-unvalidated: schedule length and sum, reward finite in [0, 1], a policy iteration that has a
-snapshot; a non-finite update is rejected (its files are quarantined, theta is unchanged).
-
-Every inbox entry passes :meth:`Aggregator.judge`, which no entry can crash or block (directories,
-FIFOs, symlinks, unreadable, oversized or deeply nested files are refused with a reason); refused
-entries are moved to ``quarantine/`` with their reason and counted (``quarantined`` in the history
-and the ``num_quarantined`` metric). One that cannot even be moved is skipped from then on.
-
-Single aggregator: :class:`calib.santa.lease.Lease` (O_EXCL lease file + heartbeat, taken over when
-unchanged for ``lease_ttl_s``; works on NFS, no flock). The commit in step 4 uses ``link``, which
-refuses to replace an existing snapshot, so a split brain cannot commit one iteration twice.
+It never waits for or signals workers; ``policy-0`` (theta = 0) is written at the first start. A restart
+repairs every crash window before anything else (:meth:`Aggregator.recover`), so no iteration is skipped
+or reused and every result counts at most once. One aggregator at a time: :class:`calib.santa.lease.Lease`,
+and the ``link`` of step 4 refuses to replace a snapshot, so a split brain cannot commit an iteration
+twice. The protocol in brief: docs/methods.md (SANTA, "Worker/aggregator protocol").
 """
 
 from __future__ import annotations
@@ -212,7 +171,33 @@ class Aggregator:
     # ------------------------------------------------------------------------------ recovery
 
     def recover(self) -> int | None:
-        """Bring the directory to a consistent state; return a pending iteration to redo, or None."""
+        """Bring the directory to a consistent state; return a pending iteration to redo, or None.
+
+        Takes ``c``, the newest snapshot (snapshots 0..c must be consecutive), then repairs each crash
+        window of the commit (module docstring):
+
+        * killed while writing the manifest (before step 1 completes): ``claimed/k/`` holds at most a
+          hidden temp file and every result is still in ``inbox/``; the temp files are removed and the
+          results claimed afresh (new arrivals may join: nothing was counted yet).
+        * "after-manifest" / "after-first-move" / "after-moves" (between 1 and 4, the snapshot's temp write
+          included): no ``policy-k``, so iteration ``k`` never happened. The manifest fixes the claim: listed
+          files still in ``inbox/`` are moved, later arrivals are not part of it, and update ``k`` is redone
+          from exactly the listed files (same bytes, order and theta_{k-1}: the same numbers).
+        * "after-snapshot" (between 4 and 5): ``policy-k`` exists, so ``k`` is complete; its missing
+          ``history/k.json`` is rebuilt from the manifest and the claimed files (``rebuilt``), after checking
+          that recomputing the update reproduces the committed theta.
+        * "after-history" (between 5 and 6): the callback may not have run; after every restart it is called
+          again for the newest committed iteration with ``replayed=True`` (at least once for the last one).
+        * killed while quarantining: the reason file is written before the rename, so the entry is either
+          still in ``inbox/`` (judged again) or already in ``quarantine/``.
+        * a claim manifest that is missing, does not parse, or names anything but plain result files of its
+          claim (a path separator, ``..``, an absolute path, a symlink) is not trusted: the claim is the
+          regular result files in ``claimed/k/`` (:meth:`_claim_files`).
+        * killed anywhere: temp files (``.<name>.tmp-*``) are hidden from every reader and swept once older
+          than ``temp_max_age_s``.
+
+        "Counted" means listed in a committed history's ``result_ids`` (rebuilt here into ``self.counted``).
+        """
         layout = self.layout.ensure()
         its = policy_iterations(layout)
         if not its:
@@ -397,7 +382,8 @@ class Aggregator:
             committed_at=time.time())
 
     def commit(self, k: int) -> IterationRecord | None:
-        """Move the manifest's files, compute and commit iteration ``k``; None if nothing valid remained."""
+        """Move the manifest's files, compute and commit iteration ``k``; None if nothing valid remained
+        (a non-finite update is rejected: its files are quarantined and theta stays)."""
         files = self._claim_files(k)
         unmoved = move_claimed(self.layout, k, files, lambda i: self.fault("after-first-move", k) if i == 0 else None)
         for name in unmoved:

@@ -11,11 +11,11 @@ import subprocess
 import sys
 from typing import Any, Sequence
 
+from calib.paths import project_root
+
 
 def start_child(index: int, seed: int, threads: int, lines: Sequence[str], *, score: bool = False) -> subprocess.Popen:
     """Start one child with ``lines`` (JSON texts) written to its stdin, which stays open (text mode)."""
-    from calib.paths import project_root
-
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(project_root()), *filter(None, [env.get("PYTHONPATH")])])
     env.setdefault("TOKENIZERS_PARALLELISM", "false")

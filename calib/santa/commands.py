@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import sys
 import zlib
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,18 @@ import numpy as np
 
 from calib.config import require
 from calib.errors import UserError
+from calib.models import load_model, resolve_device
+from calib.paths import check_writable_dir
 from calib.recipe_settings import Section
+from calib.santa.aggregator import CorruptState, exit_on_sigterm, run_aggregator
+from calib.santa.inbox import Layout, atomic_write_json, default_worker_id, read_json, read_newest_policy
+from calib.santa.lease import LeaseHeld, LeaseLost
+from calib.santa.policy import schedule_from_policy
+from calib.santa.reward import RewardSettings, make_evaluator, reward_prompts
+from calib.santa.worker import run_worker
+
+# mlflow and calib.tracking are imported where the aggregator logs: worker processes import this module and
+# never touch MLflow, whose import would slow every worker's start.
 
 log = logging.getLogger("calib.santa")
 
@@ -93,8 +104,6 @@ class RLSettings:
 
     def require_dir(self, command: str) -> Path:
         """``rl.dir``, which must be set and be (or be creatable as) a writable directory."""
-        from calib.paths import check_writable_dir
-
         if self.dir is None:
             raise UserError(f"`python -m calib {command}` needs the shared folder: add rl.dir=/path/to/shared/dir "
                             "(the same for the aggregator and every worker)")
@@ -104,8 +113,6 @@ class RLSettings:
 
 def settings(cfg: Any) -> RLSettings:
     """Checked :class:`RLSettings`, after the method's reward settings are checked too."""
-    from calib.santa.reward import RewardSettings
-
     RewardSettings.from_cfg(cfg)
     return RLSettings.from_cfg(cfg)
 
@@ -129,9 +136,6 @@ def worker_seed(seed: int | None, worker_id: str) -> np.random.SeedSequence | No
 
 def prepare_worker(cfg: Any) -> tuple[Any, Any]:
     """Load the model and build the reward evaluator: ``(loaded, evaluate)``."""
-    from calib.models import load_model, resolve_device
-    from calib.santa.reward import RewardSettings, make_evaluator, reward_prompts
-
     loaded = load_model(cfg.model, device=str(resolve_device(str(cfg.get("device", "auto")))))
     pool = reward_prompts(cfg, loaded.tokenizer, heldout=False, count=RewardSettings.from_cfg(cfg).pool)
     return loaded, make_evaluator(cfg, loaded, pool)
@@ -139,9 +143,6 @@ def prepare_worker(cfg: Any) -> tuple[Any, Any]:
 
 def worker(cfg: Any) -> dict[str, Any]:
     """``python -m calib worker rl.dir=...``: one REINFORCE worker until ``done.json`` (or rl.max_batches)."""
-    from calib.santa.inbox import default_worker_id
-    from calib.santa.worker import run_worker
-
     s = settings(cfg)
     rl_dir = s.require_dir("worker")
     setup_logging()
@@ -197,7 +198,6 @@ class IterationLogger:
         from mlflow.exceptions import MlflowException
 
         from calib import tracking
-        from calib.santa.inbox import atomic_write_json, read_json
 
         exp_id = tracking.configure(self.target)
         path = self.rl_dir / RUN_FILE if self.rl_dir is not None else None
@@ -237,9 +237,6 @@ class IterationLogger:
 
 def run_aggregator_checked(s: RLSettings, rl_dir: Path, on_iteration: Any, stop_event: Any = None) -> Any:
     """:func:`run_aggregator` with its protocol errors turned into one-line :class:`UserError`."""
-    from calib.santa.aggregator import CorruptState, run_aggregator
-    from calib.santa.lease import LeaseHeld, LeaseLost
-
     try:
         return run_aggregator(rl_dir, s.num_layers, s.budget, iterations=s.iterations, lr=s.lr, poll_s=s.poll_s,
                               lease_ttl_s=s.lease_ttl_s, temp_max_age_s=s.temp_max_age_s,
@@ -255,9 +252,6 @@ def run_aggregator_checked(s: RLSettings, rl_dir: Path, on_iteration: Any, stop_
 
 def final_schedule(rl_dir: Path, budget: int) -> tuple[int, np.ndarray, np.ndarray]:
     """``(iteration, theta [L], schedule [L])`` of the newest committed policy in ``rl_dir``."""
-    from calib.santa.inbox import Layout, read_newest_policy
-    from calib.santa.policy import schedule_from_policy
-
     snap = read_newest_policy(Layout(rl_dir))
     if snap is None:
         raise UserError(f"{rl_dir} holds no policy snapshot: did the aggregator run?")
@@ -266,12 +260,7 @@ def final_schedule(rl_dir: Path, budget: int) -> tuple[int, np.ndarray, np.ndarr
 
 def aggregator(cfg: Any) -> dict[str, Any]:
     """``python -m calib aggregator rl.dir=...``: the REINFORCE aggregator until ``rl.iterations``."""
-    from dataclasses import asdict
-
     from calib import tracking
-    from calib.santa.aggregator import exit_on_sigterm
-
-    from calib.santa.reward import RewardSettings
 
     exit_on_sigterm()
     s, rs = settings(cfg), RewardSettings.from_cfg(cfg)

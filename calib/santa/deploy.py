@@ -10,7 +10,7 @@ same ``method.deploy.questions`` questions of the calibration side that the rewa
 seed under every schedule (a file with fewer rows: the rows there are, with a warning). Synthetic
 questions have ``method.deploy.length`` tokens (null: the reward's length): a budget of S samples per
 layer reads a smaller share of a longer context, so the ladder must be measured at the longest context
-the artifact will serve (on smollm2, the budget chosen on 1k questions lost 47 points at 8k).
+the artifact will serve (a budget chosen on short questions can fail long ones: docs/results/smollm2.md).
 
 The artifact's default budget is the smallest rung from which the learned schedule is within
 ``method.deploy.tolerance`` of dense at that rung and at every larger one (one lucky rung below a
@@ -28,6 +28,14 @@ from typing import Any, Sequence
 import numpy as np
 
 from calib.recipe_settings import Section
+from calib.santa.heldout import ScoreGroup, score_groups
+from calib.santa.plots import pyplot
+from calib.santa.reward import RewardSettings, new_token_budgets, question_seeds, reward_prompts
+from calib.stats import bootstrap_mean_ci
+from calib.tracking import log_figure
+from runtime_kernels.santa.schedule import apportion
+
+# mlflow (optional where no run is tracked) is imported in log_ladder only.
 
 log = logging.getLogger("calib.santa")
 
@@ -83,8 +91,6 @@ class LadderResult:
 
     def metrics(self, resamples: int, seed: int) -> dict[str, Any]:
         """Headline metrics (``deploy_*``) and the curve as ``deploy.learned.N<n>`` / ``deploy.uniform.N<n>``."""
-        from calib.stats import bootstrap_mean_ci
-
         n = self.default_budget
         ci = bootstrap_mean_ci(self.learned[n], resamples=resamples, seed=seed)
         return {"deploy_budget": float(n), "deploy_within_tolerance": float(self.within_tolerance),
@@ -98,7 +104,7 @@ class LadderResult:
 def no_rung_advice(tolerance: float, questions: int) -> str:
     """What to change when no rung qualifies. One question is ``1 / questions`` of accuracy: when that
     exceeds the tolerance, a rung qualifies only if it loses no net question to dense, which noise alone
-    denies most ladders (smollm2 at 8k, 96 questions: the best rung lost 2)."""
+    denies most ladders."""
     advice = "extend method.deploy.budgets_per_layer"
     if questions > 0 and 0 < tolerance and tolerance * questions < 1:  # tolerance 0: more questions cannot help
         advice += (f", or raise method.deploy.questions to at least {math.ceil(1 / tolerance - 1e-9)} (one of "
@@ -109,10 +115,6 @@ def no_rung_advice(tolerance: float, questions: int) -> str:
 
 def run_ladder(cfg: Any, loaded: Any, probs: np.ndarray, training_budget: int, shards: int) -> LadderResult:
     """Score the ladder (module docstring); ``probs [L]`` are the artifact's stored shares."""
-    from calib.santa.heldout import ScoreGroup, score_groups
-    from calib.santa.reward import RewardSettings, new_token_budgets, question_seeds, reward_prompts
-    from runtime_kernels.santa.schedule import apportion
-
     ds, rs = DeploySettings.from_cfg(cfg), RewardSettings.from_cfg(cfg)
     layers = len(probs)
     budgets = [n for n in ladder(layers, ds.budgets_per_layer, training_budget) if n >= layers]
@@ -145,8 +147,6 @@ def log_ladder(result: LadderResult) -> None:
     """The curve as MLflow step series (``deploy/accuracy_learned`` etc., step = N) and one figure."""
     import mlflow
 
-    from calib.tracking import log_figure
-
     if mlflow.active_run() is None:
         return
     for n in result.budgets:
@@ -159,9 +159,6 @@ def log_ladder(result: LadderResult) -> None:
 def accuracy_vs_budget(result: LadderResult) -> Any:
     """Accuracy against total budget N (log scale): learned and uniform with 95 % bootstrap bars, dense,
     the tolerance band and the chosen default budget."""
-    from calib.santa.plots import pyplot
-    from calib.stats import bootstrap_mean_ci
-
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     x = np.asarray(result.budgets, dtype=float)

@@ -1,25 +1,21 @@
 """Held-out scoring of SANTA schedules: learned vs uniform at the same N (docs/methods.md, SANTA, "Held out").
 
-Both schedules (and, optionally, dense attention) answer the SAME held-out questions
-(:func:`calib.santa.reward.reward_prompts` with ``heldout=True``), question ``i`` sampled with the same
-seed under every schedule (:func:`calib.santa.reward.question_seeds`), so the comparison is paired.
-With more than a few dozen answers to give the work is sharded over up to ``rl.workers`` local processes
-(:mod:`calib.santa.local_worker` ``--score``; shard ``j`` takes questions ``j::shards``): each loads
-the model once and scores its questions under every schedule. Seeds per question make the scores
-independent of the sharding.
+Both schedules (and, with ``method.reward.heldout_dense``, dense attention) answer the SAME held-out questions
+(:func:`calib.santa.reward.reward_prompts` with ``heldout=True``), question ``i`` sampled with the same seed
+under every schedule, so the comparison is paired. Past a few dozen answers the work is sharded over up to
+``rl.workers`` local processes (:mod:`calib.santa.local_worker` ``--score``; shard ``j`` takes questions
+``j::shards``), each loading the model once; per-question seeds make the scores independent of the sharding.
 
 Metrics: ``reward_learned`` / ``reward_uniform`` with bootstrap 95% CIs (``*_ci_low``, ``*_ci_high``),
-``reward_learned_minus_uniform`` with its paired-bootstrap CI, ``heldout_ci_separated`` (1 when the
-learned CI lies wholly above the uniform CI), ``learned_equals_uniform`` and ``reward_dense``.
+``reward_learned_minus_uniform`` with its paired-bootstrap CI, ``heldout_ci_separated`` (1 when the learned CI
+lies wholly above the uniform CI), ``learned_equals_uniform`` and ``reward_dense``.
 
-When L does not divide N, "uniform at N" is not one schedule: the ``N mod L`` extra samples can sit on
-any of ``C(L, N mod L)`` sets of layers (:func:`calib.santa.policy.uniform_placements`). ``uniform``
-stays the θ = 0 artifact schedule (extras on the lowest layers, the tie rule of
-:func:`calib.santa.policy.schedule_from_policy`), and with ``rl.heldout_uniform_placements`` (default
-on) every placement is scored as well: ``reward_uniform_mean`` (per question, the fraction of
-placements that answer it; the fair uniform), ``reward_uniform_best`` (the best placement, chosen on
-these same questions, so a bound that favours uniform) with CIs, ``uniform_best_schedule.layer_<i>``,
-and ``heldout_ci_separated_best`` (learned CI wholly above the best placement's).
+When L does not divide N, the ``N mod L`` extra samples of "uniform at N" can sit on any of ``C(L, N mod L)``
+sets of layers (:func:`calib.santa.policy.uniform_placements`). ``uniform`` stays the θ = 0 schedule (extras on
+the lowest layers), and with ``rl.heldout_uniform_placements`` every placement is scored too:
+``reward_uniform_mean`` (the fair uniform: per question, the share of placements answering it),
+``reward_uniform_best`` (the best placement on these same questions: a bound favouring uniform) with CIs,
+``uniform_best_schedule.layer_<i>`` and ``heldout_ci_separated_best``.
 """
 
 from __future__ import annotations
@@ -27,12 +23,24 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
+import torch
+from omegaconf import OmegaConf
+from tqdm.auto import tqdm
 
+from calib.config import to_container
+from calib.data import Prompt
 from calib.errors import UserError
+from calib.models import load_model, resolve_device
+from calib.santa.children import last_json, start_child
+from calib.santa.commands import RLSettings
+from calib.santa.policy import uniform_placements
+from calib.santa.reward import RewardSettings, new_token_budgets, question_seeds, reward_prompts, score_schedule
+from calib.stats import bootstrap_mean_ci, paired_bootstrap_diff
 
 log = logging.getLogger("calib.santa")
 
@@ -70,13 +78,6 @@ def run_score_job(cfg_dict: dict[str, Any], job: dict[str, Any], threads: int,
                   progress: Callable[[int], None] | None = None) -> list[dict[str, list[bool]]]:
     """Child side (``local_worker --score``): load the model, score every group of ``job`` under each
     of its schedules; ``progress(1)`` after each question scored."""
-    import torch
-    from omegaconf import OmegaConf
-
-    from calib.data import Prompt
-    from calib.models import load_model, resolve_device
-    from calib.santa.reward import RewardSettings, score_schedule
-
     torch.set_num_threads(max(1, threads))
     cfg = OmegaConf.create(cfg_dict)
     loaded = load_model(cfg.model, device=str(resolve_device(str(cfg.get("device", "auto")))))
@@ -102,8 +103,6 @@ def score_groups(cfg: Any, loaded: Any, groups: Sequence[ScoreGroup], shards: in
                  desc: str = "score") -> list[dict[str, np.ndarray]]:
     """:func:`score_schedules` for several groups at once (one set of processes, one progress bar with
     an ETA over every question x schedule)."""
-    from tqdm.auto import tqdm
-
     plans = [g.unique() for g in groups]
     total = sum(len(g.prompts) * len(u) for g, (u, _) in zip(groups, plans))
     with tqdm(total=total, desc=desc, unit="answer", mininterval=2.0) as bar:
@@ -113,8 +112,6 @@ def score_groups(cfg: Any, loaded: Any, groups: Sequence[ScoreGroup], shards: in
 
 def _score_unique(cfg: Any, loaded: Any, work: list[tuple[ScoreGroup, dict[str, list[int] | None]]],
                   shards: int, progress: Callable[[int], None]) -> list[dict[str, np.ndarray]]:
-    from calib.santa.reward import RewardSettings, score_schedule
-
     answers = sum(len(g.prompts) * len(unique) for g, unique in work)
     shards = max(1, min(shards, answers // MIN_PER_SHARD, min(len(g.prompts) for g, _ in work)))
     if shards == 1:
@@ -128,11 +125,6 @@ def _score_in_children(cfg: Any, work: list[tuple[ScoreGroup, dict[str, list[int
                        progress: Callable[[int], None]) -> list[dict[str, np.ndarray]]:
     """Shard ``j`` of every group (questions ``j::shards``) in child process ``j``; progress lines
     (``{"progress": n}``) are read as they come, the report is the last line."""
-    import threading
-
-    from calib.config import to_container
-    from calib.santa.children import last_json, start_child
-
     config_line = json.dumps(to_container(cfg))
     threads = max(1, (os.cpu_count() or 1) // shards)
     procs = []
@@ -186,21 +178,19 @@ def _ci_metrics(name: str, ci: Any) -> dict[str, float]:
 def heldout_comparison(cfg: Any, loaded: Any, learned: np.ndarray, uniform: np.ndarray, count: int,
                        shards: int) -> dict[str, float]:
     """Held-out reward of the learned vs the uniform schedule on ``count`` questions (module docstring)."""
-    from calib.santa.reward import RewardSettings, new_token_budgets, question_seeds, reward_prompts
-    from calib.stats import bootstrap_mean_ci, paired_bootstrap_diff
-
+    rs = RewardSettings.from_cfg(cfg)
     prompts = reward_prompts(cfg, loaded.tokenizer, heldout=True, count=count)
-    max_new = new_token_budgets(prompts, loaded.tokenizer, RewardSettings.from_cfg(cfg))
+    max_new = new_token_budgets(prompts, loaded.tokenizer, rs)
     seed, resamples = int(cfg.get("seed", 0)), int(cfg.eval.bootstrap)
     same = bool(np.array_equal(learned, uniform))
     schedules: dict[str, list[int] | None] = {"learned": [int(x) for x in learned]}
     if not same:
         schedules["uniform"] = [int(x) for x in uniform]
     placements = uniform_variants(len(uniform), int(np.sum(uniform))) \
-        if bool(cfg.rl.get("heldout_uniform_placements", True)) else {}
+        if RLSettings.from_cfg(cfg).heldout_uniform_placements else {}
     if len(placements) > 1:
         schedules.update(placements)
-    if cfg.method.reward.get("heldout_dense", True):
+    if rs.heldout_dense:
         schedules["dense"] = None
     got = score_schedules(cfg, loaded, prompts, max_new, question_seeds(seed, len(prompts)), schedules, shards,
                           desc="heldout")
@@ -223,8 +213,6 @@ def heldout_comparison(cfg: Any, loaded: Any, learned: np.ndarray, uniform: np.n
 
 def uniform_variants(num_layers: int, budget: int) -> dict[str, list[int]]:
     """Every uniform placement at ``budget`` by name (``uniform_placement:<s_0>-<s_1>-...``)."""
-    from calib.santa.policy import uniform_placements
-
     return {"uniform_placement:" + "-".join(str(int(x)) for x in s): [int(x) for x in s]
             for s in uniform_placements(num_layers, budget)}
 
@@ -232,8 +220,6 @@ def uniform_variants(num_layers: int, budget: int) -> dict[str, list[int]]:
 def placement_summary(got: dict[str, np.ndarray], placements: dict[str, list[int]], *, resamples: int,
                       seed: int) -> dict[str, float]:
     """``reward_uniform_mean`` / ``reward_uniform_best`` (+ CIs) and the best placement's schedule."""
-    from calib.stats import bootstrap_mean_ci
-
     scores = np.stack([np.asarray(got[name], dtype=np.float64) for name in placements])  # [P, n]
     best = int(np.argmax(scores.mean(axis=1)))  # first placement on ties
     out = {**_ci_metrics("reward_uniform_mean", bootstrap_mean_ci(scores.mean(axis=0), resamples=resamples, seed=seed)),

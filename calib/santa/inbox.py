@@ -3,7 +3,7 @@
 Layout under ``rl.dir`` (a local folder or a Kubernetes ReadWriteMany volume)::
 
     policy/policy-<i>.json        policy snapshots {"iteration", "theta", "num_layers", "budget", ...}
-    inbox/result-<w>-<b>.jsonl    published worker batches, one JSON record per line
+    inbox/result-<w>-<b>.jsonl    published worker batches, one JSON record per line (:class:`ResultRecord`)
     inbox/.result-...tmp-<u>      a worker's batch being written (hidden; never read)
     claimed/<i>/manifest.json     the files update <i> consumed, written before they are moved here
     claimed/<i>/result-...jsonl   those files
@@ -12,21 +12,11 @@ Layout under ``rl.dir`` (a local folder or a Kubernetes ReadWriteMany volume)::
     aggregator.lease              who runs the aggregator (see :mod:`calib.santa.lease`)
     done.json                     written when the aggregator reached its iteration target
 
-Every file that a reader may see is published atomically (hidden temp + fsync + rename, see
-:mod:`calib.santa.volume`), so a reader sees either nothing or the whole file; hidden temp files
-older than a configured age belong to a dead writer and are swept.
-
-A result record (one line of a result file)::
-
-    {"result_id": "<32 hex>", "batch_id": "<32 hex>", "batch_size": E, "index": e,
-     "worker": "<id>", "policy_iteration": i, "num_layers": L, "budget": N,
-     "schedule": [s_1, ..., s_L], "reward": r, "created": <unix time>}
-
-``batch_size``/``index`` make a file cut short at a line boundary detectable: a file is valid only if
-it holds exactly ``batch_size`` records with indices ``0..E-1`` of one ``batch_id``. Anyone who can
-write the volume can drop anything into ``inbox/``: entries are read without blocking or following
-links, with sizes and JSON nesting bounded before parsing, and names from listings and manifests are
-plain file names (:func:`is_result_name`).
+Every file a reader may see is published atomically (hidden temp + fsync + rename, :mod:`calib.santa.volume`);
+hidden temp files older than a configured age belong to a dead writer and are swept. Anyone who can write
+the volume can drop anything into ``inbox/``: entries are read without blocking or following links, with
+sizes and JSON nesting bounded before parsing (:func:`parse_result_file`), and names from listings and
+manifests are plain file names (:func:`is_result_name`).
 """
 
 from __future__ import annotations
@@ -189,7 +179,17 @@ def read_newest_policy(layout: Layout) -> PolicySnapshot | None:
 
 @dataclass(frozen=True)
 class ResultRecord:
-    """One episode: the schedule a worker drew from policy ``policy_iteration`` and its reward."""
+    """One episode: the schedule a worker drew from policy ``policy_iteration`` and its reward.
+
+    One line of a result file::
+
+        {"result_id": "<32 hex>", "batch_id": "<32 hex>", "batch_size": E, "index": e,
+         "worker": "<id>", "policy_iteration": i, "num_layers": L, "budget": N,
+         "schedule": [s_1, ..., s_L], "reward": r, "created": <unix time>}
+
+    ``batch_size``/``index`` make a file cut short at a line boundary detectable: a file is valid only if
+    it holds exactly ``batch_size`` records with indices ``0..E-1`` of one ``batch_id``.
+    """
 
     result_id: str
     policy_iteration: int

@@ -28,6 +28,15 @@ import threading
 import traceback
 from typing import Sequence
 
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+
+from calib.errors import UserError
+from calib.santa.commands import RLSettings, prepare_worker, setup_logging
+from calib.santa.heldout import run_score_job
+from calib.santa.worker import run_worker
+
 
 def _stop_on_stdin_eof(stop: threading.Event) -> None:
     def wait() -> None:
@@ -41,13 +50,6 @@ def _stop_on_stdin_eof(stop: threading.Event) -> None:
 
 def run_local_worker(cfg_dict: dict, index: int, seed: int, threads: int, stop: threading.Event) -> dict:
     """Load, build the evaluator and loop until done or ``stop``; the worker summary as a dict."""
-    import numpy as np
-    import torch
-    from omegaconf import OmegaConf
-
-    from calib.santa.commands import RLSettings, prepare_worker, setup_logging
-    from calib.santa.worker import run_worker
-
     torch.set_num_threads(max(1, threads))
     setup_logging()
     cfg = OmegaConf.create(cfg_dict)
@@ -66,13 +68,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--score", action="store_true", help="score a held-out job (second stdin line)")
     ns = parser.parse_args(argv)
-    from calib.errors import UserError
-
     line = sys.stdin.readline()
     try:
         if ns.score:
-            from calib.santa.heldout import run_score_job
-
             def progress(n: int) -> None:
                 print(json.dumps({"progress": n}), flush=True)
 

@@ -16,6 +16,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from calib.santa.inbox import Layout, read_json
+from calib.santa.policy import softmax
+from calib.tracking import log_figure
+
+# matplotlib is imported in pyplot() only, which selects the Agg backend before pyplot loads.
+
 
 @dataclass(frozen=True)
 class RunHistory:
@@ -29,9 +35,6 @@ class RunHistory:
 
 def read_history(rl_dir: Path, num_layers: int) -> RunHistory:
     """Load ``history/<k>.json`` for every committed iteration (ascending)."""
-    from calib.santa.inbox import Layout, read_json
-    from calib.santa.policy import softmax
-
     layout = Layout(Path(rl_dir))
     records = []
     if layout.history.exists():
@@ -103,8 +106,6 @@ def schedule_bars(learned: Sequence[int], uniform: Sequence[int]) -> Any:
 
 def log_run_figures(rl_dir: Path, num_layers: int, learned: Sequence[int], uniform: Sequence[int]) -> RunHistory:
     """Log the three figures to the active MLflow run (``plots/santa_*.png``); returns the history."""
-    from calib.tracking import log_figure
-
     history = read_history(rl_dir, num_layers)
     log_figure(reward_curve(history), "plots/santa_reward_curve.png")
     log_figure(policy_heatmap(history), "plots/santa_policy_heatmap.png")

@@ -19,8 +19,11 @@ Everything here is array-in, array-out math (float64); the file protocol lives i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import combinations
 
 import numpy as np
+
+from runtime_kernels.santa.schedule import apportion
 
 
 class NonFiniteUpdate(ValueError):
@@ -106,8 +109,6 @@ def schedule_from_policy(theta: np.ndarray, budget: int) -> np.ndarray:
     layer lifted to one sample is paid for by the most over-served layer). theta: [L]; requires
     ``budget >= L``. Returns ``[L]`` int64.
     """
-    from runtime_kernels.santa.schedule import apportion
-
     p = softmax(theta)
     if budget < p.shape[0]:
         raise ValueError(f"budget {budget} < {p.shape[0]} layers: cannot give every layer at least one sample")
@@ -132,8 +133,6 @@ def uniform_placements(num_layers: int, budget: int) -> list[np.ndarray]:
     a strict one is the best placement. In lexicographic order of the extra layers' indices;
     ``schedule_from_policy(zeros, N)`` is the first. Requires ``N >= L``.
     """
-    from itertools import combinations
-
     if budget < num_layers:
         raise ValueError(f"budget {budget} < {num_layers} layers: cannot give every layer at least one sample")
     base, extra = divmod(int(budget), int(num_layers))

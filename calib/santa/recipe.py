@@ -2,34 +2,21 @@
 
 Stages (each timed):
 
-1. ``reinforce`` — the shared folder ``rl.dir`` (null: a fresh ``rl/`` folder in the Hydra job's
-   output directory, or ``artifacts/rl/<run_id>`` outside Hydra; an existing folder is resumed) gets
-   an aggregator in this process and ``rl.workers`` local worker PROCESSES
-   (:mod:`calib.santa.local_worker`; each loads the model itself on ``device`` with ``rl.threads``
-   torch threads, default cores / workers, and seeds its episodes with
-   ``SeedSequence([rl.seed or seed, i])``). The aggregator
-   commits updates until ``rl.iterations`` (writing ``done.json``), logging every iteration to this
-   MLflow run (``rl/reward_mean``, ``rl/baseline``, ``rl/grad_norm``, ``rl/policy_entropy``,
-   ``rl/p_layer_<i>``, step = iteration); then the workers are stopped and joined. A worker that dies
-   fails the run with its one-line error.
-2. ``heldout`` — the artifact schedule ``round(N p)`` (largest remainder, >= 1 per layer, sum N) and
-   the uniform schedule at the same N are scored on the SAME ``rl.heldout_questions`` held-out
-   questions (``eval.seed`` / the held-out split) with the same per-question sampling seeds, sharded
-   over up to ``rl.workers`` processes (:mod:`calib.santa.heldout`): ``reward_learned``,
-   ``reward_uniform`` (bootstrap 95% CIs), ``reward_learned_minus_uniform`` (paired bootstrap CI),
-   ``heldout_ci_separated`` (1 when the learned CI lies wholly above the uniform one) and, with
-   ``method.reward.heldout_dense``, ``reward_dense``.
-3. ``deploy`` — the learned share p scaled to a ladder of total budgets and scored against uniform and
-   dense on calibration-side questions the reward pool does not hold; the artifact's default budget is
-   the smallest rung within ``method.deploy.tolerance`` of dense (:mod:`calib.santa.deploy`).
-4. ``plots`` — reward curve, per-layer p heatmap over iterations, schedule bar chart
-   (:mod:`calib.santa.plots`) and accuracy vs total budget (``plots/santa_accuracy_vs_budget.png``).
+1. ``reinforce``: an aggregator in this process and ``rl.workers`` local worker processes
+   (:mod:`calib.santa.local_worker`, each loading the model itself) on the shared folder ``rl.dir`` (null:
+   ``rl-<run_id>`` in the Hydra job's output directory, else ``artifacts/rl/<run_id>``; an existing folder
+   is resumed) until ``rl.iterations``, every iteration logged to this MLflow run (``rl/*``, step =
+   iteration); a worker that dies fails the run with its one-line error (:func:`train`).
+2. ``heldout``: the learned and the uniform schedule at the same N on the same held-out questions and
+   seeds (:func:`calib.santa.heldout.heldout_comparison`).
+3. ``deploy``: the learned share p scaled to a ladder of budgets; the default budget is the smallest
+   rung within ``method.deploy.tolerance`` of dense (:mod:`calib.santa.deploy`).
+4. ``plots``: reward curve, p per layer over iterations, schedules, accuracy vs budget.
 
-The artifact (ABI v1, layout unchanged): ``schedule.safetensors`` with ``schedule`` int64 [L] (the
-schedule at the default budget), ``theta`` float32 [L] and ``probs`` float32 [L] (the learned share);
-estimator / tiling / tile / phases, ``default_budget``, the training budget and schedule and the ladder
-in the payload, read by ``runtime_kernels.santa.runtime.SantaDecode.from_artifact`` (whose ``budget`` option
-apportions ``probs`` to another total).
+The artifact (ABI v1): ``schedule.safetensors`` with ``schedule`` int64 [L] (at the default budget),
+``theta`` and ``probs`` float32 [L] (the learned share, which the runtime's ``budget`` option
+apportions); estimator, tiling, tile, phases, the budgets and the ladder in the payload, read by
+:meth:`runtime_kernels.santa.runtime.SantaDecode.from_artifact`.
 """
 
 from __future__ import annotations
@@ -47,12 +34,25 @@ from typing import Any
 import numpy as np
 import torch
 from omegaconf import DictConfig
+from tqdm.auto import tqdm
 
 from calib.config import to_container
+from calib.data import dataset_hash
 from calib.errors import UserError
+from calib.models import load_model
+from calib.paths import artifacts_dir
+from calib.run import MethodOutput
+from calib.santa.children import last_json, start_child
 from calib.santa.commands import IterationLogger, RLSettings, final_schedule, run_aggregator_checked, settings
-from calib.santa.reward import RewardSettings
+from calib.santa.deploy import DeploySettings, log_ladder, run_ladder
+from calib.santa.heldout import heldout_comparison
+from calib.santa.inbox import Layout, policy_iterations
+from calib.santa.plots import log_run_figures
+from calib.santa.policy import deployment_probs, schedule_from_policy, softmax
+from calib.santa.reward import RewardSettings, reward_length, reward_prompts
 from runtime_kernels.manifest import DataRecord
+
+# Hydra is imported in default_rl_dir only: calibrate() also runs outside a Hydra job, where it may be absent.
 
 log = logging.getLogger("calib.santa")
 
@@ -61,8 +61,6 @@ JOIN_TIMEOUT_S = 120.0  # a stopped worker finishes its current episode first
 
 def validate(cfg: DictConfig) -> None:
     """Range checks of ``cfg.method`` and ``cfg.rl`` (one-line :class:`UserError`)."""
-    from calib.santa.deploy import DeploySettings
-
     settings(cfg)
     DeploySettings.from_cfg(cfg)
 
@@ -83,8 +81,6 @@ def default_rl_dir(run_id: str) -> Path:
 
         return Path(HydraConfig.get().runtime.output_dir).resolve() / f"rl-{run_id}"
     except (ImportError, ValueError):
-        from calib.paths import artifacts_dir
-
         return artifacts_dir() / "rl" / run_id
 
 
@@ -110,8 +106,6 @@ class WorkerPool:
         self._watching = threading.Event()
 
     def start(self) -> None:
-        from calib.santa.children import start_child
-
         self.procs = [start_child(i, self.seed, self.threads, [self.config_line]) for i in range(self.count)]
         self._watching.set()
         threading.Thread(target=self._watch, name="santa-worker-watch", daemon=True).start()
@@ -126,8 +120,6 @@ class WorkerPool:
 
     def shutdown(self) -> list[dict[str, Any]]:
         """Close every child's stdin (stop after the current episode), wait, kill stragglers; their reports."""
-        from calib.santa.children import last_json
-
         self._watching.clear()
         for p in self.procs:
             with contextlib.suppress(OSError):
@@ -148,10 +140,6 @@ class WorkerPool:
 
 def train(cfg: DictConfig, s: RLSettings, rl_dir: Path) -> Any:
     """Run the aggregator here and the workers in processes until ``rl.iterations``; the summary."""
-    from tqdm.auto import tqdm
-
-    from calib.santa.inbox import Layout, policy_iterations
-
     rl_dir.mkdir(parents=True, exist_ok=True)
     done = policy_iterations(Layout(rl_dir))
     pool = None if done and done[-1] >= s.iterations else WorkerPool(cfg, s, rl_dir)
@@ -183,9 +171,6 @@ def train(cfg: DictConfig, s: RLSettings, rl_dir: Path) -> Any:
 
 
 def _data_record(cfg: DictConfig, prompts: list[Any]) -> DataRecord:
-    from calib.data import dataset_hash
-    from calib.santa.reward import reward_length
-
     source = str(cfg.data.get("source", "synthetic"))
     seed = cfg.data.get("seed")
     lengths = [reward_length(cfg)] if source == "synthetic" else sorted({p.length for p in prompts})
@@ -207,14 +192,6 @@ def _hyperparameters(s: RLSettings, rs: RewardSettings) -> dict[str, Any]:
 def calibrate(cfg: DictConfig, ctx: Any) -> Any:
     """Train the schedule, score it against uniform on held-out questions, find the deployment budget,
     return the artifact."""
-    from calib.models import load_model
-    from calib.run import MethodOutput
-    from calib.santa.deploy import DeploySettings, log_ladder, run_ladder
-    from calib.santa.heldout import heldout_comparison
-    from calib.santa.plots import log_run_figures
-    from calib.santa.policy import deployment_probs, schedule_from_policy, softmax
-    from calib.santa.reward import reward_prompts
-
     s, rs = settings(cfg), RewardSettings.from_cfg(cfg)
     DeploySettings.from_cfg(cfg)  # fail before training, not after
     rl_dir = s.dir or default_rl_dir(ctx.run_id)

@@ -1,33 +1,18 @@
 """The SANTA REINFORCE reward: accuracy on a batch of questions with S²ANTA at a per-layer schedule.
 
 Lee et al., arXiv:2605.01910, App. K: a reward is the fraction of ``rl.questions_per_episode`` questions answered
-correctly when every attention layer ``l`` runs S²ANTA with ``S = max(1, s_l)`` samples — in prefill
-and decode as in the paper's GSM8K runs (``method.reward.phases``). Questions come from a pool:
+correctly when every attention layer ``l`` runs S²ANTA with ``S = max(1, s_l)`` samples, in ``method.reward.phases``
+(prefill and decode, as in the paper's GSM8K runs). Questions come from a pool (:func:`reward_prompts`):
+synthetic tasks (``method.reward.pool`` prompts of ``method.reward.length`` tokens, calibration seed
+``data.seed``; held out: ``eval.seed``, never overlapping) or the calibration / evaluation split of a file or
+hub source (``data=hf``, ``data=jsonl``).
 
-* synthetic tasks (``data=synthetic``, the embedded default): ``method.reward.pool`` prompts of
-  ``method.reward.length`` tokens over ``method.reward.tasks`` (null: ``data.tasks``), drawn with
-  the calibration seed ``data.seed``; the held-out pool uses ``eval.seed`` (never overlapping);
-* ``data=hf`` (GSM8K for llama31) or ``data=jsonl``: the calibration split / held-out split of the
-  source (``purpose="calibration"`` / ``"evaluation"``), ``method.reward.pool`` rows.
-
-Each question is answered greedily, questions of one token count together up to ``eval.batch_tokens``
-prompt tokens per batch, each batch row sampled under its own seed (so a question's answer does not
-depend on its batch: :class:`runtime_kernels.santa.draws.SamplingSeeds`). The number of new tokens is
-``method.reward.max_new_tokens`` or, when null, the answer's token count + 2 (an exact-match answer
-cannot be longer; the +2 lets the model emit a closing quote and its stop token) capped by
-``eval.max_new_tokens`` — or ``eval.max_new_tokens`` itself for a task scored by ``contains``, whose
-answer may come inside a longer reply. How to pick a starved N: :mod:`calib.santa.sweep`.
-
-Which generation loop answers (``method.reward.loop``): ``static`` is the serving loop
-(:func:`calib.generation.static_greedy_generate`: a preallocated cache and one CUDA graph per decode step,
-captured again for every batch since the schedule is part of the graph; a batch mixes token counts, each
-row prefilled alone and decoded at its own position, so an episode's 16 questions of 1007-1024 tokens are
-one batch, not eleven); ``eager`` is transformers' DynamicCache with a Python pass over the layers per
-step; ``auto`` (the default) is ``static`` on CUDA. The two draw the same samples (offsets keyed by seed,
-layer and position: :mod:`runtime_kernels.santa.draws`), so they give the same answers up to
-floating-point ties; the static loop decodes every one of the budget's steps (it cannot stop a graph
-early) and cuts each reply at its stop token. Why: for a small model the eager loop is launch-bound (a
-decode step is many small kernels, each costing more host time than GPU time).
+Each question is answered greedily in the loop ``method.reward.loop`` picks (:meth:`RewardSettings.loop_on`,
+:func:`answer_correct`), each batch row sampled under its own seed, so an answer does not depend on its batch
+(:class:`runtime_kernels.santa.draws.SamplingSeeds`). New tokens: ``method.reward.max_new_tokens``, or when null
+the answer's token count + 2 (room for a closing quote and the stop token) capped by ``eval.max_new_tokens``,
+or that cap itself for a task scored by ``contains`` (:func:`new_token_budgets`). How to pick a starved N:
+:mod:`calib.santa.sweep`.
 """
 
 from __future__ import annotations
@@ -37,10 +22,16 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from calib.config import require
+from calib.data import build_prompts, is_correct
 from calib.errors import UserError
+from calib.generation import equal_length_batches, equal_length_greedy_generate, static_greedy_generate, stop_token_ids
 from calib.recipe_settings import Section
+from runtime_kernels import hf
+from runtime_kernels.santa.reference import ESTIMATORS, TILINGS
+from runtime_kernels.santa.runtime import SantaDecode
 
 Evaluate = Callable[[list[int], np.random.Generator], float]
 SEED_BOUND = 2**62  # torch.Generator.manual_seed takes a 64-bit seed
@@ -68,8 +59,6 @@ class RewardSettings:
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> "RewardSettings":
-        from runtime_kernels.santa.reference import ESTIMATORS, TILINGS
-
         m = Section(cfg.method, "method")
         r = m.section("reward")
         estimator, tiling = m.choice("estimator", ESTIMATORS), m.choice("tiling", TILINGS)
@@ -91,7 +80,16 @@ class RewardSettings:
                    pool=pool, heldout_dense=r.flag("heldout_dense"))
 
     def loop_on(self, device: Any) -> str:
-        """The loop that answers on ``device``: ``auto`` is ``static`` on CUDA, else ``eager``."""
+        """The loop that answers on ``device``: ``auto`` is ``static`` on CUDA, else ``eager``.
+
+        ``static`` is the serving loop (:func:`calib.generation.static_greedy_generate`: a preallocated cache
+        and one CUDA graph per decode step, captured again per batch since the schedule is part of the graph;
+        rows of different token counts share a batch, each prefilled alone and decoded at its own position).
+        ``eager`` is transformers' DynamicCache with a Python pass over the layers per step, launch-bound for
+        a small model. Both draw the same samples (offsets keyed by seed, layer and position:
+        :mod:`runtime_kernels.santa.draws`), so they answer alike up to floating-point ties; the static loop
+        decodes every step of the budget (a graph cannot stop early) and cuts each reply at its stop token.
+        """
         if self.loop != "auto":
             return self.loop
         return "static" if getattr(device, "type", str(device)) == "cuda" else "eager"
@@ -115,8 +113,6 @@ def reward_prompts(cfg: Any, tokenizer: Any, *, heldout: bool, count: int, skip:
     Raises UserError (naming ``setting``, the config key of ``count``) if fewer exist, or, with
     ``allow_fewer`` (a file with few rows), only if none does.
     """
-    from calib.data import build_prompts
-
     data = cfg.data
     purpose = "evaluation" if heldout else "calibration"
     which = setting or ("rl.heldout_questions" if heldout else "method.reward.pool")
@@ -154,8 +150,6 @@ def new_token_budgets(prompts: Sequence[Any], tokenizer: Any, settings: RewardSe
 
 def make_runtime(budgets: Sequence[int], settings: RewardSettings, seed: int | None = None) -> Any:
     """The S²ANTA runtime of one episode: per-layer ``S = budgets`` (0 runs as 1)."""
-    from runtime_kernels.santa.runtime import SantaDecode
-
     return SantaDecode(list(budgets), estimator=settings.estimator, tiling=settings.tiling, tile=settings.tile,
                        phases=settings.phases, seed=seed)
 
@@ -182,13 +176,6 @@ def answer_correct(loaded: Any, prompts: Sequence[Any], max_new: Sequence[int], 
     depend on which other questions ran before it or beside it (up to the floating-point effects of
     batched matrix products). ``loop``: ``eager`` or ``static`` (module docstring).
     """
-    from tqdm.auto import tqdm
-
-    from calib.data import is_correct
-    from calib.generation import equal_length_batches, equal_length_greedy_generate, static_greedy_generate, \
-        stop_token_ids
-    from runtime_kernels import hf
-
     # an exact-match answer ends at the first newline; a contained one may come after a line break
     stops = {rule: stop_token_ids(loaded.tokenizer, newline=rule == "exact_match") for rule in ("exact_match", "contains")}
     rules = [getattr(p, "scoring", "exact_match") for p in prompts]

@@ -15,8 +15,14 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from calib.config import compose
 from calib.errors import UserError
+from calib.models import load_model, resolve_device
+from calib.santa import commands
+from calib.santa.heldout import score_schedules, uniform_variants
+from calib.santa.policy import schedule_from_policy
 from calib.santa.reward import RewardSettings, new_token_budgets, question_seeds, reward_prompts
+from calib.stats import bootstrap_mean_ci
 
 
 def uniform_sweep(cfg: Any, loaded: Any, budgets_per_layer: Sequence[int],
@@ -30,11 +36,7 @@ def uniform_sweep(cfg: Any, loaded: Any, budgets_per_layer: Sequence[int],
     per-question mean under ``"N<N>:mean"`` and each placement under ``"N<N>:<s_0>-<s_1>-..."``: the
     per-placement rewards say which layers a starved budget needs. Each entry carries its ``schedule``.
     """
-    from calib.santa.heldout import score_schedules, uniform_variants
-    from calib.santa.policy import schedule_from_policy
-    from calib.stats import bootstrap_mean_ci
-
-    settings = RewardSettings.from_cfg(cfg)
+    rs = RewardSettings.from_cfg(cfg)
     prompts = reward_prompts(cfg, loaded.tokenizer, heldout=True, count=int(cfg.rl.heldout_questions))
     layers = int(loaded.model.config.num_hidden_layers)
     schedules: dict[str, list[int] | None] = {
@@ -49,9 +51,9 @@ def uniform_sweep(cfg: Any, loaded: Any, budgets_per_layer: Sequence[int],
             names = [f"N{int(n)}:" + name.split(":", 1)[1] for name in variants]
             schedules.update(zip(names, variants.values()))
             groups[f"N{int(n)}:mean"] = names
-    if cfg.method.reward.get("heldout_dense", True):
+    if rs.heldout_dense:
         schedules["dense"] = None
-    got = score_schedules(cfg, loaded, prompts, new_token_budgets(prompts, loaded.tokenizer, settings),
+    got = score_schedules(cfg, loaded, prompts, new_token_budgets(prompts, loaded.tokenizer, rs),
                           question_seeds(int(cfg.seed), len(prompts)), schedules, int(cfg.rl.workers))
     for name, members in groups.items():
         got[name] = np.mean([np.asarray(got[m], dtype=np.float64) for m in members], axis=0)
@@ -66,10 +68,6 @@ def uniform_sweep(cfg: Any, loaded: Any, budgets_per_layer: Sequence[int],
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m calib.santa.sweep [overrides] [sweep=1,2,4,8] [sweep_total=5,6,7]``: uniform reward per
     budget per layer (keys: budget_per_layer, ``N<total>`` and its placements, and ``dense``)."""
-    from calib.config import compose
-    from calib.models import load_model, resolve_device
-    from calib.santa.commands import settings
-
     args = list(sys.argv[1:] if argv is None else argv)
     if "-h" in args or "--help" in args:
         print(__doc__.strip())
@@ -88,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             rest.append(a)
     try:
         cfg = compose(["+method=santa", *rest])
-        settings(cfg)
+        commands.settings(cfg)
         loaded = load_model(cfg.model, device=str(resolve_device(str(cfg.get("device", "auto")))))
         result = uniform_sweep(cfg, loaded, sweep, totals)
     except UserError as exc:

@@ -3,49 +3,9 @@
 Same arguments, same result as :func:`runtime_kernels.blocksparse.reference.block_sparse_attention`:
 element ``(i, j)`` enters query ``i``'s softmax iff its block ``(i // block_q, j // block_k)`` is listed
 in the mask AND ``j <= seq_k - seq_q + i`` (queries are the last ``seq_q`` keys); a row with nothing kept
-gets ``out = 0`` and ``lse = -inf``.
-
-Design (one kernel, :func:`_blocksparse_attn_fwd_kernel`):
-
-* One program per (``BLOCK_M`` query rows, batch * query head); ``BLOCK_M = min(block_q, 128)``, so a
-  program owns one query block (or a slice of a larger one) and walks that block's CSR list. Programs are
-  numbered KV-head-major (as FlashAttention orders query blocks within a head): all programs in flight
-  read one KV head's K/V, so a kept K/V tile is fetched from HBM about once per wave and then served from
-  L2 to the other programs that keep it; within a KV head the query blocks nearest the end of the
-  sequence (the longest causal rows) start first and the ``g`` query heads of a block run side by side.
-* Key tiles are ``BLOCK_N`` columns: with ``block_k < BLOCK_N`` a tile gathers ``BLOCK_N / block_k``
-  consecutive list entries (e.g. two 32-key blocks of SALE per 64-column tile), with ``block_k > BLOCK_N``
-  a list entry is walked in ``block_k / BLOCK_N`` sub-tiles. Only listed K/V rows are ever loaded.
-* The list is sorted, so the blocks that straddle the causal diagonal (and the ragged last key block)
-  form its tail: a short vector read of the last entries counts them, the leading full tiles run with no
-  mask at all (no per-element compare), and only the remaining one to three tiles apply the slot /
-  causal / sequence-length mask.
-* Online softmax in fp32 on ``exp2`` with ``scale * log2(e)`` folded into one FMA per score; ``tl.dot``
-  with fp32 accumulation (bf16/fp16 operands; float32 inputs use IEEE fp32 dots; float64 inputs run the
-  reference).
-
-Performance model (Llama-3.1-8B shapes: Hq = 32, Hkv = 8, D = Dv = 128, bf16; ``P`` = kept causal
-(query, key) pairs summed over heads, ``≈ density · H · T² / 2`` for prefill):
-
-* FLOPs = ``4 · D · P`` (``QKᵀ`` and ``PV``); the diagonal blocks also compute their masked half.
-  At T = 128k: dense causal ``P = 2.75e11`` -> 1.41e14 FLOP, i.e. ~235 ms at SDPA's 600 TFLOP/s; at
-  10 % density 1.41e13 FLOP -> 23.5 ms at 600 TFLOP/s, ~39 ms at 360 TFLOP/s (the 6x target).
-* HBM bytes: Q read and O written once (2 x 1.07 GB at 128k) and K/V (0.54 GB) re-read about once per
-  wave of programs in flight: in KV-head-major order the ~264 resident programs (2 per SM) all read one
-  KV head's K/V prefix, so a kept tile is fetched once and served to the others from L2 while its lines
-  live. Dense: ~248 waves x ~33 MB = ~8 GB at 128k -> ~2.5 ms at 4.2 TB/s against 235+ ms of MMA.
-* L2 -> SM bytes: each program reads its kept blocks' K and V, ``(D + Dv) · 2 B`` per key for
-  ``BLOCK_M`` queries: 8 B per (query, key) pair at ``BLOCK_M = 64``, D = 128 (512 FLOP per pair: 64 FLOP
-  per byte; ~6 TB/s of L2 traffic at 400 TFLOP/s). FlashAttention's 128-row tiles need half that; a
-  program here owns one 64-row query block because each block has its own list. The risk at 128k: one
-  KV head's K/V prefix (64 MB) exceeds the 50 MB L2, so the hit rate falls below one and, on *random*
-  masks (a tile is shared by ~10 % of the programs at 10 % density), HBM traffic approaches
-  ``8 B x (1 - hit) x P`` -- ~5 ms per 10 % of missed reuse at 10 % density, 128k. Structured masks
-  (columns shared by the heads of a group and by neighbouring query blocks) reuse far better.
-* Expected floor: FLOPs / ~600 TFLOP/s (wgmma bf16 at ~75 % of the 790 TFLOP/s peak); Triton's
-  non-warp-specialized loop (the softmax is not overlapped with the MMAs) typically lands at 60-70 % of
-  that. Per-tile overhead (index gather, accumulator rescale) is the same per 64-column tile for
-  ``block_k = 32`` (two entries per tile) and 64.
+gets ``out = 0`` and ``lse = -inf``. One kernel, :func:`_blocksparse_attn_fwd_kernel` (its docstring gives
+the layout); launch parameters: :func:`default_config`, or autotuned with ``CALIB_BLOCKSPARSE_AUTOTUNE=1``.
+The performance model: docs/notes/kernels.md.
 """
 
 from __future__ import annotations
@@ -68,7 +28,7 @@ from runtime_kernels.blocksparse import reference
 from runtime_kernels.blocksparse.mask import BlockMask
 
 LOG2E = 1.4426950408889634
-_TUNE_ENV = "CALIB_BLOCKSPARSE_AUTOTUNE"  # "1": autotune over _TUNE_CONFIGS on CUDA (lead's H200 runs)
+_TUNE_ENV = "CALIB_BLOCKSPARSE_AUTOTUNE"  # "1": autotune over _tune_configs() on CUDA
 
 
 
@@ -149,7 +109,26 @@ def _blocksparse_attn_fwd_kernel(
     BQ: tl.constexpr, BK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     W_TAIL: tl.constexpr, IEEE: tl.constexpr, WRITE_LSE: tl.constexpr, BIG: tl.constexpr,
 ):
-    """Grid ``(NQ * (BQ // BLOCK_M) * B * Hq,)``; see the module docstring."""
+    """Grid ``(NQ * (BQ // BLOCK_M) * B * Hq,)``.
+
+    * One program per (``BLOCK_M`` query rows, batch * query head); ``BLOCK_M = min(block_q, 128)``, so a
+      program owns one query block (or a slice of a larger one) and walks that block's CSR list. Programs
+      are numbered KV-head-major (as FlashAttention orders query blocks within a head): all programs in
+      flight read one KV head's K/V, so a kept K/V tile is fetched from HBM about once per wave and then
+      served from L2 to the other programs that keep it; within a KV head the query blocks nearest the end
+      of the sequence (the longest causal rows) start first and the ``g`` query heads of a block run side
+      by side.
+    * Key tiles are ``BLOCK_N`` columns: with ``block_k < BLOCK_N`` a tile gathers ``BLOCK_N / block_k``
+      consecutive list entries (e.g. two 32-key blocks of SALE per 64-column tile), with ``block_k >
+      BLOCK_N`` a list entry is walked in ``block_k / BLOCK_N`` sub-tiles. Only listed K/V rows are loaded.
+    * The list is sorted, so the blocks that straddle the causal diagonal (and the ragged last key block)
+      form its tail: a short vector read of the last entries counts them, the leading full tiles run with
+      no mask at all (no per-element compare), and only the remaining one to three tiles apply the slot /
+      causal / sequence-length mask.
+    * Online softmax in fp32 on ``exp2`` with ``scale * log2(e)`` folded into one FMA per score; ``tl.dot``
+      with fp32 accumulation (bf16/fp16 operands; float32 inputs use IEEE fp32 dots; float64 inputs run
+      the reference).
+    """
     UNIT: tl.constexpr = BK if BK < BLOCK_N else BLOCK_N
     SLOTS: tl.constexpr = BLOCK_N // UNIT
     SUB: tl.constexpr = BK // UNIT
@@ -233,13 +212,13 @@ def _next_pow2(x: int) -> int:
 
 
 def default_config(block_q: int, block_k: int, head_dim: int, dtype: torch.dtype) -> KernelConfig:
-    """Fixed Hopper choice (checked by compiling for sm_90a: no spills, 2 CTAs per SM at D = 128).
+    """Fixed Hopper choice (sized to compile for sm_90a without spills, 2 CTAs per SM at D = 128).
 
     One query block per program (<= 128 rows, one warpgroup per 64 rows), 64-column key tiles (a 32-key
     mask gathers two list entries per tile, a 128-key one is walked in two halves). ``num_stages = 5``:
     Triton's pipeliner splits the stages between the index read and the K/V reads it feeds
-    ((5 - 1) / 2 = 2 each), which gives 3 K/V buffers and a two-tile-deep prefetch (3 would give one);
-    ~113 KiB shared memory and ~240 registers at D = 128. float32 (tests only) uses a shallow pipeline.
+    ((5 - 1) / 2 = 2 each), which gives 3 K/V buffers and a two-tile-deep prefetch (3 would give one).
+    float32 (tests only) uses a shallow pipeline.
     """
     block_m = min(block_q, 128)
     num_warps = 4 if block_m <= 64 else 8

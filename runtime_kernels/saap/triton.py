@@ -16,7 +16,6 @@ shapes, so the step can be captured in a CUDA graph):
 A dense layer (``params.dense``) is steps 3-4 with the whole cache as the window (flash-decoding). The step
 is memory-bound (classifier weights, gathered K/V rows and slots); small buckets are packed because a
 program's chain of dependent loads (bucket id, slot start, slots, K/V rows) costs more than its few keys.
-
 Design notes (launch layout, performance model): docs/notes/kernels.md
 """
 

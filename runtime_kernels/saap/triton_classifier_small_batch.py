@@ -1,7 +1,7 @@
 """SAAP's query classifier for small batches (``B <= CONFIG.small_batch_max_b``, decode's usual case).
 
-Whatever B, one call streams all classifier weights (75.5 MB at Llama shapes, w2 being 67 MB of it), so
-the time is the w2 stream plus what cannot hide under it. Two launches:
+Whatever B, one call streams all classifier weights (w2 being most of them), so the time is the w2 stream
+plus what cannot hide under it. Two launches:
 
 1. Layer 1 (``q_derope @ w1 + b1``, eval batch-norm, ReLU), whose epilogue writes the float32 hidden as
    three 16-bit terms of w2's dtype (:func:`_split3`; float32 as is for float32 w2): on tensor cores

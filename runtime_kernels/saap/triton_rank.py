@@ -26,7 +26,7 @@ from runtime_kernels.saap.triton_config import pow2 as _pow2
 patch_interpreter()
 
 # chunks per K_PAD of the candidate threshold: the K_PAD-th largest of 2·K_PAD chunk maxima (one chunk
-# per K_PAD leaves ~2.5x the candidates, and flat scores then fall back to sorting all C keys)
+# per K_PAD leaves far more candidates, and flat scores then fall back to sorting all C keys)
 THRESHOLD_CHUNKS = 2
 
 

@@ -1,35 +1,18 @@
 """SALE's Selection-Pass in plain PyTorch (Ji et al., arXiv:2505.24179, §3.2, §3.4, App. B, H, J).
 
-Definitions (all decisions where the paper is silent or garbled are written here):
+The definitions, including every decision where the paper is silent or garbled, sit on the functions:
 
 * **Scores** are scaled: ``S = q·k / sqrt(D)`` (or ``scale`` when given). Queries are the last ``Tq``
   positions of the ``Tk`` keys (prefill: ``Tq == Tk``); query row ``i`` sits at ``Tk - Tq + i``.
-* **Estimate** ``S~`` (App. B, SageAttention2 smoothing of K): ``k_bar`` = per-(batch, KV head) mean of K
-  over all ``Tk`` tokens; Q is quantized per ``block_q`` query block and K - k_bar per ``block_k`` key
-  block, per (batch, head), with one symmetric scale ``max|x| / qmax`` per block (``qmax`` = 7 for int4,
-  127 for int8; round-half-even, clamp to ``[-qmax, qmax]``). Then
-  ``S~ = scale * (deq(Q) · deq(K - k_bar)^T + q · k_bar)``; the shift ``q · k_bar`` uses the
-  *unquantized* q (it is constant along a row, so it only re-aligns S~ with the exact m~). ``bits=None``
-  gives exact float scores (the paper's "SALE w/o QK Quant", used as the recall reference).
-  The integer products are accumulated in float32, exact while ``D * qmax**2 < 2**24`` (D <= 1040 at int8).
-* **Sink and local blocks** of query block ``i`` (first query at ``s_i``, last at ``e_i``, absolute):
-  sink = key blocks ``j < ceil(sink / block_k)``; local = key blocks that *start* inside the window of the
-  ``local`` keys ending at ``e_i`` (``e_i + 1 - local <= j * block_k <= e_i``), so the local area is at most
-  ``local`` tokens (paper §4.1: "no more than 256"; with 64x32 blocks: exactly the 8 key blocks ending at
-  the block's last query, the diagonal included), plus — always — every key block overlapping the query
-  block's own positions ``[s_i, e_i]`` (the diagonal), whatever ``local`` is. These blocks are always kept.
-* **m~, l~** per query row: the max and ``sum exp(S - m~)`` of EXACT scores over the causal keys
-  (``key <= row position``) of that row's query block's sink and local blocks (each key counted once).
-  Unlike Alg. 1 line 8 we apply the causal mask, so m~, l~ describe exactly the mass the kept
-  sink/local blocks contribute. Every row sees its own key, so ``l~ >= 1``.
-* **Relative Attention Score** ``P~ = exp(S~ - m~) / l~``. A non-sink/local causal block is kept iff some
-  causal element of it has ``P~ >= tau``, i.e. the single compare ``S~ >= m~ + ln(tau * l~)`` (Eq. 3's
-  ``ln(tau * l~ + m~)`` is a typo). We evaluate it as ``max(S~ - m~ - ln l~) >= ln tau`` per block: the
-  block score ``ln max P~`` (:func:`sale_block_scores`) does not depend on tau, so one estimate serves
-  every tau of a calibration. ``tau = 0`` gives ``ln 0 = -inf``: every causal block kept (dense).
+* **Estimate** ``S~`` of the scores from quantized Q and smoothed K: :func:`approximate_scores`.
+* **Sink and local blocks**, always kept: :func:`sink_local_ranges`; their exact row statistics ``m~, l~``:
+  :func:`sink_local_stats`.
+* **Relative Attention Score** ``P~ = exp(S~ - m~) / l~`` and the kept blocks: :func:`sale_block_scores`,
+  :func:`select_blocks`.
 
 Long inputs are processed in chunks of query blocks (:func:`sale_block_scores`), never holding more than
-``chunk_elems`` scores at once (at least one query block against its visible keys).
+``chunk_elems`` scores at once (at least one query block against its visible keys). Decisions and
+deviations: docs/methods.md, SALE.
 """
 
 from __future__ import annotations
@@ -61,7 +44,7 @@ class SaleSelectionConfig:
     block_k: int = 32  # b_k, keys per block
     sink: int = 32  # sink tokens (rounded up to whole key blocks)
     local: int = 256  # local window length in tokens (<=), see the module docstring
-    bits: int | None = 4  # 4 (paper), 8 (H200 has no int4 tensor cores), None = exact float scores
+    bits: int | None = 4  # 4 (paper), 8 (int8 tensor cores, for GPUs without int4 ones), None = exact float scores
     smooth_k: bool = True  # subtract the per-head key mean before quantizing (SageAttention2)
 
     def __post_init__(self) -> None:
@@ -180,7 +163,14 @@ def approximate_scores(
 ) -> torch.Tensor:
     """The estimate S~ for all pairs, ``[B, Hq, Tq, Tk]`` (no causal mask). Small inputs only.
 
-    ``q: [B, Hq, Tq, D]``, ``k: [B, Hkv, Tk, D]``; see the module docstring for the quantization.
+    ``q: [B, Hq, Tq, D]``, ``k: [B, Hkv, Tk, D]``. App. B, with SageAttention2's smoothing of K: ``k_bar`` =
+    per-(batch, KV head) mean of K over all ``Tk`` tokens; Q is quantized per ``block_q`` query block and
+    K - k_bar per ``block_k`` key block, per (batch, head), with one symmetric scale ``max|x| / qmax`` per
+    block (``qmax`` = 7 for int4, 127 for int8; round-half-even, clamp to ``[-qmax, qmax]``). Then
+    ``S~ = scale * (deq(Q) · deq(K - k_bar)^T + q · k_bar)``; the shift ``q · k_bar`` uses the *unquantized* q
+    (it is constant along a row, so it only re-aligns S~ with the exact m~). ``bits=None`` gives exact float
+    scores (the paper's "SALE w/o QK Quant", the recall reference). The integer products are accumulated
+    in float32, exact while ``D * qmax**2 < 2**24`` (D <= 1040 at int8).
     """
     cfg = SaleSelectionConfig(block_q=block_q, block_k=block_k, bits=bits, smooth_k=smooth_k)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
@@ -192,7 +182,15 @@ def sink_local_ranges(seq_q: int, seq_k: int, cfg: SaleSelectionConfig,
                       device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Per query block the contiguous local key-block range ``[lo, hi]`` (``[NQ]`` int64 each, diagonal
     included, ``hi`` = the block holding the query block's last position) and the number of sink key
-    blocks ``n_sink`` (sink block ``j`` is also causal-limited: ``j <= hi``)."""
+    blocks ``n_sink`` (sink block ``j`` is also causal-limited: ``j <= hi``).
+
+    For query block ``i`` (first query at ``s_i``, last at ``e_i``, absolute): sink = key blocks
+    ``j < ceil(sink / block_k)``; local = key blocks that *start* inside the window of the ``local`` keys ending
+    at ``e_i`` (``e_i + 1 - local <= j * block_k <= e_i``), so the local area is at most ``local`` tokens
+    (paper §4.1: "no more than 256"; with 64x32 blocks: exactly the 8 key blocks ending at the block's last
+    query, the diagonal included), plus, always, every key block overlapping the query block's own positions
+    ``[s_i, e_i]`` (the diagonal), whatever ``local`` is.
+    """
     nq = _ceil_div(seq_q, cfg.block_q)
     i = torch.arange(nq, device=device)
     first = (seq_k - seq_q) + i * cfg.block_q
@@ -249,8 +247,13 @@ def sink_local_stats(
     q: torch.Tensor, k: torch.Tensor, *, block_q: int = 64, block_k: int = 32, sink: int = 32,
     local: int = 256, scale: float | None = None, chunk_q_blocks: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact ``(m~, l~)``, each ``[B, Hq, Tq]``: row max and ``sum exp(S - m~)`` over the row's causal
-    sink/local keys (module docstring). ``q: [B, Hq, Tq, D]``, ``k: [B, Hkv, Tk, D]``."""
+    """Exact ``(m~, l~)``, each ``[B, Hq, Tq]``: row max and ``sum exp(S - m~)`` of EXACT scores over the causal
+    keys (``key <= row position``) of the row's query block's sink and local blocks (:func:`sink_local_ranges`;
+    each key counted once). ``q: [B, Hq, Tq, D]``, ``k: [B, Hkv, Tk, D]``.
+
+    Unlike Alg. 1 line 8 the causal mask applies, so m~, l~ describe exactly the mass the kept sink/local
+    blocks contribute. Every row sees its own key, so ``l~ >= 1``.
+    """
     cfg = SaleSelectionConfig(block_q=block_q, block_k=block_k, sink=sink, local=local)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     nq = _ceil_div(q.shape[2], block_q)
@@ -307,6 +310,11 @@ def sale_block_scores(
     ``+inf`` marks sink/local blocks (always kept), ``-inf`` blocks above the causal diagonal. A block is
     kept at threshold ``tau`` iff its score ``>= ln tau`` (:func:`select_blocks`). Query blocks are
     processed in chunks so that at most ``max(chunk_elems, B*Hq*block_q*Tk)`` scores exist at once.
+
+    A non-sink/local causal block is kept iff some causal element of it has ``P~ = exp(S~ - m~) / l~ >= tau``,
+    i.e. the single compare ``S~ >= m~ + ln(tau * l~)`` (Eq. 3's ``ln(tau * l~ + m~)`` is a typo), evaluated
+    as ``max(S~ - m~ - ln l~) >= ln tau`` per block: the block score ``ln max P~`` does not depend on tau, so
+    one estimate serves every tau of a calibration. ``tau = 0`` gives ``ln 0 = -inf``: every causal block kept.
     """
     b, hq, tq, d = q.shape
     if k.dim() != 4 or k.shape[0] != b or k.shape[-1] != d or hq % k.shape[1] or tq > k.shape[2]:

@@ -3,22 +3,14 @@
 Same public functions and results as :mod:`runtime_kernels.sale.reference` (the definition of correct),
 with one documented difference: **the estimate is int8 whenever the config asks for 4 or 8 bits** (Triton
 has no 4-bit tensor-core ``tl.dot``; int8 runs at twice the bf16 rate). A 4-bit config logs that once;
-:func:`gpu_estimator` names the estimator that runs (``"int8"`` or ``"float"``).
+:func:`gpu_estimator` names the estimator that runs (``"int8"`` or ``"float"``). Three kernels, no host sync:
 
-* ``_sale_quant_kernel`` — per ``block`` rows of one head: (K only) subtract the per-(batch, KV head) key
-  mean ``k_bar`` (SageAttention2 smoothing; padded rows stay 0), one symmetric scale ``max|x|/127``, round
-  half to even, int8. For Q it also writes the shift ``scale * q . k_bar`` (unquantized q).
-* ``_sale_select_kernel`` — one program per (batch, ``HPP`` query heads of one KV group, query block), each
-  int8 K tile loaded once for all of them: exact ``m~, l~`` of every row over its causal sink/local keys
-  (float, online), then a walk over the key blocks between sink and local window in int8 (``tl.dot`` ->
-  int32) that never materializes scores: per tile only the row maximum of the integer products per key block
-  becomes float (App. G: scales are constant over a (row, key block)). Block score
-  ``max_rows(S~max - m~ - ln l~)``, kept iff ``>= ln tau``. Writes the tau-free block scores
-  (``sale_block_scores``) or a uint8 keep table plus a count per row (``sale_select``); sink/local blocks
-  kept, blocks above the diagonal dropped; heads whose programs have every ``tau == 0`` skip the walk (dense).
-* ``_compact_kernel`` — keep table + ``offsets = cumsum(counts)`` (on the device) -> CSR ``indices``. No host
-  sync anywhere: ``offsets`` is exact, ``indices`` sized for every causal block and only
-  ``indices[:offsets[-1]]`` meaningful (:func:`block_table` gives a dense view that handles the padding).
+* ``_sale_quant_kernel``: per ``block`` rows of one head, the int8 quantization (K smoothed by its mean);
+* ``_sale_select_kernel``: the block scores, or a keep table plus a count per row, without materializing
+  scores (its docstring);
+* ``_compact_kernel``: keep table + ``offsets = cumsum(counts)`` (on the device) -> CSR ``indices``;
+  ``offsets`` is exact, ``indices`` sized for every causal block and only ``indices[:offsets[-1]]``
+  meaningful (:func:`block_table` gives a dense view that handles the padding).
 
 Design notes (performance model, launch-shape sweep): docs/notes/kernels.md
 """
@@ -89,7 +81,11 @@ def _note_estimator(config: SaleSelectionConfig) -> None:
 def _sale_quant_kernel(x_ptr, kbar_ptr, xq_ptr, scale_ptr, shift_ptr, sxb, sxh, sxt, H, T, NB, G, sm_scale,
                        BLOCK: tl.constexpr, D: tl.constexpr, SMOOTH: tl.constexpr, SHIFT: tl.constexpr):
     """x: [B, H, T, D] (strided, last dim contiguous) -> xq: [B, H, T, D] int8, scale: [B, H, NB],
-    (SHIFT) shift: [B, H, T] = sm_scale * x . kbar[b, h // G]; kbar: [B, H // G, D] fp32."""
+    (SHIFT) shift: [B, H, T] = sm_scale * x . kbar[b, h // G]; kbar: [B, H // G, D] fp32.
+
+    Per ``block`` rows of one head: (K only) subtract the per-(batch, KV head) key mean ``k_bar``
+    (SageAttention2 smoothing; padded rows stay 0), one symmetric scale ``max|x|/127``, round half to even,
+    int8. For Q it also writes the shift ``scale * q . k_bar`` (unquantized q)."""
     blk = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // H
@@ -152,7 +148,17 @@ def _sale_select_kernel(
     BLOCK_N: tl.constexpr, SINK_PAD: tl.constexpr, LOCAL_N: tl.constexpr, FILL: tl.constexpr,
     INT8: tl.constexpr, SCORES: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """Program (batch x head chunk, query block): see the module docstring. out: [B, Hq, NQ, NK]."""
+    """Program (batch x head chunk, query block). out: [B, Hq, NQ, NK].
+
+    One program per (batch, ``HPP`` query heads of one KV group, query block), each int8 K tile loaded once
+    for all of them: exact ``m~, l~`` of every row over its causal sink/local keys (float, online), then a
+    walk over the key blocks between sink and local window in int8 (``tl.dot`` -> int32) that never
+    materializes scores: per tile only the row maximum of the integer products per key block becomes float
+    (App. G: scales are constant over a (row, key block)). Block score ``max_rows(S~max - m~ - ln l~)``,
+    kept iff ``>= ln tau``. Writes the tau-free block scores (``SCORES``: ``sale_block_scores``) or a uint8
+    keep table plus a count per row (``sale_select``); sink/local blocks kept, blocks above the diagonal
+    dropped; heads whose programs have every ``tau == 0`` skip the walk (dense).
+    """
     M: tl.constexpr = HPP * BQ
     NBT: tl.constexpr = BLOCK_N // BK
     qb = NQ - 1 - tl.program_id(1)  # grid x = heads: every head's longest rows first, the short ones last

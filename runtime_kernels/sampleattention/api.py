@@ -96,9 +96,8 @@ def masked_dense_attention(
     over the mask's kept causal elements; a row with none gets 0), computed by the fused SDPA kernel
     with a boolean element mask, per chunk of whole query blocks against their causal key prefix.
 
-    Its cost does not shrink with sparsity (about 2.5x causal SDPA on CPU), but it is several times
-    faster on CPU than gathering key blocks, so the runtime uses it there (``backend="masked"``, the
-    ``"auto"`` choice on CPU). ``q: [B, Hq, Tq, D]``,
+    Its cost does not shrink with sparsity, but on CPU it beats gathering key blocks, so the runtime uses
+    it there (``backend="masked"``, the ``"auto"`` choice on CPU; docs/results/kernels.md). ``q: [B, Hq, Tq, D]``,
     ``k: [B, Hkv, Tk, D]``, ``v: [B, Hkv, Tk, Dv]`` -> ``[B, Hq, Tq, Dv]`` in ``q.dtype``.
     """
     b, hq, tq, d = q.shape

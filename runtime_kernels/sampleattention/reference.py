@@ -1,41 +1,22 @@
 """SampleAttention's two-stage mask selection in plain PyTorch: the definition of correct.
 
-Paper: Zhu et al., arXiv:2406.15486, §4.2, Algorithm 1. Shapes: ``q: [B, Hq, Sq, D]``,
-``k: [B, Hkv, Sk, D]`` with ``Hq % Hkv == 0`` (GQA: query head ``h`` reads KV head ``h // (Hq / Hkv)``).
-Queries are the last ``Sq`` positions of the ``Sk`` keys (prefill: ``Sq == Sk``), so query row ``i``
-sits at absolute position ``p = Sk - Sq + i`` and sees keys ``0..p``.
+Paper: Zhu et al., arXiv:2406.15486, §4.2, Algorithm 1; decisions: docs/methods.md, SampleAttention. Shapes:
+``q: [B, Hq, Sq, D]``, ``k: [B, Hkv, Sk, D]`` with ``Hq % Hkv == 0`` (GQA: query head ``h`` reads KV head
+``h // (Hq / Hkv)``). Queries are the last ``Sq`` positions of the ``Sk`` keys (prefill: ``Sq == Sk``), so
+query row ``i`` sits at absolute position ``p = Sk - Sq + i`` and sees keys ``0..p``.
 
-Stage 1 (query-guided chunked sampling). ``itv = Sq / chunk_n``; slice ``i = 1..chunk_n`` holds the
-query rows ``[floor(i * Sq / chunk_n) - blk, floor(i * Sq / chunk_n))`` clipped at 0, so
-``chunk_n = 1`` is the last ``blk`` queries. Overlapping slices (``itv < blk``) are merged: a row is
-sampled once. Each sampled row's exact causal softmax over all keys is reduced
+Stage 1 (query-guided chunked sampling, :func:`stage1_reductions`): the exact causal softmax of the rows
+:func:`sampled_query_rows` picks, summed per key block ``j = k // blk`` (columns) and per slash band
+``d = (p - k) // blk`` (``d = 0``: the ``blk`` keys ending at the query itself; ``d < NK``), each divided by
+the sampled mass (the number of sampled rows) so that it sums to 1 per (batch, head).
 
-* along columns: ``column_mass[j] = sum_rows sum_{k in key block j} P[row, k]`` (key block
-  ``j = k // blk``);
-* along slashes: ``slash_mass[d] = sum_rows sum_{k : (p - k) // blk == d} P[row, k]`` where ``p`` is
-  the row's absolute position. Element ``(p, k)``, ``k <= p``, belongs to *band* ``d = (p - k) // blk``
-  (``d = 0`` is the diagonal band: the ``blk`` keys ending at the query itself). ``d < NK``.
+Stage 2 (score-based filtering, :func:`stage2_select`), per (batch, head): the fewest key blocks whose sorted
+cumulative mass is ``>= alpha_c``; the diagonal band always, then the fewest further bands, largest first,
+until the kept mass (band 0 included) is ``>= alpha_s``; ``alpha_c >= 1`` or ``alpha_s >= 1`` gives the
+dense causal mask. The block mask keeps every element of every kept band and column (:func:`slash_block_table`).
 
-Normalization: both masses are divided, per (batch, head), by the total sampled mass (= the number of
-sampled rows, since every causal softmax row sums to 1), so each sums to 1 over its last axis.
-
-Stage 2 (score-based filtering), per (batch, head):
-
-* columns: the fewest key blocks whose sorted cumulative mass is ``>= alpha_c``;
-* slashes: the diagonal band 0 always, then the fewest further bands, largest first, until the kept
-  mass (band 0 included) is ``>= alpha_s``;
-* ``alpha_c >= 1`` or ``alpha_s >= 1`` short-circuits to the dense causal mask.
-
-Block-level mask (``block_q = block_k = blk``): key block ``j`` is kept for query block ``qb`` iff
-``j`` is a kept column block, or block pair ``(qb, j)`` contains at least one causal element of a kept
-band. For aligned prefill blocks a band ``d`` touches exactly key blocks ``qb - d`` and ``qb - d - 1``
-(``q mod blk >= k mod blk`` lands in ``qb - d``, otherwise in ``qb - d - 1``), so the mask covers every
-element of every kept band and every kept column: on each sampled row the mask keeps at least the
-element mass the selection counted. Blocks above the causal diagonal are dropped (``BlockMask``).
-
-CRA (cumulative residual attention, §4.2.2): for a mask, the minimum over query rows of the exact
-softmax mass the mask keeps; :func:`cumulative_residual_attention` computes it exactly on all rows or
-on given rows (e.g. the sampled ones, :func:`sampled_query_rows`).
+CRA (cumulative residual attention, §4.2.2): for a mask, the minimum over query rows of the exact softmax
+mass it keeps (:func:`cumulative_residual_attention`, on all rows or on given ones, e.g. the sampled ones).
 """
 
 from __future__ import annotations
@@ -220,6 +201,11 @@ def slash_block_table(kept_bands: torch.Tensor, seq_q: int, seq_k: int, blk: int
     ``j`` spans ``[K0, K1]``; their causal differences ``q - k`` cover ``[max(P0 - K1, 0), P1 - K0]``
     (contiguous), i.e. bands ``max(P0 - K1, 0) // blk .. (P1 - K0) // blk``; the block is kept iff one
     of those bands is kept (prefix sums over bands).
+
+    With ``block_q = block_k = blk`` and aligned prefill blocks a band ``d`` touches exactly key blocks
+    ``qb - d`` and ``qb - d - 1`` (``q mod blk >= k mod blk`` lands in ``qb - d``, otherwise in
+    ``qb - d - 1``), so on each sampled row the mask keeps at least the element mass the selection counted.
+    Blocks above the causal diagonal are dropped.
     """
     nq, nk = _ceil_div(seq_q, blk), _ceil_div(seq_k, blk)
     dev = kept_bands.device

@@ -3,26 +3,16 @@
 Same public functions and results as :mod:`runtime_kernels.sampleattention.reference` (the definition of
 correct) up to float rounding, with no host synchronization:
 
-* **Stage 1** — the sampled rows are the disjoint contiguous tiles ``[max(e_{s-1}, e_s - blk, 0), e_s)``,
-  ``e_s = ((s + 1) * Sq) // chunk_n`` (``s = 0..chunk_n-1``, ``e_{-1} = 0``): exactly the reference's
-  merged slices. Two small Triton kernels, one program per (key split, slice tile, batch x ``HPP`` query
-  heads of one KV group), each K tile loaded once for the heads of its group:
-  ``_sa_stats_kernel`` computes every sampled row's softmax max and normalizer over its causal keys in
-  the split (combined across splits with torch), ``_sa_reduce_kernel`` recomputes the scores, turns them
-  into exact probabilities and reduces each (tile, key block) to its column mass and to the mass of the
-  (at most three) slash bands it touches. Nothing of size ``[rows, Sk]`` reaches memory: the outputs
-  are ``[B, Hq, chunk_n, NK]`` and ``[B, Hq, chunk_n, NK, 3]``, pooled over tiles with a gather (torch).
-* **Stage 2** — the reference's own column / slash selection (sort, cumsum, count: torch ops on
-  ``[B, H, NK]``), then ``_sa_mask_kernel`` builds the merged causal CSR mask directly from the kept
-  columns and a prefix sum of the kept bands (count pass, ``cumsum`` -> offsets, write pass), never
-  materializing the ``[NQ, NK]`` block table. ``indices`` is sized for every causal block (no sync to
-  learn nnz): only ``indices[:offsets[-1]]`` is meaningful; ``offsets`` is exact.
+* **Stage 1** (:func:`stage1_reductions`): two small Triton kernels, one program per (key split, slice tile,
+  batch x ``HPP`` query heads of one KV group), each K tile loaded once for the heads of its group.
+  ``_sa_stats_kernel`` computes every sampled row's softmax max and normalizer over its causal keys in the
+  split (combined across splits with torch); ``_sa_reduce_kernel`` recomputes the scores, turns them into
+  exact probabilities and reduces each (tile, key block) to its column mass and to the mass of the (at most
+  three) slash bands it touches. Nothing of size ``[rows, Sk]`` reaches memory.
+* **Stage 2**: the reference's own column / slash selection (torch ops on ``[B, H, NK]``), then
+  ``_sa_mask_kernel`` builds the merged causal CSR mask directly (:func:`merged_block_mask`).
 
-Performance model (Llama-3.1-8B: Hq=32, Hkv=8, D=128, T=128k, blk=64): Stage 1 costs two QK passes of
-``chunk_n * 64`` rows over their causal keys: ``2 * 2 * Hq * chunk_n * 64 * T/2 * D`` flop (chunk_n=16:
-2.2e12 -> ~5 ms at ~450 TFLOP/s, ~2% of dense causal SDPA's ~235 ms) plus as many ``exp``; K is read
-``2 * chunk_n`` times (mostly from L2). The splits keep >= ~500 programs in flight even for chunk_n = 1.
-Stage 2 is O(B * H * NK log NK) plus one pass over the causal blocks per mask pass (int ops only).
+Design notes (performance model): docs/notes/kernels.md
 """
 
 from __future__ import annotations
@@ -233,7 +223,12 @@ def _slash_pool(sl: torch.Tensor, sq: int, sk: int, chunk_n: int, blk: int) -> t
 def stage1_reductions(q: torch.Tensor, k: torch.Tensor, *, chunk_n: int, blk: int = 64,
                       scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Stage 1 on the GPU: ``q: [B, Hq, Sq, D]``, ``k: [B, Hkv, Sk, D]`` -> ``column_mass, slash_mass:
-    [B, Hq, NK]`` float32, each normalized to sum 1 per (batch, head) — as the reference."""
+    [B, Hq, NK]`` float32, each normalized to sum 1 per (batch, head) — as the reference.
+
+    The sampled rows are the disjoint contiguous tiles ``[max(e_{s-1}, e_s - blk, 0), e_s)``,
+    ``e_s = ((s + 1) * Sq) // chunk_n`` (``s = 0..chunk_n-1``, ``e_{-1} = 0``): exactly the reference's merged
+    slices. The kernels write ``[B, Hq, chunk_n, NK]`` column and ``[B, Hq, chunk_n, NK, 3]`` band masses,
+    pooled over tiles here with a gather."""
     _check_qk(q, k)
     if chunk_n < 1 or blk < 1:
         raise ValueError(f"need chunk_n >= 1 and blk >= 1; got {chunk_n}, {blk}")
@@ -272,7 +267,11 @@ def stage1_reductions(q: torch.Tensor, k: torch.Tensor, *, chunk_n: int, blk: in
 def merged_block_mask(kept_columns: torch.Tensor | None, kept_bands: torch.Tensor | None, batch: int,
                       heads: int, seq_q: int, seq_k: int, blk: int, device: torch.device) -> BlockMask:
     """CSR mask: kept columns ``[B, H, NK]`` bool OR kept slash bands ``[B, H, NK]`` bool (both None: every
-    causal block), blocks ``blk x blk``, built on ``device`` without a host sync."""
+    causal block), blocks ``blk x blk``, built on ``device`` without a host sync.
+
+    From the kept columns and a prefix sum of the kept bands (count pass, ``cumsum`` -> offsets, write pass),
+    never materializing the ``[NQ, NK]`` block table. ``indices`` is sized for every causal block (no sync
+    to learn nnz): only ``indices[:offsets[-1]]`` is meaningful; ``offsets`` is exact."""
     nq, nk = _ceil_div(seq_q, blk), _ceil_div(seq_k, blk)
     dense = kept_columns is None or kept_bands is None
     if dense:

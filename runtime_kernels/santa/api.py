@@ -1,33 +1,20 @@
 """Public SANTA / S²ANTA entry points: validation, randomness, backend dispatch.
 
-The per-layer-schedule runtime that ``runtime_kernels.hf.apply(model, santa_artifact)`` plugs into a
-transformers model, ``SantaDecode``, lives in :mod:`runtime_kernels.santa.runtime` and calls these.
+``SantaDecode``, the per-layer-schedule runtime ``runtime_kernels.hf.apply(model, santa_artifact)`` plugs
+into a transformers model, lives in :mod:`runtime_kernels.santa.runtime` and calls these.
 
-Backends. ``reference.py`` (plain PyTorch, float64 sampling) runs everywhere. A GPU module
-``runtime_kernels/santa/triton.py`` is picked automatically when ``q.is_cuda`` and it imports; it
-provides the same backend functions as the reference:
+Backends: ``reference.py`` (plain PyTorch, float64 sampling) runs everywhere; ``triton.py`` is picked when
+``q.is_cuda`` and it imports (:func:`backend_function`). Both provide ``santa_prefill_forward(q, k, v,
+num_samples, *, estimator, causal, scale, uniforms)`` and ``santa_decode_forward(q, k_cache, v_cache,
+num_samples, *, tiling, tile, estimator, scale, uniforms, cache_len)``, with ``num_samples`` a [B] int64
+tensor already clamped to ``>= 1`` and ``uniforms`` explicit offsets (how offsets become keys:
+``reference.py``); a function the GPU module lacks falls back to the reference. The offsets are drawn here,
+once, before dispatch (:func:`_offsets`), so a generator state yields the same samples on either backend
+(up to float32 rounding at cumulative boundaries in a kernel).
 
-* ``santa_prefill_forward(q, k, v, num_samples, *, estimator, causal, scale, uniforms)``
-* ``santa_decode_forward(q, k_cache, v_cache, num_samples, *, tiling, tile, estimator, scale,
-  uniforms, cache_len)``
-
-with ``num_samples`` a [B] int64 tensor already clamped to ``>= 1`` and ``uniforms`` explicit offsets
-(see ``reference.py`` for how offsets become keys). A function the module lacks falls back to the
-reference. The offsets are drawn here, once, before dispatch, so a given generator state yields the
-same samples on either backend (up to float32 rounding at cumulative boundaries in a kernel).
-
-Randomness. Pass ``uniforms`` / ``tile_uniforms`` (values in ``[0, 1)``) for full control, or a
-``torch.Generator`` (or neither: torch's global generator). Offsets are drawn as
-``torch.rand(shape, generator=generator, dtype=torch.float64, device=generator.device)`` (``q.device``
-without a generator), then moved to ``q.device``, with ``shape``:
-
-* prefill ``sys``: ``[B, Hq, Tq]`` (one uniform per query); ``iid`` / ``strat``: ``[B, Hq, Tq, max S]``;
-* decode ``prop`` / ``flash``: ``[B, Hq, ceil(Tk / tile)]`` (one per (b, head, tile));
-* decode ``none``: as prefill with ``Tq = 1``.
-
-Sample budget. ``num_samples`` is S for this layer (an int, a 0-d tensor, or a [B] tensor, one per
-batch row). A layer that draws 0 samples is evaluated with S = 1 (docs/methods.md, SANTA / S²ANTA): the API uses
-``max(1, S)``; negative S is an error.
+Sample budget: ``num_samples`` is S for this layer (an int, a 0-d tensor, or a [B] tensor, one per batch
+row); a layer that draws 0 samples runs with S = 1 (docs/methods.md, SANTA / S²ANTA), a negative S is an
+error (:func:`normalize_num_samples`).
 """
 
 from __future__ import annotations
@@ -125,6 +112,15 @@ def _offsets(
     given: torch.Tensor | None, shape: tuple[int, ...], generator: torch.Generator | None,
     device: torch.device, name: str,
 ) -> torch.Tensor:
+    """The offsets in ``[0, 1)`` of one call, float64 on ``device``: ``given`` (checked), or drawn.
+
+    Pass ``uniforms`` / ``tile_uniforms`` for full control, or a ``torch.Generator`` (or neither: torch's
+    global generator): ``torch.rand(shape, generator=generator, dtype=torch.float64,
+    device=generator.device)`` (``q.device`` without a generator), then moved to ``device``. ``shape``:
+    prefill ``sys`` ``[B, Hq, Tq]`` (one uniform per query), ``iid`` / ``strat`` ``[B, Hq, Tq, max S]``;
+    decode ``prop`` / ``flash`` ``[B, Hq, ceil(Tk / tile)]`` (one per (b, head, tile)); decode ``none``: as
+    prefill with ``Tq = 1``.
+    """
     if given is None:
         where = generator.device if generator is not None else device
         return torch.rand(shape, generator=generator, dtype=torch.float64, device=where).to(device)

@@ -3,44 +3,17 @@
 Paper: Lee et al., arXiv:2605.01910, §2, §2.1, §3, App. A, P, Q; decisions: docs/methods.md, SANTA / S²ANTA.
 
 Every estimator here replaces ``Σ_n p_n V_n`` (``p`` = softmax row of one query) by an average of
-sampled rows of ``V``. The randomness is always explicit: callers pass uniform offsets in ``[0, 1)``
-(the public API in ``api.py`` draws them from a ``torch.Generator`` when asked). How offsets become
-keys is fixed below, so a GPU kernel given the same offsets draws the same keys.
-
-Inverse CDF (one rule for every estimator and tiling)
-----------------------------------------------------
-For one sampled distribution (a whole query row, or one tile of a decode row) let ``w_n >= 0`` be
-its unnormalized float64 weights (``w_n = exp(s_n - max s)``, 0 for masked keys), ``C_n = Σ_{i<=n} w_i``
-the inclusive float64 cumulative sum and ``Z = C_{N-1}``. A point ``t ∈ [0, 1)`` selects key
-
-    ``F⁻¹(t) = #{n : C_n <= t·Z}`` (the smallest ``n`` with ``C_n > t·Z``: ``searchsorted(right=True)``),
-
-clamped to the first ``n`` with ``C_n = Z`` (the last key of positive weight) in case ``t·Z`` rounds up
-to ``Z``. This is the convention of App. A.4 (key ``n`` owns ``[C_{n-1}/Z, C_n/Z)``), so masked and
-zero-weight keys are never drawn.
+sampled rows of ``V``, ``(1/S) Σ_j V[F⁻¹(t_j)]`` (unbiased for ``p·V``). The randomness is always explicit:
+callers pass uniform offsets in ``[0, 1)`` (the public API in ``api.py`` draws them from a
+``torch.Generator`` when asked). How offsets become points is :func:`sample_points`, how points become
+keys is :func:`inverse_cdf` (one rule for every estimator and tiling), and the decode tilings are
+:func:`santa_decode_forward`'s, so a GPU kernel given the same offsets draws the same keys.
 
 Precision: the dot products ``q·k`` run in float32 (float64 for float64 inputs), as in a kernel; from
 the scores on (max, ``exp``, cumulative sums, points ``t·Z``, tile masses and budgets) everything is
-float64, so the reference applies the rule above essentially exactly. A kernel that keeps float32
+float64, so the reference applies the rules essentially exactly. A kernel that keeps float32
 cumulative sums agrees except where a point lies within float32 rounding of a cumulative boundary (or
 a prop quota within rounding of a tie): rare, and a test comparing per-row counts must allow it.
-
-Points per estimator (``S`` samples, ``j = 0..S-1``):
-
-* ``iid`` (SANTA, with replacement): ``t_j = u_j``; offsets ``[B, Hq, Tq, S]``.
-* ``strat`` (S²ANTA-strat): ``t_j = (j + u_j) / S``; offsets ``[B, Hq, Tq, S]``.
-* ``sys`` (S²ANTA-sys): ``t_j = (j + u) / S`` with ONE ``u`` per query; offsets ``[B, Hq, Tq]``.
-  Key ``n`` then receives ``ceil(S·C_n/Z - u) - ceil(S·C_{n-1}/Z - u)`` samples (the streaming form a
-  kernel uses; App. P's ``floor(a + p + x) - floor(a + p)`` is the same with ``a = 1 - u`` up to which
-  side of a boundary is closed).
-
-The estimate is ``(1/S) Σ_j V[F⁻¹(t_j)]`` (unbiased for ``p·V``).
-
-Decode tilings (App. P, Q; see ``tiling.py`` for tile statistics and budgets): the ``sys`` rule runs
-inside every tile ``t`` on the in-tile weights ``u_n = exp(s_n - m_t)`` with the tile's budget ``S_t``
-and the tile's own offset ``u_t`` (offsets ``[B, Hq, n_tiles]``), points ``(j + u_t)/S_t``,
-``j < S_t``. prop: ``O = (1/S) Σ_t Σ_j V`` (expectation ``Σ_t (S_t/S) μ_t``, biased by budget
-rounding, exactly as App. P defines it). flash: ``O = Σ_t m̄_t · (1/S_tile) Σ_j V`` (unbiased).
 """
 
 from __future__ import annotations
@@ -107,7 +80,14 @@ def _allowed_keys(
 
 
 def inverse_cdf(cum: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Key index per target, see the module docstring.
+    """Key index per target: the inverse CDF of one sampled distribution.
+
+    For a whole query row, or one tile of a decode row, let ``w_n >= 0`` be its unnormalized float64
+    weights (``w_n = exp(s_n - max s)``, 0 for masked keys), ``C_n = Σ_{i<=n} w_i`` the inclusive float64
+    cumulative sum and ``Z = C_{N-1}``. A point ``t ∈ [0, 1)`` selects key ``F⁻¹(t) = #{n : C_n <= t·Z}``
+    (the smallest ``n`` with ``C_n > t·Z``: ``searchsorted(right=True)``), clamped to the first ``n`` with
+    ``C_n = Z`` (the last key of positive weight) in case ``t·Z`` rounds up to ``Z``. This is App. A.4's
+    convention (key ``n`` owns ``[C_{n-1}/Z, C_n/Z)``), so masked and zero-weight keys are never drawn.
 
     cum: [..., N] float64 inclusive cumulative weights (non-decreasing, total ``Z = cum[..., -1] > 0``);
     targets: [..., M] float64 points already scaled by ``Z`` (``t·Z``). Returns [..., M] int64
@@ -140,7 +120,14 @@ def counts_from_points(weights: torch.Tensor, points: torch.Tensor, valid: torch
 def sample_points(
     estimator: str, num_samples: torch.Tensor, uniforms: torch.Tensor, s_max: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Points ``t_j`` of one estimator (module docstring).
+    """Points ``t_j`` of one estimator (``S`` samples, ``j = 0..S-1``):
+
+    * ``iid`` (SANTA, with replacement): ``t_j = u_j``; offsets ``[B, Hq, Tq, S]``.
+    * ``strat`` (S²ANTA-strat): ``t_j = (j + u_j) / S``; offsets ``[B, Hq, Tq, S]``.
+    * ``sys`` (S²ANTA-sys): ``t_j = (j + u) / S`` with ONE ``u`` per query; offsets ``[B, Hq, Tq]``. Key ``n``
+      then receives ``ceil(S·C_n/Z - u) - ceil(S·C_{n-1}/Z - u)`` samples (the streaming form a kernel
+      uses; App. P's ``floor(a + p + x) - floor(a + p)`` is the same with ``a = 1 - u`` up to which side of
+      a boundary is closed).
 
     num_samples: [B] int64 ``>= 1``; uniforms: [B, H, Tq] (sys) or [B, H, Tq, s_max] (iid, strat).
     Returns points [B, H, Tq, s_max] float64 and valid [B, 1, 1, s_max] bool (``j < S_b``).
@@ -330,6 +317,12 @@ def santa_decode_forward(
     cache_len: [B] int64. ``tiling="none"``: the whole row is one distribution, ``estimator`` and
     ``uniforms`` as in ``santa_prefill_forward`` with ``Tq = 1``. prop/flash: ``estimator`` must be
     ``"sys"`` and ``uniforms`` are the tile offsets [B, Hq, ceil(Tk / tile)]. Returns [B, Hq, D].
+
+    Tilings (App. P, Q; tile statistics and budgets: ``tiling.py``): the ``sys`` rule runs inside every tile
+    ``t`` on the in-tile weights ``exp(s_n - m_t)`` with the tile's budget ``S_t`` and its own offset
+    ``u_t``, points ``(j + u_t)/S_t``, ``j < S_t``. prop: ``O = (1/S) Σ_t Σ_j V`` (expectation
+    ``Σ_t (S_t/S) μ_t``, biased by budget rounding, exactly as App. P defines it). flash:
+    ``O = Σ_t m̄_t · (1/S_tile) Σ_j V`` (unbiased).
     """
     if tiling == "none":
         out = santa_prefill_forward(

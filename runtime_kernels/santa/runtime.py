@@ -14,8 +14,10 @@ from typing import Any, Sequence
 
 import torch
 
+from runtime_kernels.errors import ArtifactError
 from runtime_kernels.santa.api import backend_function, check_decode_settings, int_vector, santa_attention
 from runtime_kernels.santa.draws import SamplingSeeds, keyed_uniforms
+from runtime_kernels.santa.schedule import apportion
 
 PHASES = ("prefill", "decode")
 
@@ -43,9 +45,6 @@ def _phases(value: Any) -> tuple[str, ...]:
 
 def _schedule_at_budget(artifact: Any, budget: Any, layers: int) -> list[int]:
     """The artifact's learned share ``probs [L]`` apportioned to ``budget`` samples (>= 1 per layer)."""
-    from runtime_kernels.errors import ArtifactError
-    from runtime_kernels.santa.schedule import apportion
-
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < layers:
         raise ArtifactError(f"the santa option budget must be an integer >= {layers} (one sample per layer), "
                             f"got {budget!r}")
@@ -107,8 +106,6 @@ class SantaDecode:
         instead, the schedule apportioned from the artifact's learned share ``probs: [L]`` by largest
         remainder with at least one sample per layer (:func:`runtime_kernels.santa.schedule.apportion`);
         needs ``N >= L``. At the artifact's own default budget this is the stored schedule."""
-        from runtime_kernels.errors import ArtifactError
-
         schedule = artifact.tensor("schedule")
         layers = getattr(getattr(model, "config", None), "num_hidden_layers", schedule.shape[0])
         if schedule.dim() != 1 or schedule.shape[0] != layers:

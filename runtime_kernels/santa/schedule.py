@@ -3,16 +3,7 @@
 A SANTA artifact keeps the learned distribution ``p: [L]`` over layers (``probs``), so a schedule can be
 made for any total budget ``N`` at load time (``options={"santa": {"budget": N}}``), not only the budget
 the policy was trained at. :func:`apportion` is the rule, shared by calibration (which stores the
-schedule at the artifact's default budget) and the runtime (which rescales ``p`` for an override):
-
-1. quotas ``q_i = N · p_i / Σ p`` (float64);
-2. ``s_i = floor(q_i)``, then each of the ``N − Σ s`` remaining samples goes to the layer with the
-   largest fractional part ``q_i − floor(q_i)`` (ties: the lower layer index);
-3. minimum per layer: the kernels run a layer with ``S = 0`` as ``S = 1`` (``SantaDecode.budget``), so a
-   zero would spend a sample the total did not count. With ``minimum = 1`` (the default) every layer
-   below it is lifted to 1 first, and the samples this adds are taken back, one at a time, from the
-   layer with ``s_i > 1`` whose ``q_i − s_i`` is smallest (the most over-served; ties: the lower index).
-   Needs ``N >= minimum · L``.
+schedule at the artifact's default budget) and the runtime (which rescales ``p`` for an override).
 
 Properties: ``Σ s = N`` exactly; order-preserving (``p_i > p_j`` implies ``s_i >= s_j``); with
 ``minimum = 0``, plain Hamilton. Hamilton is not house-monotone: raising ``N`` by one can take a sample
@@ -27,10 +18,19 @@ from typing import Sequence
 
 
 def apportion(probs: Sequence[float], total: int, minimum: int = 1) -> list[int]:
-    """Integer per-layer budgets ``[L]`` summing to ``total`` in proportion to ``probs`` (module docstring).
+    """Integer per-layer budgets ``[L]`` summing to ``total`` in proportion to ``probs``.
 
     probs: ``[L]`` non-negative finite shares with a positive sum (normalised here); total: ``N``;
     minimum: the least samples a layer gets (0 or 1 in practice). Raises ``ValueError`` on bad input.
+
+    1. quotas ``q_i = N · p_i / Σ p`` (float64);
+    2. ``s_i = floor(q_i)``, then each of the ``N − Σ s`` remaining samples goes to the layer with the
+       largest fractional part ``q_i − floor(q_i)`` (ties: the lower layer index);
+    3. minimum per layer: the kernels run a layer with ``S = 0`` as ``S = 1`` (``SantaDecode.budget``), so a
+       zero would spend a sample the total did not count. Every layer below ``minimum`` is lifted to it
+       first, and the samples this adds are taken back, one at a time, from the layer above the minimum
+       whose ``q_i − s_i`` is smallest (the most over-served; ties: the lower index). Needs
+       ``N >= minimum · L``.
     """
     p = [float(x) for x in probs]
     total, minimum = int(total), int(minimum)

@@ -2,21 +2,16 @@
 
 The key axis of one decode row (one ``(b, head)``) is cut into tiles of ``tile`` keys,
 ``𝒯_t = [t·tile, min((t+1)·tile, L_b))`` for ``t < T_b = ceil(L_b / tile)`` where ``L_b`` is the
-valid cache length of batch row ``b``. Per tile (App. P, Alg. 3):
+valid cache length of batch row ``b``. Per tile (App. P, Alg. 3; :func:`tile_statistics`):
 
 * ``m_t = max_{n∈𝒯_t} s_n`` (tile max score), ``u_n = exp(s_n - m_t)`` (in-tile weights, ``≤ 1``),
   ``ℓ_t = Σ_{n∈𝒯_t} u_n`` (``≥ 1`` for a valid tile);
 * tile weight ``W_t = exp(m_t - m*) · ℓ_t`` with ``m* = max_t m_t``; tile mass ``m̄_t = W_t / Σ_t W_t``
   (the softmax mass of the tile).
 
-Budgets:
-
-* prop (App. P, Alg. 4): quotas ``q_t = S · m̄_t``; ``S_t = floor(q_t)`` plus one more sample for the
-  ``S - Σ floor(q_t)`` tiles with the largest fractional part (largest remainder). Ties go to the
-  lower tile index. ``Σ_t S_t = S`` exactly.
-* flash (App. Q, Alg. 6): every valid tile gets ``S_tile = max(1, round(S / T_b))`` where round is
-  round-half-up computed in integers: ``(2·S + T_b) // (2·T_b)``.
-
+Budgets: prop (App. P, Alg. 4) apportions ``S · m̄_t`` by largest remainder, ties to the lower tile,
+``Σ_t S_t = S`` exactly (:func:`prop_tile_budgets`); flash (App. Q, Alg. 6) gives every valid tile
+``S_tile = max(1, round_half_up(S / T_b))`` in integers, ``(2·S + T_b) // (2·T_b)`` (:func:`flash_tile_budget`).
 All of this is float64 in the reference; a float32 kernel can differ from it only where a quota sits
 within rounding of a tie or an integer.
 """

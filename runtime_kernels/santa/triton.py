@@ -1,65 +1,21 @@
 """S²ANTA decode kernels in Triton: the prop and flash tilings (Lee et al., arXiv:2605.01910, §3.2-§3.3, App. P, Q).
 
-Backend contract of ``reference.santa_decode_forward`` (``api.santa_decode_attention`` picks it on CUDA);
-``tiling="none"``, float64 or mixed dtypes, head_dim > 256 or > 16384 tiles go to the reference. bf16 /
-fp16 on the GPU, float32 anywhere (the CPU interpreter runs float32 only); any batch, GQA group size,
-head_dim and tile length (padded to powers of two inside), odd cache lengths, arbitrary strides.
-
-Sampling rule = the reference's: tile t of head h with budget ``S_t`` and offset ``u = uniforms[b, h, t]``
-gives key n ``c(C_n) - c(C_{n-1})`` samples, ``c(C) = clamp(ceil(S_t·C/Z - u), 0, S_t)``, ``C`` the
-inclusive cumulative in-tile weight, ``Z`` the tile total (App. P Alg. 5 line 8 with ``p`` the running
-cumulative). Locating sample ``j`` directly, it sits at key ``#{n : C_n <= (j + u)·Z/S_t}``. Counts are
-never negative and sum to ``S_t`` exactly; they match the float64 reference except where
-``S_t·C_n/Z - u`` lies within float32 score rounding of an integer.
+The backend of ``reference.santa_decode_forward`` (``api.santa_decode_attention`` picks it on CUDA), same
+contract; :func:`supported` sends ``tiling="none"``, float64 or mixed dtypes, head_dim > 256 and > 16384 tiles
+to the reference. bf16 / fp16 on the GPU, float32 anywhere (the CPU interpreter runs float32 only); any batch,
+GQA group size, head_dim and tile length (padded to powers of two inside), odd cache lengths, any strides.
 
 Stages (the G = Hq/Hkv query heads of a KV head share each K chunk and each sampled V row):
 
-* prop, 3 launches: the score pass (``triton_score``: Alg. 3, scores stored, tile and K-chunk
-  statistics), the budgets (``triton_prop``: Alg. 4, largest remainder per head) and the gather
-  (``triton_prop``: Alg. 5, samples located chunk first, only sampled V rows read, float32 atomics).
-* flash, 2 launches (``triton_flash``): one pass over K per tile producing the tile's partial
-  (Alg. 7), then the log-sum-exp merge of the partials (Alg. 8).
+* prop, 3 launches: the score pass (``triton_score``, Alg. 3: scores stored, tile and K-chunk statistics),
+  the budgets (Alg. 4) and the gather (Alg. 5) of ``triton_prop``.
+* flash, 2 launches (``triton_flash``): one pass over K per tile producing the tile's partial (Alg. 7),
+  then the log-sum-exp merge of the partials (Alg. 8).
 
-Choices made at run time, by rule:
-
-* prop's launches are chained by programmatic dependent launch where the device supports it (sm_90+,
-  compiled kernels: :func:`_pdl`); each launch is then resident before the one it waits for ends.
-* flash's sample lookup is chunk first when the cache allocation has ``FLASH_CHUNK_TILES`` tiles or
-  more (few samples per tile), whole-tile below (:func:`_flash_chunked`): a host int, no device read.
-* prop's gather takes ``triton_prop.gather_tiles(geo)`` tiles per program (2, fewer for huge tiles).
-
-CUDA graphs: a call never waits on the device (no ``.item()``, no data-dependent host branch) and its
-grids, buffers and the rules above depend on tensor shapes and the device only; ``cache_len`` and
-``num_samples`` are read by the kernels (so under a graph flash's lookup follows the allocation's tile
-count, not the valid length's). ``k_cache`` / ``v_cache`` may be views of a longer preallocated cache: keys past
-``cache_len`` are never read (they may hold NaN), and uniforms of tiles past it are ignored. Each call
-allocates its scratch with ``torch.empty`` (graph-pool memory under capture). The arrival counters of
-prop's gather are one persistent zeroed buffer per device (``_triton_support.arrival_counters``), reset
-by the last program of each launch; run one eager call first (it also compiles the kernels) so that
-buffer exists before capture, and don't run two calls concurrently on different streams of a device.
-Calls that go to the reference (``supported`` false) read budgets back to the host: not capturable.
-
-Cost model (Llama-3.1-8B decode: Hq=32, Hkv=8, D=128, bf16, N keys per batch row; H200 ~4.2 TB/s):
-
-* Dense floor: K+V = ``2·N·Hkv·D·2`` B = 128 MiB at N = 32k ≈ 32 µs.
-* Score pass / flash's K pass: all of K (64 MiB at 32k, ~16 µs) plus ``N·Hq·4`` B of float32 scores
-  written (4 MiB); ``2·N·Hq·D`` FLOPs: memory bound.
-* prop: + budgets (latency, ~2-3 µs) + gather (per sample one 128 B chunk of scores and one V row).
-* flash: + per tile ``S_tile·G`` V rows and a ``(2 + D)·G`` float32 partial; the merge reads the partials.
-
-Alternatives measured and dropped (H200, CUDA-graph replay, Llama-3.1-8B shapes):
-
-* A whole tile of K per load (no chunk pipeline): 164-255 registers per thread, few programs per SM.
-* 64-key K chunks 3 deep instead of 32 x 4: 5-13 % slower at 32k.
-* 4 warps per score / gather program instead of 2: 10-20 % slower at B = 8, no faster at B = 1.
-* prop gather prefix-summing every key of a tile in int64 (exact) instead of chunk first: 5-7 % slower at 32k.
-* prop per-tile sums added in tile order by a second launch (deterministic): 5 µs slower at 32k B = 1.
-* prop budgets + gather as one program per query head: slower at 32k B = 1 (34 -> 42 µs).
-* flash as a shared score pass + a tile kernel merging inline through arrival counters: the merge's
-  chain of dependent L2 round trips cost 25-60 µs at 32k.
-* flash counts @ V as a dot over the tile, or the tile's scores kept in registers: slower at 8k B = 8.
-* flash chunk-first lookup at every length: slower at 8k (32-64 samples per tile); stream -> merge by
-  programmatic dependent launch: 1-10 µs slower (early merge programs crowd the last wave).
+Run-time choices, by rule from shapes and the device only: prop's launches chained by programmatic dependent
+launch on sm_90+ (:func:`_pdl`), flash's chunk-first sample lookup (:func:`_flash_chunked`), prop's tiles per
+gather program (``triton_prop.gather_tiles``). The sampling rule and what a CUDA graph may rely on:
+:func:`santa_decode_forward`. Design notes and the alternatives: docs/notes/kernels.md.
 """
 
 from __future__ import annotations
@@ -97,7 +53,7 @@ def _pdl(device: torch.device) -> bool:
 
 def _flash_chunked(geo: Geometry) -> bool:
     """Whether flash locates samples chunk first: caches of ``FLASH_CHUNK_TILES`` tiles or more, where
-    ``S / T`` samples per tile are few; denser tiles are faster prefix-summed whole."""
+    ``S / T`` samples per tile are few; denser tiles are prefix-summed whole (docs/notes/kernels.md)."""
     return geo.T_all >= FLASH_CHUNK_TILES
 
 
@@ -214,6 +170,23 @@ def santa_decode_forward(
     never read); num_samples: [B] int64 ``>= 1``; uniforms: [B, Hq, ceil(Tk / tile)] float64 tile
     offsets (entries of tiles past ``cache_len`` are ignored); cache_len: [B] int64 in ``[1, Tk]``.
     Returns [B, Hq, D] in q.dtype. Calls the kernels can't run go to the reference.
+
+    Sampling rule (the reference's): tile t of head h with budget ``S_t`` and offset ``u = uniforms[b, h, t]``
+    gives key n ``c(C_n) - c(C_{n-1})`` samples, ``c(C) = clamp(ceil(S_t·C/Z - u), 0, S_t)``, ``C`` the
+    inclusive cumulative in-tile weight, ``Z`` the tile total (App. P Alg. 5 line 8 with ``p`` the running
+    cumulative); sample ``j`` sits at key ``#{n : C_n <= (j + u)·Z/S_t}``. Counts are never negative and sum
+    to ``S_t`` exactly; they match the float64 reference except where ``S_t·C_n/Z - u`` lies within float32
+    score rounding of an integer.
+
+    CUDA graphs: a call never waits on the device (no ``.item()``, no data-dependent host branch); its grids,
+    buffers and run-time choices depend on tensor shapes and the device only, ``cache_len`` and
+    ``num_samples`` being read by the kernels (so under a graph flash's lookup follows the allocation's tile
+    count, not the valid length's). ``k_cache`` / ``v_cache`` may be views of a longer preallocated cache:
+    keys past ``cache_len`` may hold NaN. Scratch comes from ``torch.empty`` (graph-pool memory under
+    capture); the arrival counters of prop's gather are one persistent zeroed buffer per device
+    (``_triton_support.arrival_counters``), reset by the last program of each launch: run one eager call
+    before capture (it also compiles the kernels), and no two calls concurrently on different streams of a
+    device. Calls that go to the reference read budgets back to the host: not capturable.
     """
     if not supported(q, k_cache, v_cache, tiling=tiling, tile=tile, estimator=estimator):
         return reference.santa_decode_forward(

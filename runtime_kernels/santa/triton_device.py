@@ -78,8 +78,8 @@ def _gather_by_chunks(s_rows, cm, cl, budget, u, v_base, tile_start, tile, lengt
     (float32) to find the key: ``[R, MAXS, BK]`` work per step instead of ``[R, MAXS, BN]`` compares plus
     an int64 prefix sum and float64 ceilings over every key of the tile. Exactly ``S_t`` samples, in key
     order, each on a real key: a chunk or key index that rounding pushes past the last positive weight is
-    clamped to it. The weights differ from the whole-tile sums by float32 rounding (~1e-7 relative, as
-    the scores themselves), so a count differs from the float64 reference only next to a boundary.
+    clamped to it. The weights differ from the whole-tile sums by float32 rounding (as the scores
+    themselves), so a count differs from the float64 reference only next to a boundary.
 
     s_rows: [R] pointers to each row's tile scores; cm, cl: [R, NCH] chunk statistics (rows without
     budget: any finite values); budget: [R] int32; u: [R] float64; tile_start: [R] first key of the tile;

@@ -33,8 +33,8 @@ from runtime_kernels.santa.triton_device import (
 )
 from runtime_kernels.santa.triton_layout import SCORE_STAGES, SCORE_WARPS, Geometry, pow2
 
-FLASH_SAMPLES = 16  # whole-tile lookup: samples per head resolved to keys per step (8 or 32: slower)
-FLASH_CHUNK_SAMPLES = 8  # chunk-first lookup: the same (4 or 16: slower)
+FLASH_SAMPLES = 16  # whole-tile lookup: samples per head resolved to keys per step
+FLASH_CHUNK_SAMPLES = 8  # chunk-first lookup: the same
 MERGE_COLS = 16  # output columns per merge program (more programs for small B·Hkv)
 MERGE_CHUNK = 128  # tile partials per pipelined merge load step (few dependent steps per row)
 

@@ -24,8 +24,8 @@ from runtime_kernels.santa.triton_device import _gather_by_chunks
 from runtime_kernels.santa.triton_layout import Geometry, ScoreBuffers, pow2
 
 FRAC_BITS = 20  # fractional parts of the quotas are ranked at 2^-20 resolution (ties: lower tile)
-GATHER_TILES = 2  # tiles per gather program: half the atomic adds into each accumulator row (1 or 4: slower)
-GATHER_SAMPLES = 4  # samples per head resolved to keys per step: [R, 4, NCH] / [R, 4, BK] blocks (8, 16: slower)
+GATHER_TILES = 2  # tiles per gather program: half the atomic adds into each accumulator row
+GATHER_SAMPLES = 4  # samples per head resolved to keys per step: [R, 4, NCH] / [R, 4, BK] blocks
 GATHER_WARPS = 2  # per tile of a gather program
 
 

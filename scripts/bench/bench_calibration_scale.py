@@ -7,20 +7,16 @@
 Each method runs as ``python -m calib run +method=<m> model=<model> model.init=random <overrides>`` in a
 fresh process with its own ``CALIB_HOME`` (a new MLflow store and an empty collection cache, unless
 ``--home`` names a shared one), so one method's cache or memory never helps another's figures. Printed
-per method: wall time of the process, every ``time_<stage>_s`` of the result JSON (load, collect,
-kmeans, targets, classifier, eval, ... as the method names its stages), ``peak_gpu_mem_gb``
-(``torch.cuda.max_memory_allocated`` over the run, logged by ``calib.run``), the process's peak host RSS
-(``wait4``'s ``ru_maxrss``), and the artifact's size on disk. The figures measure cost only: the
-weights are random, and the run and its artifact are marked as a dry run.
+per method: wall time, every ``time_<stage>_s`` of the result JSON, ``peak_gpu_mem_gb`` (logged by
+``calib.run``), the process's peak host RSS (``wait4``'s ``ru_maxrss``) and the artifact's size on disk. The
+figures measure cost only: the weights are random, and the run and its artifact are marked as a dry run.
+Overrides after ``--`` go to every method; ``--set <method>:<key>=<value>`` to one. A method that fails is
+reported with its exit code and the last line of its stderr (the full log is kept in the home).
 
-Overrides after ``--`` go to every method; ``--set <method>:<key>=<value>`` to one. A method that fails
-is reported with its exit code and the last line of its stderr (the full log is kept in the home).
-
-On a GPU box without network: the image has torch and transformers but not Hydra, OmegaConf or MLflow
-(nor Faiss: SAAP's k-means then runs the torch implementation on the GPU). Build their wheels here with
-``scripts/offline_wheels.sh``, carry them, install them with
-``pip install --no-index --no-deps --target /tmp/site .whl/*.whl`` and ``export PYTHONPATH=/tmp/site``:
-this script passes ``PYTHONPATH`` on to the runs. The script itself imports only the standard library.
+On a GPU box without network (no Hydra, OmegaConf, MLflow or Faiss there: SAAP's k-means then runs in torch):
+build their wheels with ``scripts/offline_wheels.sh``, install them with ``pip install --no-index --no-deps
+--target /tmp/site .whl/*.whl`` and ``export PYTHONPATH=/tmp/site``; this script, which imports only the
+standard library, passes ``PYTHONPATH`` on. Results: docs/results/scale.md.
 """
 
 from __future__ import annotations
@@ -29,6 +25,7 @@ import argparse
 import contextlib
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -70,8 +67,6 @@ def logged_stage_times(db: Path) -> dict[str, float]:
     Read with the standard library's sqlite3; ``{}`` when there is no store or no run."""
     if not db.is_file():
         return {}
-    import sqlite3
-
     with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as con:
         try:
             rows = con.execute(

@@ -30,6 +30,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+# mlflow and calib.tracking are imported where a run's store is read: a script under scripts/bench imports no
+# mlflow, Hydra or Faiss when it loads (a GPU box may have none of them).
+
 ROOT = Path(__file__).resolve().parents[2]
 METHODS = ("saap", "sale", "sampleattention", "santa")
 

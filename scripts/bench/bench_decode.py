@@ -3,29 +3,20 @@
     python scripts/bench/bench_decode.py            # GPU: Llama-3.1-8B shapes, B in {1, 8}, T in {8k, 32k, 128k}
     python scripts/bench/bench_decode.py --smoke    # CPU, tiny shapes, Triton interpreter: checks the script only
 
-One decode step of one layer (Hq = 32, Hkv = 8, D = 128, bf16, random never-zero inputs). Per row: the
-median device time (``scripts/bench/benchutil.py``: CUDA events, warm-up, cold L2 before every timed call),
-eager (the Python call as a runtime would make it, launch overhead included) and CUDA-graphed (the
-same call captured and replayed, as a real decode loop would run it: the smaller median of two
-captures; ``-`` if it cannot be captured); bytes read, achieved TB/s, the dense bandwidth floor (K+V bytes / 4.2 TB/s), SDPA's time
-(``scaled_dot_product_attention`` with one query token and ``enable_gqa=True``, whatever backend torch
-picks: its name is printed) and the ratios ``t/floor`` and ``sdpa/t``, where ``t`` is the graphed time
-when there is one (SDPA's too), else the eager one.
+One decode step of one layer (Hq = 32, Hkv = 8, D = 128, bf16, random never-zero inputs). Per row: the median
+device time (``benchutil.py``) eager (launch overhead included) and CUDA-graphed (the smaller median of two
+captures; ``-`` if it cannot be captured), bytes read, achieved TB/s, the dense floor (K+V bytes at
+``benchutil.HBM_TBPS``), SDPA's time (one query token, ``enable_gqa=True``, its backend named) and the ratios
+``t/floor`` and ``sdpa/t``, ``t`` being the graphed time where there is one. Methods (sizes: :class:`Shapes`):
+``saap`` on balanced random buckets with its classifier (bf16 weights) included, plus two stage rows at the
+middle ℓ (``saap-cls``: classifier and ranking; ``saap-attn``: attention + merge on fixed buckets);
+``santa-prop`` / ``santa-flash`` through ``santa_decode_attention`` (the graphed column captures the backend
+forward with offsets drawn once: the public call validates on the host). Bytes: all of K plus the sampled V
+rows (an upper bound: heads of a group may share rows).
 
-Methods:
-
-* ``saap`` (ℓ = 16, 32, 64): C = 1024 balanced buckets (a random balanced assignment: each bucket holds
-  ``N_s / C`` keys), window 1 + 2047, the classifier (2-layer MLP D -> 1024 -> C per query head, bf16
-  weights, 75.5 MB) included. Two stage rows at ℓ = 32 show where the time goes: ``saap-cls`` (classifier
-  and ranking: ``saap_select_buckets_triton``), ``saap-attn`` (attention + merge on fixed buckets).
-* ``santa-prop`` (S = 128, 256) and ``santa-flash`` (S = 1024, 2048), tile 256, through
-  ``runtime_kernels.santa.api.santa_decode_attention`` (eager: validation and offset drawing included);
-  the graphed column captures the backend forward (``santa_decode_forward``) with offsets drawn once,
-  since the public call validates its arguments on the host. Bytes: all of K plus the sampled V rows
-  (an upper bound: heads of a group may share rows).
-
-The last table checks the issue's targets (floor/t, sdpa/t) and says by how much a missed one misses.
-``--json PATH`` writes every row; ``--report PATH`` prints the table and targets of such a file again.
+The last table checks the targets (floor/t, sdpa/t) and says by how much a missed one misses. ``--json
+PATH`` writes every row; ``--report PATH`` prints the table and targets of such a file again. Results:
+docs/results/kernels.md.
 """
 
 from __future__ import annotations
@@ -48,7 +39,17 @@ for _path in (ROOT, ROOT / "scripts" / "bench"):  # run from a checkout without 
         sys.path.insert(0, str(_path))
 
 import torch  # noqa: E402
+from torch.nn.attention import SDPBackend  # noqa: E402
+
 from benchutil import cuda_time, floor_ms, measured_copy_tbps, print_targets  # noqa: E402
+from runtime_kernels.saap import BucketIndex, SaapLayerParams  # noqa: E402
+from runtime_kernels.saap.reference import searchable_range  # noqa: E402
+from runtime_kernels.santa import api as santa_api  # noqa: E402
+from runtime_kernels.santa import reference as santa_reference  # noqa: E402
+from runtime_kernels.santa.api import santa_decode_attention  # noqa: E402
+
+# Triton and runtime_kernels.saap.triton are imported where used: --report needs no Triton, and --smoke sets
+# TRITON_INTERPRET=1 (run()) before a kernel is defined.
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ class Row:
     eager_us: float
     graph_us: float | None
     bytes_read: float
-    floor_us: float  # dense K+V bytes / 4.2 TB/s
+    floor_us: float  # dense K+V bytes at benchutil.HBM_TBPS
     sdpa_us: float | None
     note: str = ""
     extra: dict = field(default_factory=dict)
@@ -115,8 +116,8 @@ class Timer:
 
     def graphed(self, fn: Callable[[], object], captures: int = 2) -> tuple[float | None, str]:
         """Median replay time of ``fn`` captured in a CUDA graph, or (None, why not); the smaller over
-        ``captures`` separate captures (the first capture timed after a heavy step can read several µs
-        slow for its whole median, a later capture of the same step not)."""
+        ``captures`` separate captures (the first capture timed after a heavy step can read slow for its
+        whole median, a later capture of the same step not)."""
         if not self.cuda:
             return None, ""
         best = None
@@ -164,8 +165,6 @@ def _randn(*shape: int, device: str, dtype: torch.dtype, scale: float = 1.0) -> 
 
 def saap_setup(sh: Shapes, b: int, t: int, device: str):
     """(params, index, q_derope) for one (B, T): bf16 classifier, balanced random bucket assignment."""
-    from runtime_kernels.saap import BucketIndex, SaapLayerParams
-
     f32 = dict(device=device, dtype=torch.float32)
     wdt = torch.bfloat16 if device == "cuda" else torch.float32
     hq, c, hd, d = sh.hq, sh.clusters, sh.hidden, sh.d
@@ -185,8 +184,6 @@ def saap_setup(sh: Shapes, b: int, t: int, device: str):
 
 def saap_bytes(sh: Shapes, params, index, sel: torch.Tensor, b: int, t: int, kv_elem: int) -> dict[str, float]:
     """Bytes one SAAP step reads: classifier weights, visited K/V rows, their slot indices."""
-    from runtime_kernels.saap.reference import searchable_range
-
     lo, hi = searchable_range(t, sh.sink, sh.recent)
     visited = float(index.bucket_count.gather(-1, sel.long()).sum())  # bucket keys over (b, h)
     dense_rows = b * sh.hkv * (lo + t - hi)
@@ -202,8 +199,6 @@ def saap_bytes(sh: Shapes, params, index, sel: torch.Tensor, b: int, t: int, kv_
 
 def bench_sdpa(timer: Timer, q, k, v) -> tuple[float, float | None, str]:
     """(eager µs, graphed µs, backend name) of SDPA with one query token and enable_gqa."""
-    from torch.nn.attention import SDPBackend
-
     q4 = q[:, :, None]
     try:
         backend = SDPBackend(torch._fused_sdp_choice(q4, k, v, enable_gqa=True)).name
@@ -217,7 +212,6 @@ def bench_sdpa(timer: Timer, q, k, v) -> tuple[float, float | None, str]:
 def bench_saap(timer: Timer, sh: Shapes, q, k, v, b: int, t: int, floor: float, sdpa: float | None
                ) -> list[Row]:
     from runtime_kernels.saap import triton as saap_triton
-    from runtime_kernels.saap.reference import searchable_range
 
     params, index, qd = saap_setup(sh, b, t, q.device.type)
     lo, hi = searchable_range(t, sh.sink, sh.recent)
@@ -246,15 +240,13 @@ def bench_saap(timer: Timer, sh: Shapes, q, k, v, b: int, t: int, floor: float, 
 
 def _santa_backend(device: torch.device):
     """The backend forward santa_decode_attention dispatches to: Triton on CUDA (None without it: the
-    float64 reference at 128k would take minutes and tens of GB); on CPU (smoke) the Triton module under
+    float64 reference at long lengths takes too long and too much memory); on CPU (smoke) the Triton module under
     the interpreter when it imports, so the smoke run calls the kernels the GPU run times."""
-    from runtime_kernels.santa import api, reference
-
     if device.type != "cuda":
-        module = api._triton_module()
-        return getattr(module, "santa_decode_forward", None) or reference.santa_decode_forward
-    fn = api.backend_function("santa_decode_forward", device, "auto")
-    return None if fn is reference.santa_decode_forward else fn
+        module = santa_api._triton_module()
+        return getattr(module, "santa_decode_forward", None) or santa_reference.santa_decode_forward
+    fn = santa_api.backend_function("santa_decode_forward", device, "auto")
+    return None if fn is santa_reference.santa_decode_forward else fn
 
 
 def santa_bytes(sh: Shapes, tiling: str, s: int, b: int, t: int, elem: int) -> float:
@@ -266,8 +258,6 @@ def santa_bytes(sh: Shapes, tiling: str, s: int, b: int, t: int, elem: int) -> f
 
 def bench_santa(timer: Timer, sh: Shapes, q, k, v, b: int, t: int, floor: float, sdpa: float | None
                 ) -> list[Row]:
-    from runtime_kernels.santa.api import santa_decode_attention
-
     forward = _santa_backend(q.device)
     if forward is None:
         return [Row("santa", "skipped", b, t, float("nan"), None, 0.0, floor, sdpa,
@@ -329,7 +319,7 @@ def _pick(values: tuple[int, ...], want: int, fallback: int) -> int:
 
 
 def targets(rows: list[Row], sh: Shapes) -> list[tuple[str, float | None, float]]:
-    """(target, measured ratio, required ratio) for the issue's targets (on smoke shapes: their stand-ins)."""
+    """(target, measured ratio, required ratio) for the targets (on smoke shapes: their stand-ins)."""
     out: list[tuple[str, float | None, float]] = []
 
     def add(label: str, r: Row | None, kind: str, need: float) -> None:

@@ -5,37 +5,17 @@
     python scripts/bench/bench_generate.py --smoke                  # CPU, a 2-layer model: checks the script
     python scripts/bench/bench_generate.py --compile both --points 131072x1 --methods dense-flash,saap
 
-The model is Llama-3.1-8B's architecture (``conf/model/llama31.yaml``) with random bf16 weights (seeded;
-no weights are read), on one GPU. Every cell runs in its own process (a first configuration in a process
-reads slow) through :class:`runtime_kernels.generate.StaticGenerator`: a preallocated KV cache and one
-CUDA graph per decode step, the same loop for dense and for every method, so the ratio is the method's.
-
-* decode: the median device time of ``--steps`` graph replays (CUDA events; captures excluded and
-  counted), host time to issue a step beside it. B > 1: one prompt is prefilled and its cache copied to
-  every row (the decode cost does not depend on the rows' content; prefilling B long prompts at once
-  would not fit beside the cache).
-* TTFT (B = 1): the prompt's forward pass and first token, timed after one untimed warm-up prefill.
-* methods: ``saap`` (ℓ = 32, C = 1024, hidden 1024, window 1 + 2047; centroids are 1024 of each KV head's
-  own de-RoPE'd prompt keys, so buckets are as balanced as k-means would make them; classifier weights
-  random, bf16), ``santa-prop`` (S = 128 per layer), ``santa-flash`` (S = 2048), ``sale`` (τ = 0.008 on
-  every head) and ``sampleattention`` (α_c = 0.95, α_s = 0.9, chunk_n = 2) as prefill methods, and
-  ``sampleattention+saap``. Random weights give meaningless attention, so the prefill methods' own
-  selection runs (its cost is counted) and its mask is then replaced by a planted one at ``--density``
-  of the causal blocks (diagonal blocks always kept; ``random_block_mask`` of ``bench_prefill.py``)
-  before the block-sparse attention; ``--density 0`` keeps the selection's own mask. The density the
-  selection produced is printed either way. Decode methods' cost does not depend on the weights.
-* ``no-attention``: a decode step whose attention reads no key or value (returns the query): the cost
-  of everything else in the step, the floor of every decode method's step.
-* ``--saap-top-l`` / ``--saap-window``: SAAP's ℓ and dense window (defaults 32 and 2048), to measure what
-  a cheaper setting would buy.
-* ``hf-generate``: transformers' ``model.generate()`` with its default cache, dense, for context.
-* ``--compile``: decode steps through ``StaticGenerator(compile=True)`` (the model's non-attention
-  kernels fused by torch.compile inside the same graph); ``--compile both`` runs every cell both ways.
-  A compiled row's ratio is to the faster compiled dense path, and ``x uncompiled`` compares it with the
-  same method's uncompiled row; its note gives the host time spent compiling (not in ms/token).
-
-The table (stdout, last) gives ms/token, host ms/step, TTFT and each method's ratio to dense at the same
-point, plus the copy rate measured on the card and the KV-read floor. ``--json PATH`` writes every row.
+Llama-3.1-8B's architecture (``conf/model/llama31.yaml``) with random bf16 weights (seeded; no weights are
+read), on one GPU. Every cell runs in its own process (a first configuration in a process reads slow) through
+:class:`runtime_kernels.generate.StaticGenerator`, the same loop for dense and for every method, so the ratio
+is the method's. Decode: the median device time of ``--steps`` graph replays (host time to issue a step
+beside it); B > 1 prefills one prompt and copies its cache to every row (:func:`replicate_prefill`). TTFT
+(B = 1): the prompt's forward pass and first token after one untimed warm-up prefill. The methods and their
+settings: :data:`METHODS`; random weights give meaningless attention, so a prefill method's own selection
+runs (and is counted) and its mask is then replaced by a planted one at ``--density`` (:class:`PlantedMasks`).
+``--compile``: decode steps through ``StaticGenerator(compile=True)``; a compiled row's ratio is to the faster
+compiled dense path. The table (stdout, last) gives each method's ratio to dense, the copy rate measured on
+the card and the KV-read floor; ``--json PATH`` writes every row. Results: docs/results/generate.md.
 """
 
 from __future__ import annotations
@@ -57,8 +37,30 @@ for _path in (ROOT, ROOT / "scripts" / "bench"):  # run from a checkout without 
         sys.path.insert(0, str(_path))
 
 import torch  # noqa: E402
+import yaml  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+import runtime_kernels.blocksparse.api as bs_api  # noqa: E402
+import runtime_kernels.sampleattention.api as sa_api  # noqa: E402
+from bench_prefill import random_block_mask  # noqa: E402
+from calib.saap.kmeans import fit_kmeans_heads  # noqa: E402
+from runtime_kernels import hf  # noqa: E402
+from runtime_kernels.generate import FlashDecode, StaticGenerator, StepTimes  # noqa: E402
+from runtime_kernels.saap import SaapDecode, SaapLayerParams, derope  # noqa: E402
+from runtime_kernels.saap.api import AttentionPositions  # noqa: E402
+from runtime_kernels.sale.api import SalePrefill  # noqa: E402
+from runtime_kernels.sampleattention.api import SampleAttentionPrefill  # noqa: E402
+from runtime_kernels.sampleattention.buckets import BucketRow  # noqa: E402
+from runtime_kernels.santa.runtime import SantaDecode  # noqa: E402
 
 POINTS = ("32768x1", "131072x1", "32768x8", "65536x8")
+# dense: SDPA on the masked cache view; dense-flash: flash-decoding on the valid length; no-attention: a step whose
+# attention reads no key or value (the floor of every decode method, :class:`NoAttention`); saap: l = --saap-top-l,
+# C = 1024, hidden 1024, window 1 + (--saap-window - 1), centroids a k-means of each KV head's own prompt keys
+# (:func:`saap_runtime`), classifier weights random; santa-prop: S = 128 per layer; santa-flash: S = 2048; sale:
+# tau = 0.008 on every head; sampleattention: alpha_c = 0.95, alpha_s = 0.9, chunk_n = 2 (both prefill methods);
+# sampleattention+saap. Also hf-generate: transformers' model.generate() with its default cache, for context.
 METHODS = ("dense", "dense-flash", "no-attention", "saap", "santa-prop", "santa-flash", "sale", "sampleattention",
            "sampleattention+saap")
 PREFILL_METHODS = ("sale", "sampleattention")
@@ -92,9 +94,6 @@ class Row:
 # -------------------------------------------------------------------------------------------- model
 def llama31_model(layers: int | None, device: str, seed: int = 0):
     """Llama-3.1-8B's architecture from conf/model/llama31.yaml, random weights, bf16, eval mode."""
-    import yaml
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     arch = yaml.safe_load((ROOT / "conf/model/llama31.yaml").read_text())["arch"]
     cfg = LlamaConfig(hidden_size=arch["hidden_size"], intermediate_size=14336, vocab_size=128256,
                       num_hidden_layers=layers or arch["num_layers"], num_attention_heads=arch["num_heads"],
@@ -116,8 +115,6 @@ def llama31_model(layers: int | None, device: str, seed: int = 0):
 
 def smoke_model(device: str):
     """2 layers, 4 query / 2 KV heads of 16: the --smoke path's model (CPU)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=16, vocab_size=300, max_position_embeddings=4096)
     cfg._attn_implementation = "sdpa"
@@ -131,10 +128,6 @@ def saap_runtime(model, cache, t: int, *, top_l: int, clusters: int, hidden: int
     each KV head's own de-RoPE'd prompt keys outside the window, as calibration would fit them (layer 0
     dense), with every layer's index built from ``cache`` (``t`` prompt keys). Returns the runtime and
     the mean share of the bucket keys that lie in the ℓ largest buckets (the worst case of a step)."""
-    from calib.saap.kmeans import fit_kmeans_heads
-    from runtime_kernels.saap import SaapDecode, SaapLayerParams, derope
-    from runtime_kernels.saap.api import AttentionPositions
-
     cfg = model.config
     hq, d = cfg.num_attention_heads, cfg.head_dim
     dev = cache.keys[0].device
@@ -166,18 +159,15 @@ def saap_runtime(model, cache, t: int, *, top_l: int, clusters: int, hidden: int
 
 
 def prefill_runtime(name: str, layers: int, heads: int):
-    from runtime_kernels.sale.api import SalePrefill
-    from runtime_kernels.sampleattention.api import SampleAttentionPrefill
-    from runtime_kernels.sampleattention.buckets import BucketRow
-
     if name == "sale":
         return SalePrefill(torch.full((layers, heads), 0.008))
     return SampleAttentionPrefill(BucketRow(0.95, 0.9, 2), report_cra=False)
 
 
 class PlantedMasks:
-    """Replace the prefill selections' masks by planted ones of ``density`` (module docstring); records
-    the density each selection produced."""
+    """Replace the prefill selections' masks by planted ones of ``density`` of the causal blocks (diagonal
+    blocks always kept; ``random_block_mask`` of ``bench_prefill.py``) before the block-sparse attention;
+    ``density`` 0 keeps the selection's own mask. Records the density each selection produced."""
 
     def __init__(self, density: float) -> None:
         self.density = density
@@ -185,9 +175,6 @@ class PlantedMasks:
         self._cache: dict[tuple, object] = {}
 
     def install(self) -> None:
-        import runtime_kernels.blocksparse.api as bs_api
-        import runtime_kernels.sampleattention.api as sa_api
-
         original = bs_api.block_sparse_attention
 
         def planted(q, k, v, mask, **kw):
@@ -200,8 +187,6 @@ class PlantedMasks:
         sa_api.block_sparse_attention = planted
 
     def _planted(self, mask, device):
-        from bench_prefill import random_block_mask
-
         key = (mask.heads, mask.seq_q, mask.block_q, mask.block_k)
         if key not in self._cache:
             self._cache[key] = random_block_mask(mask.heads, mask.seq_q, mask.block_q, mask.block_k,
@@ -239,7 +224,8 @@ def _timed(fn, cuda: bool) -> tuple[object, float]:
 
 
 def replicate_prefill(gen, prompt: torch.Tensor) -> None:
-    """Prefill row 0 with ``prompt [1, T]`` and copy its cache to every row (see the module docstring)."""
+    """Prefill row 0 with ``prompt [1, T]`` and copy its cache to every row: the decode cost does not depend
+    on the rows' content, and prefilling B long prompts at once would not fit beside the cache."""
     cache = gen.cache
     full_k, full_v, batch = cache.keys, cache.values, cache.batch
     cache.keys, cache.values, cache.batch = [k[:1] for k in full_k], [v[:1] for v in full_v], 1
@@ -257,10 +243,6 @@ def replicate_prefill(gen, prompt: torch.Tensor) -> None:
 
 
 def run_cell(method: str, t: int, b: int, compiled: bool, args: argparse.Namespace) -> Row:
-    from runtime_kernels import hf
-    from runtime_kernels.generate import FlashDecode, StaticGenerator, StepTimes
-    from runtime_kernels.santa.runtime import SantaDecode
-
     cuda = not args.smoke
     device = "cuda" if cuda else "cpu"
     row = Row(method, t, b, device=torch.cuda.get_device_name() if cuda else "cpu", compiled=compiled)
@@ -337,8 +319,6 @@ class NoAttention:
 
 def print_profile(gen, method: str, steps: int = 2) -> None:
     """GPU time per kernel over ``steps`` more replayed steps (torch.profiler), to stderr."""
-    from torch.profiler import ProfilerActivity, profile
-
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         gen.decode(steps)
         torch.cuda.synchronize()

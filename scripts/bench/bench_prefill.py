@@ -1,45 +1,30 @@
 """Benchmark block-sparse prefill attention, SALE and SampleAttention end to end, against causal SDPA.
 
-    python scripts/bench/bench_prefill.py                      # H200: Llama-3.1-8B shapes, T = 16k 32k 64k 128k
+    python scripts/bench/bench_prefill.py                      # GPU: Llama-3.1-8B shapes, T = 16k 32k 64k 128k
     python scripts/bench/bench_prefill.py --lengths 131072     # one length
     python scripts/bench/bench_prefill.py --smoke              # CPU, tiny shapes, Triton interpreter: checks the script
 
-One layer's prefill (B = 1, Hq = 32, Hkv = 8, D = 128, bf16). Every time is the median device time
-(``scripts/bench/benchutil.py``: CUDA events, warm-up, cold L2 before every timed call; the repeat count adapts
-to a ~1.5 s budget per row, at least 3). Rows:
-
-* ``sdpa``: ``F.scaled_dot_product_attention(is_causal=True)`` with its default backend choice (named,
-  from ``torch._fused_sdp_choice``), once with ``enable_gqa=True`` and once on K/V expanded to Hq heads;
-  the faster of the two is the baseline of every speedup. The flash and cuDNN backends are also timed
-  forced through ``torch.nn.attention.sdpa_kernel`` (informational; ``--no-sdpa-forced`` skips them).
-* ``blocksparse``: ``runtime_kernels.blocksparse.api.block_sparse_attention`` (``backend="auto"``: the
-  Triton kernel on CUDA) on random masks at 5/10/20/50/100 % of the causal blocks, blocks 64x64 and 64x32;
-  every query block keeps the key blocks overlapping its own positions, the others are drawn at the rate
-  that makes the expected density the target (the measured density is printed). At 100 % the output is
-  checked against SDPA's (``max|d|``).
-* ``sale`` / ``sampleattention``: the public prefill entry points (``sale_prefill_attention``,
-  ``sampleattention_prefill_attention``; whatever GPU selection kernels they dispatch to) on structured
-  inputs (:func:`structured_inputs`: an attention sink, a local band that is stronger on half the heads,
-  and 64-token "retrieval passages" per KV head that every query of the group attends to), plus the
-  selection alone (``sale_select`` / ``sampleattention_prefill_mask``) and the attention alone on the
-  selected mask. The passage count is set per method so that its default knobs (SALE tau = 0.008,
-  int8 estimate; SampleAttention alpha_c = 0.95, alpha_s = 0.9, chunk_n = 2, paper Table 6 >= 112K) keep
-  about 10 % of the causal blocks at 128k: SALE keeps every block holding a strong key, so it needs
-  passages in ~9 % of the key blocks; SampleAttention's slash budget must also cover the passages' mass
-  (each passage adds bands), so a few (T / 2400: 55 at 128k) already give ~10 %. Calibrated on CPU with the reference selections (SALE 12 % at 16k, falling
-  to ~10 % at 128k as sink/local shrink; SampleAttention 9 % at 128k).
+One layer's prefill (B = 1, Hq = 32, Hkv = 8, D = 128, bf16); every time is a median device time
+(``benchutil.py``; the repeat count adapts to ``--budget-ms`` per row). Rows: ``sdpa`` (causal SDPA, its
+default backend with ``enable_gqa`` and on expanded K/V, the faster being every speedup's baseline; the flash
+and cuDNN backends forced, informational); ``blocksparse`` (the public kernel on random masks at 5-100 % of
+the causal blocks, :func:`random_block_mask`; at 100 % checked against SDPA's output); ``sale`` /
+``sampleattention`` (selection alone, attention alone on the selected mask, and end to end, on
+:func:`structured_inputs`, whose passage count is set per method so that its default knobs keep about 10 %
+of the causal blocks at 128k).
 
 TFLOP/s count ``4 * D * pairs`` with ``pairs`` = the causal (query, key) pairs in kept blocks (all causal
-pairs for SDPA); ``x sdpa`` = SDPA baseline time / row time. Progress lines go to stderr, the markdown
-table and the target check (MET / MISSED by how much) to stdout, last. ``--json PATH`` writes every row.
-Set ``CALIB_BLOCKSPARSE_AUTOTUNE=1`` to let the block-sparse kernel autotune its launch config (first
-calls slower; ``TRITON_PRINT_AUTOTUNING=1`` prints the winner).
+pairs for SDPA); ``x sdpa`` = SDPA baseline time / row time. Progress lines go to stderr, the markdown table
+and the target check (MET / MISSED by how much) to stdout, last; ``--json PATH`` writes every row.
+``CALIB_BLOCKSPARSE_AUTOTUNE=1`` autotunes the block-sparse kernel's launch config
+(``TRITON_PRINT_AUTOTUNING=1`` prints the winner). Results: docs/results/kernels.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import json
 import math
 import os
@@ -58,7 +43,21 @@ for _path in (ROOT, ROOT / "scripts" / "bench"):  # run from a checkout without 
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
 from benchutil import cuda_time, print_targets  # noqa: E402
+from runtime_kernels.blocksparse import api  # noqa: E402
+from runtime_kernels.blocksparse.mask import BlockMask, causal_block_mask  # noqa: E402
+from runtime_kernels.sale import SaleSelectionConfig, sale_prefill_attention, sale_select  # noqa: E402
+from runtime_kernels.sampleattention import (  # noqa: E402
+    BucketRow,
+    BucketTable,
+    sampleattention_prefill_attention,
+    sampleattention_prefill_mask,
+)
+
+# Triton and runtime_kernels.blocksparse.triton are imported where used: bench_generate imports this module's
+# mask helper where Triton may be absent, and --smoke sets TRITON_INTERPRET=1 (run()) before a kernel is defined.
 
 
 @dataclass(frozen=True)
@@ -129,8 +128,6 @@ def random_block_mask(heads: int, t: int, bq: int, bk: int, density: float, seed
     """Prefill BlockMask over ``[1, heads]`` keeping the diagonal blocks plus random causal blocks, so
     that the expected kept fraction of causal blocks is ``density``. Built one head at a time (the
     ``[NQ, NK]`` block table, never a ``[T, T]`` one)."""
-    from runtime_kernels.blocksparse.mask import BlockMask, causal_block_mask
-
     causal = causal_block_mask(t, t, bq, bk, device)
     diag = diagonal_blocks(t, bq, bk, device)
     n_c, n_d = int(causal.sum()), int(diag.sum())
@@ -231,8 +228,6 @@ def _tflops(flops: float, ms: float) -> float:
 
 
 def default_sdpa_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> str:
-    from torch.nn.attention import SDPBackend
-
     try:
         name = SDPBackend(torch._fused_sdp_choice(q, k, v, is_causal=True, enable_gqa=gqa)).name
     except (AttributeError, RuntimeError, TypeError) as err:  # private API; keep the bench running
@@ -243,8 +238,6 @@ def default_sdpa_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa:
 
 def bench_sdpa(timer: Timer, sh: Shapes, q, k, v, forced: bool) -> tuple[list[Row], float, torch.Tensor]:
     """SDPA rows; returns them, the baseline time (fastest default variant) and the baseline output."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     t, g = q.shape[2], sh.hq // sh.hkv
     ke, ve = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
     variants = [("default gqa", None, k, v, True), ("default expanded", None, ke, ve, False)]
@@ -281,8 +274,6 @@ def bench_sdpa(timer: Timer, sh: Shapes, q, k, v, forced: bool) -> tuple[list[Ro
 
 
 def bench_blocksparse(timer: Timer, sh: Shapes, q, k, v, sdpa_ms: float, sdpa_out, smoke: bool) -> list[Row]:
-    from runtime_kernels.blocksparse import api
-
     fn = api.block_sparse_attention
     if smoke:  # CPU: call the Triton kernel (interpreter) directly, the api would pick the reference
         from runtime_kernels.blocksparse import triton as tri
@@ -309,7 +300,6 @@ def bench_blocksparse(timer: Timer, sh: Shapes, q, k, v, sdpa_ms: float, sdpa_ou
 def kernel_resources(q, k, v, bq: int, bk: int) -> str:
     """Registers / spills / shared memory of the compiled block-sparse kernel for these blocks."""
     from runtime_kernels.blocksparse import triton as tri
-    from runtime_kernels.blocksparse.mask import BlockMask
 
     t = min(q.shape[2], 4 * bq)
     mask = BlockMask.full(1, q.shape[1], t, t, bq, bk, device=q.device)
@@ -323,8 +313,6 @@ def kernel_resources(q, k, v, bq: int, bk: int) -> str:
 
 def _method_rows(timer: Timer, sh: Shapes, name: str, select: Callable, e2e: Callable, q, k, v,
                  sdpa_ms: float, note: str) -> list[Row]:
-    from runtime_kernels.blocksparse import api
-
     t = q.shape[2]
     mask = select()
     density, flops = mean_density(mask), 4.0 * sh.d * kept_pairs(mask)
@@ -342,8 +330,6 @@ def _method_rows(timer: Timer, sh: Shapes, name: str, select: Callable, e2e: Cal
 
 def _gpu_module(module: str) -> str:
     """Whether the method's Triton selection module imports (the api dispatches to it on CUDA)."""
-    import importlib
-
     try:
         importlib.import_module(module)
     except ImportError:
@@ -352,8 +338,7 @@ def _gpu_module(module: str) -> str:
 
 
 def bench_sale(timer: Timer, sh: Shapes, t: int, device: str, dtype, sdpa_ms: float, args) -> list[Row]:
-    from runtime_kernels.sale import SaleSelectionConfig, sale_prefill_attention, sale_select
-
+    # SALE keeps every block that holds a strong key: passages in ~9 % of the key blocks for ~10 % density
     q, k, v = structured_inputs(sh, t, n_passages=round(0.09 * t / 64), device=device, dtype=dtype)
     cfg = SaleSelectionConfig(bits=args.sale_bits)
     tau = torch.full((sh.hq,), args.sale_tau, device=device)
@@ -363,13 +348,7 @@ def bench_sale(timer: Timer, sh: Shapes, t: int, device: str, dtype, sdpa_ms: fl
 
 
 def bench_sampleattention(timer: Timer, sh: Shapes, t: int, device: str, dtype, sdpa_ms: float, args) -> list[Row]:
-    from runtime_kernels.sampleattention import (
-        BucketRow,
-        BucketTable,
-        sampleattention_prefill_attention,
-        sampleattention_prefill_mask,
-    )
-
+    # the slash budget must also cover the passages' mass (each passage adds bands): a few give ~10 % density
     q, k, v = structured_inputs(sh, t, n_passages=max(1, round(t / 2400)), device=device, dtype=dtype)
     table = BucketTable([], [BucketRow(args.sa_alpha_c, args.sa_alpha_s, args.sa_chunks)])
     note = (f"alpha=({args.sa_alpha_c}, {args.sa_alpha_s}) chunk_n={args.sa_chunks}, "
@@ -404,7 +383,7 @@ def report(row: Row) -> Row:
 
 
 def targets(rows: list[Row], sh: Shapes) -> list[tuple[str, float | None, float]]:
-    """(target, measured speedup vs SDPA, required) at the longest length (128k on the H200 run)."""
+    """(target, measured speedup vs SDPA, required) at the longest length (128k on a GPU run)."""
     t = max(sh.lengths)
 
     def find(case: str, part: str, blocks: str | None = None) -> Row | None:

@@ -20,6 +20,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_decode import Shapes, Timer, print_launch_times, _randn, saap_setup  # noqa: E402
+from runtime_kernels.saap.reference import searchable_range  # noqa: E402
+
+# runtime_kernels.saap.triton is imported in main(), after the check for CUDA: without it (and perhaps without
+# Triton) the script says it needs a GPU.
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,7 +36,6 @@ def main(argv: list[str] | None = None) -> int:
         print("error: bench_saap_attention.py needs a CUDA GPU", file=sys.stderr)
         return 2
     from runtime_kernels.saap import triton as st
-    from runtime_kernels.saap.reference import searchable_range
 
     b, t = args.batch, args.length
     sh = Shapes(batches=(b,), lengths=(t,))

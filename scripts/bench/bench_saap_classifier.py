@@ -24,12 +24,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_decode import Shapes, Timer, print_launch_times, saap_setup  # noqa: E402
+from runtime_kernels.saap import triton_config  # noqa: E402
+from runtime_kernels.saap.triton_config import pow2  # noqa: E402
+
+# The Triton kernel modules are imported where used, after main() has checked for CUDA: without it (and
+# perhaps without Triton) the script says it needs a GPU.
 
 
 def _with_config(fn: Callable[[], object], **overrides: int) -> Callable[[], None]:
     """``fn`` run under ``triton_config.CONFIG`` with ``overrides`` (restored afterwards)."""
-    from runtime_kernels.saap import triton_config
-
     def call() -> None:
         base = triton_config.CONFIG
         triton_config.CONFIG = replace(base, **overrides)
@@ -43,8 +46,6 @@ def _with_config(fn: Callable[[], object], **overrides: int) -> Callable[[], Non
 def print_candidates(logits: torch.Tensor, hkv: int, top_l: int) -> None:
     """How many keys pass the ranking's candidate threshold per (batch, KV head) on these inputs (the
     kernel's rule recomputed in float32), and how many rows take the compacted path."""
-    from runtime_kernels.saap import triton_config
-    from runtime_kernels.saap.triton_config import pow2
     from runtime_kernels.saap.triton_rank import THRESHOLD_CHUNKS
 
     b, hq, c = logits.shape
@@ -67,7 +68,6 @@ def main(argv: list[str] | None = None) -> int:
         print("error: bench_saap_classifier.py needs a CUDA GPU", file=sys.stderr)
         return 2
     from runtime_kernels.saap import triton_classifier_small_batch as small
-    from runtime_kernels.saap import triton_config
     from runtime_kernels.saap.triton_classifier import saap_select_buckets_triton
     from runtime_kernels.saap.triton_rank import saap_rank_buckets_triton
 

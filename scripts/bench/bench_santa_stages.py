@@ -12,10 +12,9 @@ Llama-3.1-8B shapes (Hq = 32, Hkv = 8, D = 128, bf16, tile 256), prop S = 128, f
 * flash: ``stream`` (one pass per tile: pipelined K chunks, then its counts, V rows and partial),
   ``merge`` (the log-sum-exp merge of the partials), ``full`` (the two).
 
-Times: ``scripts/bench/benchutil.py`` cuda_time (CUDA events, warm-up, cold L2, median), eager launches (the
-gaps between launches of ``full`` are included; bench_decode.py's graphed column removes the CPU part).
-Bytes are what each stage must move (upper bounds for sampled rows); TB/s = bytes / time. ``floor_us``
-is the dense K+V floor at 4.2 TB/s, the issue's reference.
+Times: ``benchutil.cuda_time``, eager launches (the gaps between launches of ``full`` are included;
+bench_decode.py's graphed column removes the CPU part). Bytes are what each stage must move (upper bounds for
+sampled rows); TB/s = bytes / time; ``floor_us``: the dense K+V floor at ``benchutil.HBM_TBPS``.
 
 ``--ptxas`` compiles every kernel launch of every stage for sm_90 offline (Triton + its bundled ptxas)
 and prints registers, spill stack and shared memory: the occupancy half of the story without a GPU.
@@ -44,6 +43,10 @@ if "--ptxas" in sys.argv:
     os.environ.pop("TRITON_INTERPRET", None)
 
 import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
 from benchutil import cuda_time, floor_ms  # noqa: E402
 
 from runtime_kernels.santa import triton as tk  # noqa: E402
@@ -148,10 +151,6 @@ class _Recorder:
 
 def _compile_one(fn, args: tuple, kw: dict) -> str:
     """sm_90 cubin of one recorded launch, specialized like a launch (ints == 1 constexpr, % 16 aligned)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     opts = {o: kw.pop(o) for o in ("num_warps", "num_stages", "maxnreg") if o in kw}
     kw.pop("launch_pdl", None)
     names = fn.arg_names

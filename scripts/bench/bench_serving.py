@@ -5,10 +5,9 @@
     python scripts/bench/bench_serving.py --smoke         # CPU, the embedded tiny model: checks the script
 
 Every configuration (method x compiled) runs in its own process, which loads the model once and walks the
-grid, warming each point up before timing it. Prompts are windows of natural text (the shipped novel),
-one per batch row. All through :class:`runtime_kernels.generate.StaticGenerator` (preallocated cache, one
-CUDA graph per decode step) with ``hf.apply``'s serving default (``serve="fastest"``: a method runs only
-in the layers and shapes where it measured faster than dense on this GPU):
+grid, warming each point up before timing it. Prompts are windows of the shipped novel, one per batch row.
+All through :class:`runtime_kernels.generate.StaticGenerator` with ``hf.apply``'s serving default
+(``serve="fastest"``: a method runs only in the layers and shapes where it times faster than dense):
 
 * decode: median device ms of ``--steps`` graph replays at each ``B x T``; tokens/s = B / that;
 * TTFT: the prompt's forward pass and first token at ``--ttft-batches``: the median of 5 after one untimed;
@@ -18,14 +17,15 @@ in the layers and shapes where it measured faster than dense on this GPU):
   the ``no-attention`` step (everything but attention: the floor of any decode method), peak GPU memory,
   and the held-out accuracy of the same artifact given with ``--accuracy`` (a ``calib eval`` result JSON).
 
-Methods: ``dense`` (the loop's default: flash-decoding on the valid length), ``sdpa`` (transformers'
-SDPA on the masked cache view, what the loop ran before), ``no-attention``, and each ``--artifact``.
+Methods: ``dense`` (the loop's default: flash-decoding on the valid length), ``sdpa`` (transformers' SDPA on
+the masked cache view), ``no-attention``, and each ``--artifact``. Results: docs/results/serving.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import json
 import os
 import statistics
@@ -41,8 +41,15 @@ for _path in (ROOT, ROOT / "scripts" / "bench"):  # run from a checkout without 
         sys.path.insert(0, str(_path))
 
 import torch  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
 
+import calib.config  # noqa: E402,F401  (registers the ${calib_root:} resolver the model files use)
 from bench_generate import NoAttention  # noqa: E402  (the no-attention step: every decode method's floor)
+from benchutil import measured_copy_tbps  # noqa: E402
+from calib.models import load_model  # noqa: E402
+from calib.perplexity import real_text_path  # noqa: E402
+from runtime_kernels import hf  # noqa: E402
+from runtime_kernels.generate import StaticGenerator, StepTimes  # noqa: E402
 
 DECODE_METHODS = ("saap", "santa")
 PREFILL_METHODS = ("sale", "sampleattention")
@@ -86,11 +93,6 @@ class Setup:
 # ------------------------------------------------------------------------------------------- pieces
 def load(setup: Setup):
     """The model (eval mode, bf16 on CUDA) and its tokenizer, as ``calib`` loads them."""
-    from omegaconf import OmegaConf
-
-    import calib.config  # noqa: F401  (registers the ${calib_root:} resolver the model files use)
-    from calib.models import load_model
-
     cfg = OmegaConf.load(ROOT / "conf" / "model" / f"{setup.model}.yaml")
     if setup.gguf:
         cfg.gguf.path = setup.gguf
@@ -100,8 +102,6 @@ def load(setup: Setup):
 def text_rows(tokenizer, batch: int, length: int, seed: int = 0) -> torch.Tensor:
     """``[batch, length]`` token windows of the shipped novel at seeded offsets (rows overlap only where
     the text is too short for all of them)."""
-    from calib.perplexity import real_text_path
-
     ids = tokenizer(real_text_path().read_text(encoding="utf-8"), add_special_tokens=False, verbose=False)["input_ids"]
     if len(ids) <= length:
         raise SystemExit(f"the shipped text has {len(ids)} tokens, fewer than {length}")
@@ -112,8 +112,6 @@ def text_rows(tokenizer, batch: int, length: int, seed: int = 0) -> torch.Tensor
 
 def attach(model, method: str, setup: Setup) -> None:
     """Put ``method``'s serving configuration on ``model``."""
-    from runtime_kernels import hf
-
     hf.remove(model)
     if method in setup.artifacts:
         hf.apply(model, setup.artifacts[method])
@@ -149,9 +147,6 @@ def kv_floor_ms(model, batch: int, length: int, tbps: float | None) -> float | N
 
 # -------------------------------------------------------------------------------------------- cells
 def generator(model, batch: int, max_len: int, compiled: bool, method: str, cuda: bool):
-    from runtime_kernels import hf
-    from runtime_kernels.generate import StaticGenerator
-
     gen = StaticGenerator(model, batch=batch, max_len=max_len, graphs=cuda, compile=compiled)
     if method == "sdpa":
         hf.remove(model)  # the loop then runs the model's own attention on the masked view
@@ -159,8 +154,6 @@ def generator(model, batch: int, max_len: int, compiled: bool, method: str, cuda
 
 
 def decode_row(model, tok, method: str, t: int, b: int, compiled: bool, setup: Setup) -> Row:
-    from runtime_kernels.generate import StepTimes
-
     cuda = not setup.smoke
     row = Row(method, "decode", t, b, compiled, kv_floor_ms=kv_floor_ms(model, b, t, setup.copy_tbps))
     prompts = text_rows(tok, b, t).to(model.device)
@@ -209,8 +202,6 @@ def run_config(method: str, compiled: bool, setup: Setup) -> list[Row]:
     loaded = load(setup)
     model, tok = loaded.model, loaded.tokenizer
     if cuda:
-        from benchutil import measured_copy_tbps
-
         setup.copy_tbps = measured_copy_tbps()
     attach(model, method, setup)
     rows: list[Row] = []
@@ -332,8 +323,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     setup = setup_of(args)
     if args.one:
-        import faulthandler
-
         faulthandler.dump_traceback_later(args.config_timeout, exit=True)  # a hang ends with its stacks
         method, compiled = args.one.split(":")
         print(json.dumps([asdict(r) for r in run_config(method, compiled == "1", setup)]))

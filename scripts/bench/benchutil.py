@@ -1,15 +1,15 @@
 """Timing helpers shared by the GPU benchmarks (``bench_decode.py``, ``bench_prefill.py``).
 
-Method (SANTA paper App. R; the device notes): CUDA events around the timed call only, warm-up calls
-first (compilation, autotuning and handle creation stay out), a cold L2 before every timed call (a
-read of a buffer larger than the H200's 50 MB L2, outside the events), the median over repeats.
+Method (SANTA paper App. R): CUDA events around the timed call only, warm-up calls first (compilation,
+autotuning and handle creation stay out), a cold L2 before every timed call (a read of a buffer larger than
+the GPU's L2, outside the events), the median over repeats.
 
-The flush *reads* the buffer rather than writing it: a written flush leaves the L2
-full of dirty lines, and their write-back then happens inside the timed call, as extra HBM traffic of
-up to the L2 size (~50 MB; 12 µs at 4.2 TB/s) charged to whichever kernel runs next. That is no cost of
-the kernel, and it weighs most on the calls that read least (a 76 MB classifier stream, a sparse
-step), so a read flush gives both a cold L2 and an honest clock. ``flush="write"`` writes instead.
-Inputs are random, never zeros. ``floor_ms`` gives the bandwidth floor printed beside every time.
+The flush *reads* the buffer rather than writing it: a written flush leaves the L2 full of dirty lines,
+whose write-back then happens inside the timed call, as extra HBM traffic of up to the L2's size charged
+to whichever kernel runs next. That is no cost of the kernel, and it weighs most on the calls that read
+least (a classifier's weight stream, a sparse step), so a read flush gives both a cold L2 and an honest
+clock. ``flush="write"`` writes instead. Inputs are random, never zeros. ``floor_ms`` gives the bandwidth
+floor printed beside every time.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-HBM_TBPS = 4.2  # H200 HBM3e peak, TB/s (the issues' floor); the measured copy rate is printed beside it
+HBM_TBPS = 4.2  # the HBM peak the targets are stated against, TB/s; the measured copy rate is printed beside it
 L2_FLUSH_BYTES = 256 * 1024 * 1024
 
 

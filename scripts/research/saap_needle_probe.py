@@ -12,10 +12,9 @@ this script
    uses, ``reference.rank_buckets``) and how much of the dense attention of the group's query heads
    falls on them.
 
-It prints, per layer, the dense attention mass on the needle and the share of needle keys read,
-separately for prompts SAAP answered like dense and for those it lost. A layer whose heads look at
-the needle (mass) but whose selection misses it (read share) on the lost prompts is where the ranking
-limits SAAP.
+It prints, per layer, the dense attention mass on the needle and the share of needle keys read, for the
+prompts SAAP answered like dense and for those it lost: a layer whose heads look at the needle (mass) but
+whose selection misses it (read share) on the lost prompts is where the ranking limits SAAP.
 
     python scripts/research/saap_needle_probe.py --artifact <saap artifact dir> --out probe.json \\
         -- model=smollm2 'eval.cells=[niah_single@8192]' eval.num_prompts=200 eval.top_l=32
@@ -34,6 +33,18 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from transformers import DynamicCache  # noqa: E402
+
+from calib.config import compose  # noqa: E402
+from calib.data import evaluation_prompts  # noqa: E402
+from calib.data.prompt import answer_token_ids  # noqa: E402
+from calib.evaluate import answer_prompts, runtime_options, with_statistics  # noqa: E402
+from calib.models import load_model, resolve_device  # noqa: E402
+from runtime_kernels import hf  # noqa: E402
+from runtime_kernels.artifact import load_artifact  # noqa: E402
+from runtime_kernels.generate import cache_argument  # noqa: E402
+from runtime_kernels.saap.reference import classify_queries, dense_region, rank_buckets  # noqa: E402
 
 
 def needle_positions(input_ids: Sequence[int], answer_ids: Sequence[int]) -> list[int]:
@@ -75,8 +86,6 @@ class NeedleRecorder:
         return out
 
     def record(self, layer: int, q_de: torch.Tensor, idx: Any, t: Any) -> None:
-        from runtime_kernels.saap.reference import classify_queries, dense_region, rank_buckets
-
         self._record(layer, q_de, idx, t)
         if not self.positions.numel():
             return
@@ -95,11 +104,6 @@ class NeedleRecorder:
 def probe_prompt(loaded: Any, recorder: NeedleRecorder, prompt: Any) -> list[dict[str, Any]]:
     """Teacher-force ``prompt``'s gold answer through eager decode steps; the recorder's rows, each with
     its answer step. Batch 1 (SAAP's reference index holds one cache length per batch)."""
-    from transformers import DynamicCache
-
-    from calib.data.prompt import answer_token_ids
-    from runtime_kernels.generate import cache_argument
-
     answer = answer_token_ids(loaded.tokenizer, prompt)
     recorder.positions = torch.tensor(needle_positions(prompt.input_ids, answer), dtype=torch.long)
     recorder.rows = []
@@ -147,12 +151,6 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, fl
 
 def probe(cfg: Any, artifact_path: str) -> dict[str, Any]:
     """Answer ``cfg``'s held-out prompts dense and with the artifact, then probe every prompt."""
-    from calib.data import evaluation_prompts
-    from calib.evaluate import answer_prompts, runtime_options, with_statistics
-    from calib.models import load_model, resolve_device
-    from runtime_kernels import hf
-    from runtime_kernels.artifact import load_artifact
-
     loaded = load_model(cfg.model, device=str(resolve_device(str(cfg.get("device", "auto")))))
     artifact = load_artifact(artifact_path, model=hf.model_facts(loaded.model))
     if artifact.method != "saap":
@@ -182,8 +180,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="JSON of every prompt's steps and the per-layer summary")
     ap.add_argument("overrides", nargs="*", help="calib config overrides (model=..., eval.cells=..., eval.top_l=...)")
     args = ap.parse_args(argv)
-    from calib.config import compose
-
     result = probe(compose(list(args.overrides)), args.artifact)
     args.out.write_text(json.dumps(result))
     print(f"{result['prompts']} prompts, {result['lost']} lost by SAAP, {result['no_needle']} without a needle found")

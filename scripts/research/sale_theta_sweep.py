@@ -26,6 +26,13 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(ROOT))
 
+from matplotlib.figure import Figure  # noqa: E402
+
+from calib import tracking  # noqa: E402
+from calib.config import compose  # noqa: E402
+
+# mlflow is imported in log_to_mlflow only: a --no-mlflow summary needs none.
+
 DEFAULT_THETAS = (0.025, 0.05, 0.1)  # around tiny's theta (conf/model/tiny.yaml method_defaults.sale.theta)
 
 
@@ -61,8 +68,6 @@ def is_monotone(rows: Sequence[dict[str, Any]]) -> bool:
 
 def plot(rows: Sequence[dict[str, Any]], title: str) -> Any:
     """Left: mean sparsity vs theta; right: sparsity vs prompt length, one line per theta."""
-    from matplotlib.figure import Figure
-
     fig = Figure(figsize=(10, 3.8))
     ax, bx = fig.subplots(1, 2)
     ax.plot([r["theta"] for r in rows], [r["sparsity"] for r in rows], marker="o")
@@ -87,9 +92,6 @@ def plot(rows: Sequence[dict[str, Any]], title: str) -> Any:
 def log_to_mlflow(rows: Sequence[dict[str, Any]], fig: Any, summary: dict[str, Any], overrides: Sequence[str]) -> str:
     """One MLflow run holding the sweep's plot and numbers; returns its run id."""
     import mlflow
-
-    from calib import tracking
-    from calib.config import compose
 
     cfg = compose(["+method=sale", *[o for o in overrides if not o.startswith("hydra")]])
     target = tracking.resolve_target(cfg.get("tracking"))

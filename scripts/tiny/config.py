@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
 from calib.data import TASKS
 from recall_stage import RecallStage
 
@@ -67,12 +69,10 @@ class TrainConfig:
     kv_recall_pairs: int = 0
     length_jitter: float = 0.05  # a training prompt aims at target * U(1 - jitter, 1)
     # Stage 0, before the phases. The plateau of the adjacent form breaks at a step that varies from run to
-    # run (~5500 of 256 sequences once; another time, under a 7000-step cosine, it only half broke:
-    # 0.66 at 4 pairs), so the first two stages hold the rate flat and stop when held-out recall
-    # reaches 0.9 (``until``), ``steps`` being their cap (~13 ms and ~56 ms a step on an H200). From a
-    # model that has the adjacent lookup the JSON form takes 1000-4000 steps. The third stage sharpens the
-    # match among up to 256 pairs (an 8k kv prompt holds ~1000; a run that stopped at 32 pairs scored 0.40
-    # at 8k).
+    # run (under a cosine schedule it may only half break), so the first two stages hold the rate flat and
+    # stop when held-out recall reaches 0.9 (``until``), ``steps`` being their cap; a model that has the
+    # adjacent lookup learns the JSON form far faster. The third stage sharpens the match among up to 256
+    # pairs, since an 8k kv prompt holds many more than 32 (docs/results/tiny-model.md).
     recall: list[RecallStage] = field(default_factory=lambda: [
         RecallStage(formats=("adjacent",), steps=20000, max_pairs=16, until=0.9, until_pairs=8),
         RecallStage(formats=("json", "json7", "colon7"), steps=5000, max_pairs=32, until=0.9, until_pairs=16),
@@ -117,6 +117,4 @@ def smoke_config() -> TrainConfig:
 
 def read_arch(path: Path) -> dict:
     """The ``arch`` block of a model YAML (``conf/model/tiny.yaml``): layers, heads, dims, RoPE base."""
-    import yaml
-
     return yaml.safe_load(path.read_text())["arch"]

@@ -3,6 +3,11 @@
 Prompts come from the same generators as ``calib.data`` (training seeds live in their own namespace,
 ``calib-train/<seed>/<step>/<j>``, disjoint from every ``build_prompts`` seed). Each token carries a loss
 flag: ``ANSWER`` (answer tokens and the EOS after each answer), ``LM`` (next-token loss) or ``NO_LOSS``.
+
+A curriculum of phases moves from short prompts (retrieval and induction heads form fast) to prompts up to
+8192 tokens (RoPE positions up to 8k are seen). After the evaluated question a sequence may carry further
+questions on the same context (other keys of the JSON object, the other needles): extra answer tokens for
+the same context cost; by causality they cannot change how the model answers the first question.
 """
 
 from __future__ import annotations

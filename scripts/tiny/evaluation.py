@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import attention_report
 import torch
 
 from calib.data import build_prompts, exact_match
@@ -65,11 +66,7 @@ def evaluate(cfg: TrainConfig, model, tokenizer, prompts_by_key: dict, device, l
     return results
 
 
-def attention_summary(model_dir: Path, cfg: TrainConfig, device) -> dict | None:
-    try:
-        import attention_report
-    except ImportError:
-        return None
+def attention_summary(model_dir: Path, cfg: TrainConfig, device) -> dict:
     stats = attention_report.head_statistics(model_dir, length=cfg.attention_report_length, prompts=2,
                                              device=str(device))
     return {"length": cfg.attention_report_length, "prompts": 2, "summary": attention_report.summarize(stats),

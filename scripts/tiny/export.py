@@ -8,6 +8,7 @@ from dataclasses import fields
 from pathlib import Path
 
 import torch
+from transformers import GenerationConfig
 
 from calib.data import TASKS
 from recall_stage import RecallStage
@@ -161,8 +162,6 @@ def _recall_sentence(cfg: TrainConfig, recall: dict | None) -> str:
 
 
 def save_model(model, tokenizer_dir: Path, out: Path, cfg: TrainConfig):
-    from transformers import GenerationConfig
-
     model = model.to(getattr(torch, cfg.save_dtype))
     model.config.use_cache = True
     model.generation_config = GenerationConfig(

@@ -9,6 +9,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from calib.data import TASKS
 from calib.data.vocab import seed_from
@@ -19,8 +21,6 @@ from .data import StepBatches, worker_init
 
 
 def build_model(cfg: TrainConfig, arch: dict, tokenizer):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=arch["hidden_size"], intermediate_size=cfg.intermediate_size,
         num_hidden_layers=arch["num_layers"], num_attention_heads=arch["num_heads"],
@@ -38,8 +38,6 @@ def build_model(cfg: TrainConfig, arch: dict, tokenizer):
 
 def load_weights(model, model_dir: Path) -> None:
     """Copy a saved model's weights into ``model`` (strict: same architecture, same tokenizer size)."""
-    from safetensors.torch import load_file
-
     path = Path(model_dir) / "model.safetensors"
     if not path.is_file():
         raise SystemExit(f"error: --init-from {model_dir}: no model.safetensors there")
@@ -108,8 +106,8 @@ def run_recall(cfg: TrainConfig, model, device: torch.device, log, checkpoint=No
         if checkpoint is not None:
             checkpoint({**out, "completed_stages": i + 1})
         if out["stages"][-1]["reached"] is False:
-            # the later stages build on this one's circuit: training them on a half-formed one wastes the
-            # run (measured: a JSON stage after an unbroken k-v stage stays at chance for 5000 steps)
+            # the later stages build on this one's circuit: a JSON stage after an unbroken k-v stage stays at
+            # chance, so training them on a half-formed one wastes the run
             raise SystemExit(f"error: recall stage {i} ({'+'.join(stage.formats)}) did not reach {stage.until} "
                              f"held-out accuracy at {stage.until_pairs or stage.max_pairs} pairs in {stage.steps} "
                              f"steps; the plateau breaks at a seed-dependent step - run again with another "

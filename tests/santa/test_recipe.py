@@ -429,7 +429,7 @@ def test_eval_budget_is_a_santa_option():
 def test_deploy_ladder_questions_have_the_deploy_length(model_dir, monkeypatch):
     """method.deploy.length: the ladder scores synthetic questions of that many tokens (the longest context
     the artifact serves), not the reward's; the default budget comes from those scores."""
-    import calib.santa.heldout as heldout
+    import calib.santa.deploy as deploy
     from calib.models import load_model
     from calib.santa.deploy import run_ladder
 
@@ -445,7 +445,7 @@ def test_deploy_ladder_questions_have_the_deploy_length(model_dir, monkeypatch):
         return [{name: np.full(q, name == "dense" or (name.startswith("learned") and int(name.split(":")[1]) >= 4))
                  for name in groups[0].schedules}]
 
-    monkeypatch.setattr(heldout, "score_groups", fake)
+    monkeypatch.setattr(deploy, "score_groups", fake)
     result = run_ladder(cfg, loaded, np.array([0.5, 0.5]), training_budget=2, shards=1)
     assert {p.length for p in seen[0].prompts} == {256} and len(seen[0].prompts) == 4
     assert all(abs(len(p.input_ids) - 256) <= 16 for p in seen[0].prompts)

@@ -28,6 +28,9 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
+from safetensors.torch import load_file, save_file
+
+from calib.paths import artifacts_dir
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +65,6 @@ class StageCheckpoints:
 
     def load(self, stage: str, layer: int) -> Tensors | None:
         """The saved tensors of (stage, layer), or None when that layer has not finished."""
-        from safetensors.torch import load_file
-
         path = self.path(stage, layer)
         if not path.is_file():
             return None
@@ -77,8 +78,6 @@ class StageCheckpoints:
     def save(self, stage: str, layer: int, tensors: Mapping[str, torch.Tensor], seconds: float = 0.0) -> Tensors:
         """Write (stage, layer) atomically (temp file + fsync + rename) with the ``seconds`` it took to
         compute; returns ``tensors`` (on the CPU)."""
-        from safetensors.torch import save_file
-
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.path(stage, layer)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -107,7 +106,5 @@ class StageCheckpoints:
 
 def stage_checkpoints(method: str, config: Mapping[str, Any], **identity: Any) -> StageCheckpoints:
     """The checkpoints of ``method`` for this config and ``identity`` (e.g. model and data hashes)."""
-    from calib.paths import artifacts_dir
-
     key = checkpoint_key(config, method=method, **identity)
     return StageCheckpoints(artifacts_dir() / "scratch" / "checkpoints" / f"{method}-{key[:16]}")

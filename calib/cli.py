@@ -11,12 +11,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
+import sqlite3
 import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from calib.errors import UserError
+from calib.paths import check_home, config_dir
+from runtime_kernels.errors import ArtifactError
+
+# Each command imports its own stack where it runs (hydra, the config, tracking, the recipes): `--help`
+# and the one-line errors of a mistyped command stay fast.
 
 USAGE = """usage: python -m calib <command> [args]
 
@@ -40,10 +47,7 @@ method tools (python -m <module> [overrides]):
 """
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from runtime_kernels.errors import ArtifactError
-
-    return (UserError, ArtifactError)
+USER_ERRORS = (UserError, ArtifactError)  # what a user can cause: one `error:` line, exit status 2
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -69,7 +73,7 @@ def _hydra_task(fn: Callable[[Any], dict[str, Any]]) -> Callable[[Any], None]:
     def task(cfg: Any) -> None:
         try:
             result = fn(cfg)
-        except _user_errors() as exc:
+        except USER_ERRORS as exc:
             fail(str(exc))
             return
         if result is not None:
@@ -99,7 +103,6 @@ def _run_hydra(cmd: str, args: list[str], fn: Callable[[Any], dict[str, Any]]) -
     import hydra
 
     from calib.config import CONFIG_NAME
-    from calib.paths import config_dir
 
     main = hydra.main(config_path=str(config_dir()), config_name=CONFIG_NAME, version_base=None)(_hydra_task(fn))
     sys.argv = [f"calib {cmd}", *args]
@@ -109,8 +112,6 @@ def _run_hydra(cmd: str, args: list[str], fn: Callable[[Any], dict[str, Any]]) -
 def check_tracking_store(tracking_uri: str) -> None:
     """A one-line :class:`UserError` when ``tracking_uri`` is an SQLite file that SQLite cannot read
     (a corrupt or foreign file), instead of the store's traceback. Other stores are not probed."""
-    import sqlite3
-
     if not tracking_uri.startswith("sqlite:///"):
         return
     path = Path(tracking_uri[len("sqlite:///"):])
@@ -149,8 +150,8 @@ def check_eval_artifact_method(cfg: Any) -> None:
 
 def check_command_data(cmd: str, cfg: Any) -> None:
     """The data checks of ``run`` / ``eval`` (:mod:`calib.data.checks`), ``rl.dir`` of ``worker`` /
-    ``aggregator`` and the tracking store, before Hydra starts and anything heavy loads: a bad JSONL
-    file, a dataset missing offline or an ``rl.dir`` that is a file fails in one line within a second."""
+    ``aggregator`` and the tracking store, before Hydra starts and before any model loads: a bad JSONL
+    file, a dataset missing offline or an ``rl.dir`` that is a file fails in one line."""
     from calib import tracking
     from calib.data import EVAL_NEEDS, check_data
 
@@ -164,8 +165,6 @@ def check_command_data(cmd: str, cfg: Any) -> None:
         check_data(cfg.data, EVAL_NEEDS)
         check_eval_artifact_method(cfg)
     elif cmd == "run" and cfg.get("method") is not None and "name" in cfg.method:
-        import importlib
-
         try:
             recipe = importlib.import_module(f"calib.{cfg.method.name}.recipe")
         except ModuleNotFoundError:
@@ -300,8 +299,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     cmd, rest = args[0], args[1:]
     try:
         if cmd in ("run", "eval", "worker", "aggregator", "ls", "promote", "ui"):
-            from calib.paths import check_home
-
             check_home()  # every command writes its store or caches under the home
         if cmd in ("run", "eval", "worker", "aggregator"):
             cmd_hydra(cmd, rest)
@@ -313,7 +310,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             cmd_ui(rest)
         else:
             raise UserError(f"unknown command {cmd!r}: one of run, eval, worker, aggregator, ls, promote, ui")
-    except _user_errors() as exc:
+    except USER_ERRORS as exc:
         fail(str(exc))
     except KeyboardInterrupt:
         fail("interrupted", 130)

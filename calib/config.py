@@ -13,9 +13,12 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from calib.errors import UserError
 from calib.paths import config_dir, project_root
+
+# hydra is imported where used: the GPU benchmarks import this module (for the resolver) without hydra.
 
 CONFIG_NAME = "config"
 
@@ -85,7 +88,6 @@ def compose(overrides: Sequence[str] = (), config_name: str = CONFIG_NAME) -> Di
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
 
     GlobalHydra.instance().clear()
     try:

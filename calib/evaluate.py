@@ -3,8 +3,9 @@
 The prompts come from each *suite* (a data source: :func:`eval_suites`; a real model's default is the
 synthetic tasks and the natural-text book suite side by side) with ``eval.seed`` (never the calibration
 seed: checked against ``data.seed`` and the artifact's recorded seed), or the held-out rows of a JSONL
-file or HF dataset (``calib.data.rows``); results are reported per suite too (``suite.<name>.*``). Each prompt is answered greedily, first densely, then —
-with ``artifact=...`` — with the artifact's method plugged in through ``runtime_kernels.hf.apply``.
+file or HF dataset (``calib.data.rows``); results are reported per suite too (``suite.<name>.*``).
+Each prompt is answered greedily, first densely, then — with ``artifact=...`` — with the artifact's
+method plugged in through ``runtime_kernels.hf.apply``.
 Accuracy follows each task's rule (``data.scoring``: exact match or contains); the difference is
 reported with a paired bootstrap 95% CI overall and per task and length. Method statistics (sparsity,
 selectivity, ...) come from the runtime's ``pop_stats()`` after every prompt and are averaged per
@@ -13,22 +14,37 @@ task and length.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from importlib import metadata
 from typing import Any, Sequence
 
 import numpy as np
-from omegaconf import DictConfig
+import torch
+from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from calib import registry, tracking
-from calib.config import to_container, validate_common
+from calib.config import available, layer_map, to_container, validate_common
+from calib.data import EVAL_NEEDS, check_data, evaluation_prompts, is_correct
+from calib.data.rows import cfg_get
 from calib.errors import UserError
+from calib.generation import equal_length_batches, equal_length_greedy_generate, static_greedy_generate
 from calib.generation import greedy_generate, stop_token_ids  # noqa: F401 (recipes import them from here)
+from calib.models import load_model, resolve_device
+from calib.paths import artifacts_dir, config_dir
+from calib.perplexity import real_text_nll
 from calib.stats import paired_bootstrap_diff
+from runtime_kernels import hf
+from runtime_kernels.artifact import load_artifact
+
+# mlflow is imported where used, in evaluate: the answer path (answer_prompts and its helpers) runs in
+# scripts on GPU machines without mlflow.
 
 
 @dataclass
@@ -53,9 +69,6 @@ def answer_prompts(loaded: Any, prompts: Sequence[Any], max_new_tokens: int, run
     (the same, batching prompts of one nominal length whatever their token counts: each row prefilled
     alone and decoded at its own position, so a cell is one or two batches instead of one per count).
     """
-    from calib.data import is_correct
-    from calib.generation import equal_length_batches, equal_length_greedy_generate, static_greedy_generate
-
     generate = static_greedy_generate if loop.startswith("static") else equal_length_greedy_generate
 
     # an exact-match answer ends at the first newline; a contained one may come after a line break
@@ -107,18 +120,12 @@ def dense_cache_key(loaded: Any, prompts: Sequence[Any], max_new_tokens: int, ba
     """What dense greedy answers depend on: the weights (model hash), dtype, device type, the library
     versions, the decoding budget, the batching, the loop and every prompt's tokens, answer and scoring rule;
     ``None`` (no caching) when the weights have no content hash (a random dry run)."""
-    import hashlib
-    import json
-
-    import torch
-    import transformers
-
     model_hash = getattr(loaded.facts, "model_hash", None)
     if not model_hash or getattr(loaded.facts, "dry_run", False):
         return None
     digest = hashlib.sha256()
     digest.update(json.dumps([model_hash, str(loaded.model.dtype), loaded.device.type, torch.__version__,
-                              transformers.__version__, int(max_new_tokens), int(batch_tokens), str(loop)]).encode())
+                              metadata.version("transformers"), int(max_new_tokens), int(batch_tokens), str(loop)]).encode())
     for p in prompts:
         digest.update(json.dumps([list(p.input_ids), str(p.answer), getattr(p, "scoring", "exact_match")]).encode())
     return digest.hexdigest()[:32]
@@ -129,10 +136,6 @@ def cached_dense_answers(loaded: Any, prompts: Sequence[Any], max_new_tokens: in
     """Dense answers, read from ``artifacts/cache/eval_dense/<key>.json`` when the same model answered
     the same prompts with the same settings before (:func:`dense_cache_key`): evaluating several
     artifacts of one model on one held-out set computes the dense side once."""
-    import json
-
-    from calib.paths import artifacts_dir
-
     key = dense_cache_key(loaded, prompts, max_new_tokens, batch_tokens, loop)
     path = artifacts_dir() / "cache" / "eval_dense" / f"{key}.json"
     if key is not None and path.is_file():
@@ -244,8 +247,6 @@ def _saap_options(cfg: Any, method: str) -> dict[str, dict[str, Any]]:
             raise UserError(f"eval.top_l must be >= 1 (got {top_l})")
         opts["top_l"] = int(top_l)
     if per_layer:
-        from calib.config import layer_map
-
         layers = layer_map(per_layer, "eval.top_l_layers")
         opts["top_l_layers"] = layers
     return {"saap": opts}
@@ -266,9 +267,6 @@ def eval_suites(cfg: Any) -> list[str]:
     """The data sources ``eval`` answers side by side: ``eval.suites``; else the model's ``eval_suites``
     when the run's ``data`` is one of them (``data=synthetic``, the default, on a real model gives the
     synthetic tasks and the natural-text books); else the run's ``data`` alone."""
-    from calib.config import available
-    from calib.data.rows import cfg_get
-
     own = str(cfg_get(cfg.data, "source", "synthetic"))
     named = cfg.eval.get("suites")
     suites = [str(s) for s in named] if named else [str(s) for s in (cfg.model.get("eval_suites") or [])]
@@ -284,11 +282,6 @@ def suite_config(cfg: Any, name: str) -> Any:
     """``cfg`` with ``data`` = suite ``name``: the run's own ``data`` when it is that source (overrides
     kept), else ``conf/data/<name>.yaml`` (interpolations such as ``eval.tasks: ${data.tasks}`` then
     follow the suite's own tasks)."""
-    from omegaconf import OmegaConf
-
-    from calib.data.rows import cfg_get
-    from calib.paths import config_dir
-
     if str(cfg_get(cfg.data, "source", "synthetic")) == name:
         return cfg
     out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
@@ -298,8 +291,6 @@ def suite_config(cfg: Any, name: str) -> Any:
 
 def suite_prompts(cfg: Any, tokenizer: Any, suites: list[str]) -> tuple[list[Any], dict[str, list[int]]]:
     """Every suite's held-out prompts, concatenated, and the indexes of each suite's prompts."""
-    from calib.data import evaluation_prompts
-
     prompts: list[Any] = []
     index: dict[str, list[int]] = {}
     for name in suites:
@@ -315,8 +306,6 @@ def real_text_metrics(cfg: Any, loaded: Any, artifact: Any, method: str) -> dict
     nll = cfg.eval.get("nll")
     if nll is None or int(nll.chunks) < 1:
         return {}
-    from calib.perplexity import real_text_nll
-
     t0 = time.perf_counter()
     out = real_text_nll(loaded, chunk_tokens=int(nll.chunk_tokens), chunks=int(nll.chunks),
                         decode_tokens=int(nll.decode_tokens), artifact=artifact,
@@ -333,10 +322,6 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     """Run the held-out evaluation; returns the result JSON ``calib eval`` prints last."""
     import mlflow
 
-    from calib.data import EVAL_NEEDS, check_data
-    from calib.models import load_model, resolve_device
-    from runtime_kernels import hf
-
     validate_common(cfg)
     suites = eval_suites(cfg)
     for name in suites:
@@ -347,8 +332,6 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     loaded = load_model(cfg.model, device=str(device))
     artifact = None
     if cfg.get("artifact"):
-        from runtime_kernels.artifact import load_artifact
-
         artifact = load_artifact(str(cfg.artifact), model=hf.model_facts(loaded.model),
                                  tracking_uri=target.tracking_uri)
         if artifact.manifest.data.seed is not None and int(artifact.manifest.data.seed) == int(cfg.eval.seed):

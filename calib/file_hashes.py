@@ -15,6 +15,10 @@ import re
 from pathlib import Path
 from typing import Any
 
+from filelock import FileLock
+
+from calib.paths import artifacts_dir
+
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -27,8 +31,6 @@ def _file_sha256(path: Path) -> str:
 
 
 def _sidecar_path() -> Path:
-    from calib.paths import artifacts_dir
-
     return artifacts_dir() / "cache" / "model_hashes.json"
 
 
@@ -47,8 +49,6 @@ def _cached_file_sha256(path: Path, sidecar: dict[str, Any]) -> str:
 
 def file_sha256s(files: list[Path]) -> list[str]:
     """The content sha256 (hex) of each file, from the sidecar when its size and mtime are unchanged."""
-    from filelock import FileLock
-
     side = _sidecar_path()
     side.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(side) + ".lock"):

@@ -12,6 +12,9 @@ from typing import Any, Sequence
 
 import torch
 
+# runtime_kernels.generate is imported where used: it imports transformers, whose import is heavy, and the
+# CLI imports this module (through calib.evaluate and the recipes) for checks that must fail fast.
+
 
 def stop_token_ids(tokenizer: Any, newline: bool = True) -> set[int]:
     """EOS and end-of-turn markers, plus (``newline``) the newline token: under exact match the answer is
@@ -79,10 +82,10 @@ def static_greedy_generate(model: Any, batch: Sequence[Sequence[int]], max_new_t
     ``max_new_tokens`` steps run; each row is cut before its first stop token. Prompts may differ in
     length (a ragged batch: each row prefilled alone, then decoded together at its own position, unless
     an attached decode runtime keeps state for one length, which the generator refuses)."""
-    from runtime_kernels.generate import StaticGenerator
-
     if max_new_tokens < 1:
         return [[] for _ in batch]
+    from runtime_kernels.generate import StaticGenerator
+
     width = max(len(row) for row in batch)
     gen = StaticGenerator(model, batch=len(batch), max_len=width + max_new_tokens + 1, graphs=graphs)
     tokens = gen.generate([list(row) for row in batch], max_new_tokens).tolist()

@@ -20,6 +20,7 @@ a conversion by another transformers version on another machine gives artifacts 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -30,7 +31,15 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Mapping
 
+import torch
+from filelock import FileLock
+
 from calib.errors import UserError
+from calib.file_hashes import file_sha256s, files_hash
+from calib.paths import artifacts_dir
+
+# transformers is imported where used: its import is heavy, and calib.models, which imports this module,
+# is imported by the CLI for checks that must fail fast.
 
 SOURCE_RECORD = "calib_source.json"
 CONVERTER_PACKAGES = ("gguf", "accelerate")  # what transformers needs to read and load a GGUF file
@@ -90,9 +99,7 @@ def locate_gguf(gguf_cfg: Mapping[str, Any], model: str) -> tuple[Path, str | No
 
 def require_converters(distribution: str | None) -> None:
     """Raise a one-line UserError naming the install command when gguf or accelerate is missing."""
-    from importlib.util import find_spec
-
-    missing = [name for name in CONVERTER_PACKAGES if find_spec(name) is None]
+    missing = [name for name in CONVERTER_PACKAGES if importlib.util.find_spec(name) is None]
     if missing:
         raise UserError(f"converting a GGUF model needs {' and '.join(missing)}: {install_hint(distribution)}")
 
@@ -109,7 +116,6 @@ def _dequantized_from_gguf(gguf_path: Path) -> Any:
     transformers versions that can keep GGUF blocks packed (a ``GgufConfig`` quantizer) are asked to
     dequantize; older 5.x versions always do.
     """
-    import torch
     from transformers import AutoModelForCausalLM
 
     kwargs: dict[str, Any] = {}
@@ -131,7 +137,6 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     checkpoint loads like any other. The tokenizer's ``model_max_length`` is the model's context, so
     prompt lengths are checked against it.
     """
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True)
@@ -148,8 +153,6 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 
 def _gguf_model_hash(gguf_path: Path) -> tuple[str, str]:
     """``(sha256 hex of the file, model hash)`` of a GGUF file."""
-    from calib.file_hashes import file_sha256s, files_hash
-
     return file_sha256s([gguf_path])[0], files_hash([gguf_path])
 
 
@@ -179,10 +182,6 @@ def _convert_into_place(gguf_path: Path, target: Path, record: dict[str, Any]) -
 
 def converted_checkpoint(gguf_cfg: Mapping[str, Any], model: str) -> ConvertedCheckpoint:
     """The local checkpoint converted from the model's GGUF file, converting it on first use."""
-    from filelock import FileLock
-
-    from calib.paths import artifacts_dir
-
     gguf_path, revision, described = locate_gguf(gguf_cfg, model)
     digest, model_hash = _gguf_model_hash(gguf_path)
     target = artifacts_dir() / "models" / f"{model}-{digest[:16]}"

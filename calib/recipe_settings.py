@@ -15,6 +15,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from omegaconf.errors import OmegaConfBaseException
+
+from calib.collect.capture import attention_modules
 from calib.errors import UserError
 
 REPORT_MODES = ("artifact", "full")  # method.report: the artifact's numbers only | also the report extras
@@ -51,8 +54,6 @@ class Section:
 
     def value(self, name: str) -> Any:
         """The resolved value of ``name``; absent, missing (``???``) or unresolvable -> one-line UserError."""
-        from omegaconf.errors import OmegaConfBaseException
-
         if not isinstance(self.node, Mapping) or name not in self.node:
             raise UserError(f"{self.key(name)} is not set: add it to the config")
         try:
@@ -115,11 +116,12 @@ class Section:
             raise self._fail(name, f"one of {listing}", value, False)
         return value
 
-    def _items(self, name: str, what: str, optional: bool) -> list[Any] | None:
+    def _items(self, name: str, what: str, optional: bool, empty: bool = False) -> list[Any] | None:
+        """The list at ``name``; ``optional``: null -> None; ``empty``: [] allowed (nothing to do)."""
         value = self.value(name)
         if value is None and optional:
             return None
-        if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence) or not len(value):
+        if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence) or not (len(value) or empty):
             raise self._fail(name, f"a non-empty list of {what}", value, optional)
         return list(value)
 
@@ -135,9 +137,9 @@ class Section:
         return [int(x) for x in items]
 
     def numbers(self, name: str, *, optional: bool = False, above: float | None = None,
-                at_most: float | None = None, below: float | None = None) -> Any:
-        """A non-empty list of floats, each within the bounds given; ``optional``: null -> None."""
-        items = self._items(name, "numbers", optional)
+                at_most: float | None = None, below: float | None = None, empty: bool = False) -> Any:
+        """A list of floats, each within the bounds given; ``optional``: null -> None; ``empty``: [] allowed."""
+        items = self._items(name, "numbers", optional, empty)
         if items is None:
             return None
         if not all(_is_number(x) and math.isfinite(x) for x in items):
@@ -166,7 +168,5 @@ def report_mode(m: Section) -> str:
 
 def layer_scales(model: Any) -> dict[int, float | None]:
     """Softmax scale per layer (the attention module's ``scaling``; None = 1/sqrt(D))."""
-    from calib.collect.capture import attention_modules
-
     return {i: (float(a.scaling) if getattr(a, "scaling", None) is not None else None)
             for i, a in attention_modules(model).items()}

@@ -12,15 +12,23 @@ eval or its CI lower bound is below a threshold (:func:`promotion_warning`).
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from omegaconf import OmegaConf
+
 from calib.errors import UserError
+from calib.paths import config_dir
 from calib.tracking import DRY_RUN_TAG
+from runtime_kernels.artifact import local_path
 from runtime_kernels.manifest import artifact_sha256, read_artifact
+
+# mlflow is imported where used: calib.evaluate imports this module, and its answer path (scripts on GPU
+# machines) must import without it.
 
 ARTIFACT_PATH = "artifact"  # where the directory is logged inside the run's artifacts
 CANDIDATE = "candidate"
@@ -87,8 +95,6 @@ def publish(artifact_dir: str | Path, run_id: str, *, alias: str = CANDIDATE) ->
 
 def _is_logged_copy(artifact_dir: Path, source: str) -> bool:
     """True when ``artifact_dir`` already IS the run's ``artifact/`` folder (a local file store)."""
-    from runtime_kernels.artifact import local_path
-
     local = local_path(source)
     return local is not None and local.exists() and local.resolve() == artifact_dir.resolve()
 
@@ -160,10 +166,6 @@ def promotion_warning(name: str, version: str, tags: Mapping[str, str], min_ci_l
 def model_eval_suites(model: str) -> list[str]:
     """The held-out suites of model ``model`` (its ``conf/model`` file's ``eval_suites``) that a version
     must be evaluated on before promotion; ``[]`` for an unknown model or one that lists none."""
-    from omegaconf import OmegaConf
-
-    from calib.paths import config_dir
-
     path = config_dir() / "model" / f"{model}.yaml"
     if not model or not path.is_file():
         return []
@@ -233,12 +235,8 @@ def check_eval_method(method_cfg: Any, artifact: Any, artifact_method: str | Non
 def artifact_method(uri: Any, tracking_uri: str | None = None) -> str | None:
     """The method of artifact ``uri`` told without loading it: a registry version's ``method`` tag, a
     directory's ``manifest.json``; ``None`` when it cannot be told so (loading it will say why)."""
-    import json
-
     ref = parse_model_uri(uri)
     if ref is None:
-        from runtime_kernels.artifact import local_path
-
         local = local_path(str(uri))
         try:
             return str(json.loads((local / "manifest.json").read_text())["method"]) if local else None

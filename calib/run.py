@@ -14,7 +14,9 @@ never touches the artifact format or MLflow's registry. Recipes do not inherit f
 from __future__ import annotations
 
 import importlib
+import resource
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,10 +27,15 @@ from omegaconf import DictConfig
 
 from calib import __version__, registry, tracking
 from calib.config import available_methods, to_container, validate_common
+from calib.data import check_data
 from calib.errors import UserError
 from calib.models import resolve_device
-from runtime_kernels.artifact import ABI_VERSIONS
+from calib.paths import artifacts_dir, project_root
+from runtime_kernels.artifact import ABI_VERSIONS, local_path
 from runtime_kernels.manifest import DataRecord, Manifest, ModelRecord, ProducerRecord, write_artifact
+
+# mlflow is imported where used: every recipe imports this module (MethodOutput), and the CLI imports the
+# recipe for its checks of a run's settings and data, which must fail fast.
 
 
 @dataclass
@@ -60,8 +67,6 @@ def method_name(cfg: DictConfig) -> str:
 
 
 def git_sha() -> str | None:
-    from calib.paths import project_root
-
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=project_root(), capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.SubprocessError):
@@ -93,8 +98,6 @@ def _run_artifact_dir(run_id: str) -> Path | None:
     """The local directory of the run's artifact store, when the store is a local file store."""
     import mlflow
 
-    from runtime_kernels.artifact import local_path
-
     uri = mlflow.get_run(run_id).info.artifact_uri
     return local_path(uri)
 
@@ -116,8 +119,6 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     method = method_name(cfg)
     recipe = load_recipe(method)
     recipe.validate(cfg)
-    from calib.data import check_data
-
     check_data(cfg.data, recipe.data_needs(cfg))  # bad data fails before the model loads
     device = resolve_device(str(cfg.get("device", "auto")))
     target = tracking.resolve_target(cfg.get("tracking"))
@@ -134,8 +135,6 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         out = recipe.calibrate(cfg, ctx)
         tracking.log_prompt_set(out.data, cfg.data, tracking.CALIBRATION)
         with ctx.timer.stage("publish"):
-            from calib.paths import artifacts_dir
-
             artifact_dir, pub = write_and_publish(method, cfg, out, run_id, artifacts_dir() / "scratch")
         out.metrics.update(peak_memory_metrics(device))
         for stage, seconds in ctx.timer.seconds.items():  # every method's result JSON has its stage times
@@ -153,9 +152,6 @@ def is_dry_run(cfg: DictConfig) -> bool:
 
 def peak_memory_metrics(device: torch.device) -> dict[str, float]:
     """``peak_host_rss_gb`` of this process (ru_maxrss) and, on CUDA, ``peak_gpu_mem_gb`` since the run began."""
-    import resource
-    import sys
-
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     out = {"peak_host_rss_gb": rss * (1 if sys.platform == "darwin" else 1024) / 1e9}
     if device.type == "cuda":

@@ -29,9 +29,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping, NamedTuple, Sequence
 
+from filelock import FileLock
+
+from calib.data import dataset_hash
+from calib.data.sources import cfg_get
 from calib.errors import UserError
 from calib.paths import artifacts_dir
 
+# mlflow, matplotlib and the manifest (torch) are imported where used: calib.evaluate imports this module
+# and its answer path (scripts on GPU machines) must import without mlflow, and the CLI resolves the
+# tracking target in checks that must fail fast.
 
 # MLflow 3's UI picks an experiment's landing page from this tag: without it, it guesses (often the
 # GenAI overview); model development opens on the runs table.
@@ -77,7 +84,6 @@ def configure(target: TrackingTarget) -> str:
     The experiment is tagged as model development (:data:`EXPERIMENT_KIND_TAG`); an existing experiment
     without that tag (or with another kind) gets it here, so every command fixes an older store."""
     import mlflow
-    from filelock import FileLock
     from mlflow.exceptions import MlflowException
 
     if target.tracking_uri.startswith("sqlite:///"):
@@ -306,8 +312,6 @@ def describe_data(data_cfg: Any, purpose: str, record: Any) -> tuple[str, dict[s
     Synthetic prompts are identified by their tasks, lengths and seed (as the record states them); a
     JSONL file by its path (``eval_path`` for evaluation when set, else the hash split); an HF dataset
     by name, config, revision and split (``eval_split`` for evaluation when set)."""
-    from calib.data.sources import cfg_get
-
     source = str(cfg_get(data_cfg, "source", "synthetic"))
     held_out = purpose == EVALUATION
     if source in ("jsonl", "hf"):  # held-out rows: their own file / split, else a hash of each row's text
@@ -381,8 +385,6 @@ def log_prompt_set(record: Any, data_cfg: Any, context: str) -> None:
 
 def log_eval_prompts(data_cfg: Any, prompts: Sequence[Any], seed: int) -> None:
     """Log ``calib eval``'s held-out prompts (drawn with ``seed``) as the run's ``evaluation`` dataset."""
-    from calib.data import dataset_hash
-    from calib.data.sources import cfg_get
     from runtime_kernels.manifest import DataRecord
 
     record = DataRecord(source=str(cfg_get(data_cfg, "source", "synthetic")), seed=seed, count=len(prompts),

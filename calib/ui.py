@@ -19,6 +19,7 @@ the ``summary/*`` columns: an experiment tag in the format the UI's own *Share* 
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import signal
@@ -29,6 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Sequence
+
+from mlflow.tracking import MlflowClient
+
+from calib.tracking import SUMMARY_NAMES, SUMMARY_PREFIX
 
 JOB_EXECUTION_ENV = "MLFLOW_SERVER_ENABLE_JOB_EXECUTION"  # read by `mlflow server` (mlflow 3)
 STOP_GRACE_S = 5.0
@@ -61,8 +66,6 @@ def server_env(settings: UiSettings) -> dict[str, str]:
 def is_loopback(host: str) -> bool:
     """Whether binding ``host`` keeps the server on this machine: ``localhost`` or a loopback address
     (``127.0.0.0/8``, ``::1``). A wildcard (``0.0.0.0``, ``::``) or any other name or address is not."""
-    import ipaddress
-
     if host.lower() in ("localhost", "localhost."):
         return True
     try:
@@ -90,8 +93,6 @@ def headline_view_state() -> dict[str, object]:
     """The runs-table view with the dataset and the ``summary/*`` columns (all but the CI's upper bound)
     in :data:`calib.tracking.SUMMARY_NAMES` order, newest run first, each column wide enough for its
     name: the JSON the UI's *Share* button stores (column ids ``<group>.`<name>```)."""
-    from calib.tracking import SUMMARY_NAMES, SUMMARY_PREFIX
-
     metrics = [f"metrics.`{SUMMARY_PREFIX}{name}`" for name in SUMMARY_NAMES if name != "acc_delta_ci_high"]
     columns = ["attributes.`Dataset`", *metrics]
     widths = {column: 24 + 8 * len(column.split("`")[1]) for column in metrics}  # ~8 px per header character
@@ -103,8 +104,6 @@ def headline_view_state() -> dict[str, object]:
 
 def save_headline_view(experiment_id: str) -> None:
     """Store :func:`headline_view_state` on the experiment under :data:`HEADLINE_VIEW`."""
-    from mlflow.tracking import MlflowClient
-
     MlflowClient().set_experiment_tag(experiment_id, SHARED_VIEW_TAG_PREFIX + HEADLINE_VIEW,
                                       json.dumps(headline_view_state()))
 

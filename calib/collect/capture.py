@@ -34,6 +34,9 @@ from tqdm.auto import tqdm
 from calib.collect.memory import peak_gpu_bytes, peak_host_rss_bytes, reset_gpu_peak
 from calib.errors import UserError
 
+# transformers is imported where used: its import is heavy, and the CLI imports this module (through the
+# recipes and calib.recipe_settings) for checks that must fail fast.
+
 CAPTURE_IMPL = "calib_capture"
 
 

@@ -21,6 +21,7 @@ from typing import Any, Sequence
 
 import torch
 from filelock import FileLock
+from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
@@ -32,6 +33,7 @@ from calib.collect.store import (COMPLETE_FILE, FORMAT_VERSION, ROPE_FILE, SET_F
                                  content_hash, shard_name, sweep_temp_files, write_atomic, write_json, write_shard)
 from calib.errors import UserError
 from calib.models import resolve_dtype
+from calib.paths import artifacts_dir
 from calib.rope import rotary_module
 
 log = logging.getLogger(__name__)
@@ -61,13 +63,8 @@ class CollectConfig:
             return cfg
         data: dict[str, Any] = {}
         if cfg is not None:
-            try:
-                from omegaconf import DictConfig, OmegaConf
-
-                is_node = isinstance(cfg, DictConfig)
-                data = OmegaConf.to_container(cfg, resolve=True) if is_node else dict(cfg)  # type: ignore[assignment]
-            except ImportError:
-                data = dict(cfg)
+            is_node = isinstance(cfg, DictConfig)
+            data = OmegaConf.to_container(cfg, resolve=True) if is_node else dict(cfg)  # type: ignore[assignment]
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -97,8 +94,6 @@ class CollectConfig:
 
 
 def default_cache_root() -> Path:
-    from calib.paths import artifacts_dir
-
     return artifacts_dir() / "cache" / "collect"
 
 

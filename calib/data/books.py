@@ -1,7 +1,8 @@
-"""Natural-text prompts from the book corpus (:mod:`calib.data.corpus`): plain text and needle retrieval.
+"""Natural-text prompts from the book corpus (:mod:`calib.data.corpus`): plain text and needle retrieval
+(docs/data.md, Books).
 
-Tasks (a prompt is a contiguous passage of one book, starting at a paragraph, cut at a sentence end
-so that the whole prompt has at most ``length`` tokens and one more sentence would not fit):
+A prompt is a contiguous passage of one book, starting at a paragraph and cut at a sentence end, so
+that it has at most ``length`` tokens and one more sentence would not fit. Tasks (:data:`BOOK_TASKS`):
 
 - ``book_text``: the passage alone, no question and no answer (plain long text to calibrate on, as
   SAAP and SALE do); nothing to score, so never an ``eval`` task.
@@ -10,16 +11,12 @@ so that the whole prompt has at most ``length`` tokens and one more sentence wou
   drawn uniformly from 5-95 % of the passage; the question asks for the number.
 - ``book_needle_word`` / ``book_needle_phrase``: the same with a single English word, or a short phrase
   ("a brass telescope"; the answer is the phrase without its article).
-- ``book_multineedle``: four number needles with distinct people and values, one per quarter of that
-  depth range; one of them is asked for.
+- ``book_multineedle``: four number needles, one per quarter of that depth range; one is asked for.
 
-The kinds are tasks of their own, so a model's kept cells can name the ones it can answer densely.
-
-Calibration prompts come from the calibration books with :data:`PHRASING` ``["calibration"]``'s needle
-sentences and questions, evaluation prompts from the held-out books with ``["evaluation"]``'s, so a
-held-out prompt shares neither text nor wording with calibration. The people, words and nouns occur
-in no book of the corpus, and no book has a run of 5 digits, so the answer occurs once in a prompt.
-Every draw depends only on (seed, task, length, index), through :class:`~calib.data.vocab.StableRng`.
+Calibration and evaluation prompts come from disjoint books with their own needle sentences and
+questions (:data:`PHRASING`), so a held-out prompt shares neither text nor wording with calibration.
+The people, words and nouns occur in no book and no book has a run of 5 digits, so the answer occurs
+once in a prompt. Every draw depends only on (seed, task, length, index) (:class:`~calib.data.vocab.StableRng`).
 """
 
 from __future__ import annotations
@@ -32,9 +29,11 @@ import numpy as np
 from calib.data.corpus import Book, books_for, token_prefix_sums
 from calib.data.prompt import Prompt, PromptFormatter
 from calib.data.scoring import scoring_rule
+from calib.data.synthetic import TASKS
 from calib.data.vocab import StableRng, seed_from
 from calib.errors import UserError
 
+# The needle kinds are tasks of their own, so a model's kept cells can name the ones it answers densely.
 NEEDLE_TASKS: dict[str, tuple[str, int]] = {  # task -> (needle kind, needles in the passage)
     "book_needle": ("number", 1), "book_needle_word": ("word", 1), "book_needle_phrase": ("phrase", 1),
     "book_multineedle": ("number", 4)}
@@ -285,8 +284,6 @@ def book_prompts(tokenizer: Any, jobs: list[tuple[str, int, int]], *, seed: int,
 def check_book_settings(tasks: list[str], lengths: list[Any], num_prompts: Any, share: Any,
                         synthetic_tasks: list[str]) -> None:
     """One-line UserErrors for a ``data=books`` config that cannot give prompts."""
-    from calib.data.synthetic import TASKS
-
     unknown = [t for t in tasks if t not in BOOK_TASKS]
     if unknown:
         hint = "; synthetic tasks go in data.synthetic_tasks" if unknown[0] in TASKS else ""

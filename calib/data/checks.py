@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
+from calib.data.books import ANSWERED_TASKS, check_book_settings
+from calib.data.corpus import SPLIT, read_book
 from calib.data.rows import SourceRow, cfg_get, select_tasks, source_rows
 from calib.errors import UserError
 
@@ -57,9 +59,6 @@ def check_data(data_cfg: Any, needs: DataNeeds) -> None:
 
 def check_books(data_cfg: Any, needs: DataNeeds) -> None:
     """A ``data=books`` config: its settings, the shipped books of each purpose, answers where needed."""
-    from calib.data.books import ANSWERED_TASKS, check_book_settings
-    from calib.data.corpus import SPLIT, read_book
-
     def as_list(key: str) -> list:
         value = cfg_get(data_cfg, key)
         return [] if value is None else [value] if isinstance(value, (str, int)) else list(value)

@@ -20,6 +20,9 @@ from typing import Any, Mapping, Sequence
 
 from calib.errors import UserError
 
+# datasets and pyarrow (the optional `hf` extra) and omegaconf are imported where used: calib.data
+# imports without them, for scripts that build prompts from plain dicts.
+
 PURPOSES = ("calibration", "evaluation")
 
 

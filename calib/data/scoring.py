@@ -1,21 +1,13 @@
-"""Answer scoring (exact match or contains) and the content hash of a prompt set.
+"""Answer scoring (exact match or contains) and the content hash of a prompt set (docs/data.md, Scoring).
 
 Each prompt carries its task's rule (``Prompt.scoring``, from ``data.scoring``); :func:`is_correct`
 applies it:
 
-* ``exact_match`` — the first line of the output equals the answer (canonical forms, below); the rule
-  of the synthetic tasks, whose answers the tiny model emits exactly;
-* ``contains`` — every item of the answer occurs anywhere in the output, in any order, as a whole word
-  (RULER's string match: a chat model may wrap the answer in a sentence). Lowercased, the output cut at
-  an end-of-sequence marker (not at a newline), the answer normalized as below; "4" is not in "42".
-
-``exact_match(prediction, answer)`` compares canonical forms. Normalization, applied to both sides:
-
-1. leading whitespace dropped, then the text is cut at the first newline or end-of-sequence marker
-   (``</s>``, ``<|eot_id|>``, ``<|end_of_text|>``, ``<|im_end|>``, ``<|endoftext|>``, ``<eos>``,
-   ``<end_of_turn>``): the answer is the first line of the reply;
-2. lowercased; commas and semicolons become spaces; runs of whitespace become one space;
-3. leading/trailing ``. , ; : ! ? " '`` and spaces stripped (``"1234567."`` matches ``1234567``).
+* ``exact_match`` (:func:`exact_match`) — the first line of the output equals the answer, both in the
+  canonical form of :func:`normalize_answer`; the rule of the synthetic tasks, whose answers the tiny
+  model emits exactly;
+* ``contains`` (:func:`contains_answer`) — every item of the answer occurs anywhere in the output, in
+  any order, as a whole word (RULER's string match: a chat model may wrap the answer in a sentence).
 
 Multi-answer tasks have one canonical answer string: the items separated by single spaces in a fixed
 order (variable tracking: order of assignment along the chain; frequent words: most frequent first),
@@ -37,7 +29,13 @@ SCORING_RULES = ("exact_match", "contains")
 
 
 def normalize_answer(text: str) -> str:
-    """The canonical form compared by :func:`exact_match`."""
+    """The canonical form compared by :func:`exact_match`:
+
+    1. leading whitespace dropped, then the text cut at the first newline or end-of-sequence marker
+       (:data:`EOS_MARKERS`): the answer is the first line of the reply;
+    2. lowercased; commas and semicolons become spaces; runs of whitespace become one space;
+    3. leading/trailing ``. , ; : ! ? " '`` and spaces stripped (``"1234567."`` matches ``1234567``).
+    """
     text = text.lstrip()
     cut = len(text)
     for marker in ("\n", "\r", *EOS_MARKERS):

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Sequence
 
+from tqdm import tqdm
+
 from calib.data.books import ANSWERED_TASKS, BOOK_TASKS, book_prompts, check_book_settings
 from calib.data.prompt import Prompt, PromptFormatter
 from calib.data.rows import PURPOSES, SourceRow, cap_per_task, cfg_get, select_tasks, source_rows
@@ -37,8 +39,6 @@ def _as_list(value: Any, key: str) -> list:
 
 
 def _progress(items: list, desc: str) -> Iterable:
-    from tqdm import tqdm
-
     return tqdm(items, desc=desc, disable=len(items) < 8 or None, leave=False)
 
 
@@ -55,8 +55,7 @@ def synthetic_prompts(tokenizer, *, tasks: list[str], lengths: list[int], num_pr
     """``num_prompts`` prompts per (task, length), task-major order, deterministic in ``seed``;
     ``scoring`` is ``data.scoring`` (a rule, or ``{task: rule}``). ``cells``: build only these (task,
     length) pairs of the grid; each prompt is seeded by its own (task, length, index), so they are the
-    prompts the full grid holds, without fitting the others (at 1000 prompts per cell, fitting smollm2's
-    whole 5 x 4 grid took longer than answering its three kept cells)."""
+    prompts the full grid holds, without fitting the others."""
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
         raise UserError(f"unknown task {unknown[0]!r} in data.tasks; built-in tasks: {', '.join(TASKS)}")

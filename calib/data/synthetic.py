@@ -1,17 +1,14 @@
-"""RULER-style synthetic long-context tasks, generated for any tokenizer at any target length.
+"""RULER-style synthetic long-context tasks, generated for any tokenizer at any target length (docs/data.md).
 
 Each task is a pure function ``(seed, n) -> TaskInstance`` where ``n`` counts the context's filler
 units (sentences, key-value pairs or list words). :func:`fit_to_length` searches ``n`` so that the
 formatted prompt, measured with the real tokenizer, is at most the target length and as close to it
 as one unit allows. Draws that do not depend on ``n`` (keys, values, depths) come first from the
-stream, so the search changes only the amount of filler.
-
-Tasks (``queries[0]`` is the prompt's question; further queries on the same context are only used by
-``scripts/train_tiny.py`` as extra training targets):
+stream, so the search changes only the amount of filler. Tasks (``queries[0]`` is the prompt's
+question; further queries on the same context are extra training targets of ``scripts/train_tiny.py``):
 
 - ``niah_single``: one needle "The special magic number for <key> is <7 digits>." in filler
-  sentences; answer: the 7-digit number.
-- ``niah_multikey``: four such needles with different keys; one is asked for.
+  sentences; answer: the 7-digit number. ``niah_multikey``: four such needles; one is asked for.
 - ``kv_retrieval``: a JSON object of pseudo-word keys and values (InfiniteBench Retrieve.KV);
   answer: the value of one key. The asked key (and its value) occur exactly once.
 - ``variable_tracking``: two interleaved chains ``VAR a = 12345.``, ``VAR b = VAR a.``, ... (5

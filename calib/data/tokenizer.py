@@ -17,6 +17,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import AutoTokenizer
+
 from calib.data.vocab import all_words
 
 SPECIAL_TOKENS = ("<s>", "</s>", "<unk>", "<pad>")
@@ -34,8 +37,6 @@ def tiny_vocabulary() -> list[str]:
 
 def build_tiny_backend():
     """The ``tokenizers.Tokenizer`` object (not yet wrapped for transformers)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-
     vocab = {tok: i for i, tok in enumerate(tiny_vocabulary())}
     tok = Tokenizer(models.WordPiece(vocab=vocab, unk_token="<unk>", continuing_subword_prefix="##",
                                      max_input_chars_per_word=100))
@@ -69,6 +70,4 @@ def save_tiny_tokenizer(out_dir: str | Path) -> Path:
 
 def load_tokenizer(path: str | Path):
     """``transformers.AutoTokenizer.from_pretrained(path)`` (local files only)."""
-    from transformers import AutoTokenizer
-
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)

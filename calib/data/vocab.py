@@ -14,6 +14,7 @@ and Python versions.
 from __future__ import annotations
 
 import hashlib
+import re
 from functools import lru_cache
 
 import numpy as np
@@ -148,8 +149,6 @@ TEMPLATE_TEXT = (
 
 
 def _word_set(text: str) -> set[str]:
-    import re
-
     return set(re.findall(r"[A-Za-z]+", text))
 
 

@@ -5,20 +5,17 @@
 * :mod:`calib.saap.classifier`: the per-query-head MLP classifiers, trained batched over heads.
 * :mod:`calib.saap.metrics`: selectivity / recall / output error of SAAP vs the paper's baselines.
 
-The runtime side (bucket index, decode attention) is :mod:`runtime_kernels.saap`.
+The runtime side (bucket index, decode attention) is :mod:`runtime_kernels.saap`; the pipeline is
+:mod:`calib.saap.recipe`. Per non-dense layer (layer 0 stays dense), with ``W = window``,
+``recent = W - sink``:
 
-Recipe, per non-dense layer (layer 0 stays dense), with ``W = window``, ``recent = W - sink``:
-
-1. pass 1 over the calibration prompts: de-RoPE'd keys of positions ``[sink, T - recent)`` (the
-   bucket candidates at the end of the prompt) -> :func:`fit_kmeans_heads` ``[Hkv, C, D]``;
-2. pass 2, per prompt while its q/k are in memory: ``kb = assign(k_derope, centroids)``,
-   ``pos, is_lr = select_training_queries(q_rope, k_rope, n, long_range)``,
-   ``targets = kl_targets(q_rope, k_rope, kb, pos, C)``; keep ``q_derope`` at ``pos`` and ``targets``
-   (:func:`prompt_training_rows` does both, and with a teacher-forced gold answer appended adds its
-   decode positions, :func:`answer_query_positions`, to every head's rows);
-   held-out prompts: :func:`evaluate_layer` (needs RoPE'd-key centroids for the ``kmeans_rope`` baseline);
-3. :func:`fit_query_classifiers` on the kept rows (``prompt_index`` for one-prompt batches), then
-   ``model.layer_params(centroids, sink=..., recent=...)`` is the runtime's ``SaapLayerParams``.
+1. de-RoPE'd keys of positions ``[sink, T - recent)`` -> :func:`fit_kmeans_heads` ``[Hkv, C, D]``;
+2. per prompt while its q/k are in memory: ``kb = assign(k_derope, centroids)``, then
+   :func:`prompt_training_rows` (:func:`select_training_queries`, :func:`kl_targets`, and the decode
+   positions of a teacher-forced answer) keeps ``q_derope`` and ``targets`` at the chosen positions;
+   held-out prompts: :func:`evaluate_layer`;
+3. :func:`fit_query_classifiers` on the kept rows, then ``model.layer_params(centroids, sink=...,
+   recent=...)`` is the runtime's ``SaapLayerParams``.
 """
 
 from calib.saap.classifier import BatchedQueryClassifier, fit_query_classifiers, kl_loss_per_head

@@ -4,7 +4,7 @@
 The classifier weights ``w1, w2`` are stored in the calibrated model's dtype when it is 16-bit (the
 rest, small, stays float32): the runtime serves them in the model's dtype anyway
 (:meth:`runtime_kernels.saap.SaapDecode._params`), so a bf16 model's artifact loses nothing at serving
-and takes half the bytes (Llama-3.1-8B: 4.8 GB in float32). A float32 model keeps float32 weights.
+and takes half the bytes. A float32 model keeps float32 weights.
 """
 
 from __future__ import annotations
@@ -14,6 +14,9 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 from omegaconf import DictConfig
 
+from calib.data import dataset_hash
+from calib.run import MethodOutput
+from calib.saap.kmeans import faiss_available
 from runtime_kernels.manifest import DataRecord
 from runtime_kernels.saap.reference import SaapLayerParams
 
@@ -24,8 +27,6 @@ if TYPE_CHECKING:
 def hyperparameters(s: "Settings", keys: int, calib_lengths: list[int], eval_length: int,
                     bn_eps: float) -> dict[str, Any]:
     """The manifest's hyperparameters: what the runtime reads plus every calibration setting."""
-    from calib.saap.kmeans import faiss_available
-
     backend = s.kmeans_backend if s.kmeans_backend != "auto" else ("faiss" if faiss_available() else "torch")
     return {"clusters": s.clusters, "iterations": s.iterations, "window": s.window, "sink": s.sink,
             "recent": s.recent, "long_range": s.long_range, "top_l": s.top_l,
@@ -52,11 +53,8 @@ def artifact_weight_dtype(model: Any) -> torch.dtype:
 
 def method_output(cfg: DictConfig, s: "Settings", loaded: Any, params: dict[int, SaapLayerParams],
                   prompts: Sequence[Any], held_out: Sequence[Any], calib_lengths: list[int], metrics: dict[str, Any],
-                  payload: dict[str, Any], keys: int) -> Any:
+                  payload: dict[str, Any], keys: int) -> MethodOutput:
     """The :class:`calib.run.MethodOutput`: per-layer tensors, hyperparameters, data record, metrics."""
-    from calib.data import dataset_hash
-    from calib.run import MethodOutput
-
     weight_dtype = artifact_weight_dtype(loaded.model)
     tensors = {f"layer_{l}": p.to("cpu", weight_dtype=weight_dtype).to_tensors(prefix=f"layers.{l}.")
                for l, p in sorted(params.items())}

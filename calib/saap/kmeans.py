@@ -23,6 +23,8 @@ import torch
 
 from runtime_kernels.saap.reference import nearest_centroid
 
+# faiss is imported where used: it is optional (the `cpu` / `gpu` extras); without it the torch backend runs.
+
 log = logging.getLogger(__name__)
 
 _SPLIT_EPS = 1.0 / 1024.0  # Faiss's EPS for empty-cluster splits

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from calib.errors import UserError
+from calib.saap.kmeans import assign, fit_kmeans_heads
 
 if TYPE_CHECKING:
     from calib.saap.recipe import Settings
@@ -38,8 +39,6 @@ def candidate_keys(collected: Any, layer: int, sink: int, recent: int) -> tuple[
 
 def fit_heads(points: list[torch.Tensor], s: "Settings", seed: int, device: torch.device) -> torch.Tensor:
     """One k-means per head (seed ``seed + h``): ``points[h] [N_h, D]`` -> centroids ``[H, C, D]`` (CPU)."""
-    from calib.saap.kmeans import fit_kmeans_heads
-
     out = []
     for h, x in enumerate(points):
         if x.shape[0] < s.clusters:
@@ -55,8 +54,6 @@ def fit_heads(points: list[torch.Tensor], s: "Settings", seed: int, device: torc
 
 def imbalance(points: list[torch.Tensor], centroids: torch.Tensor) -> float:
     """Mean over heads of the imbalance factor ``C·Σn²/(Σn)²`` (1 = perfectly balanced buckets)."""
-    from calib.saap.kmeans import assign
-
     vals = []
     for h, x in enumerate(points):
         n = torch.bincount(assign(x, centroids[h]), minlength=centroids.shape[1]).double()

@@ -6,21 +6,12 @@ not point at them (SmolLM2-135M: docs/notes/smollm2-investigations.md, SAAP), so
 SampleAttention's profiling makes its own (Zhu et al., arXiv:2406.15486, §4.2.6): by whether greedy
 answers survive.
 
-The search (:func:`search`), on ``prompts`` profiling prompts with gold answers (``data.seed``, the
-calibration side, at ``length``: default the longest data length, where SAAP loses most):
-
-1. The dense answers are scored once. A setting *passes* when its correct answers are at least the
-   dense count less ``max_drop`` of the prompts.
-2. ℓ = ``top_l`` everywhere: if it passes, no layer changes.
-3. Greedy groups: the sparse layers are cut into runs of ``group`` consecutive layers. Each round tries
-   every group not yet chosen at ℓ = C (every bucket) on top of those chosen, and keeps the one with
-   the most correct answers (ties: fewer keys read, then the earlier group). It stops when a setting
-   passes or ``max_groups`` are chosen.
-4. Ladder: with the chosen groups passing at ℓ = C, their ℓ is lowered to the smallest of ``ladder``
-   (default: ``2·top_l, 4·top_l, …`` below C) that still passes.
-
-If no setting passes within ``max_groups`` groups, the best one found is kept and the run warns: the
-artifact is as close to dense as the search got, and its metrics say it did not pass.
+:func:`search` answers ``prompts`` profiling prompts with gold answers (``data.seed``, the calibration
+side, at ``length``: default the longest data length, where SAAP loses most) densely once, then under
+candidate ``{layer: ℓ}`` settings: ℓ = ``top_l`` everywhere, then greedy groups of consecutive layers
+at ℓ = C, then a ladder lowering the chosen groups' ℓ. If no setting passes within ``max_groups``
+groups, the best one found is kept and the run warns: the artifact is as close to dense as the search
+got, and its metrics say it did not pass. Design notes: docs/notes/saap-recipe.md.
 """
 
 from __future__ import annotations
@@ -29,8 +20,13 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from calib.data import build_prompts, take_in_turn
 from calib.errors import UserError
+from calib.evaluate import answer_prompts, cached_dense_answers, eval_loop
 from calib.recipe_settings import Section
+from runtime_kernels import hf
+from runtime_kernels.saap import SaapDecode
+from runtime_kernels.saap.reference import SaapLayerParams
 
 log = logging.getLogger(__name__)
 
@@ -132,8 +128,19 @@ def max_trials(num_layers: int, settings: ProfileSettings, top_l: int, clusters:
 
 def search(layers: Sequence[int], top_l: int, clusters: int, settings: ProfileSettings, dense_correct: int,
            prompts: int, score: Callable[[dict[int, int]], tuple[int, float]]) -> ProfileResult:
-    """The greedy search of the module docstring. ``score({layer: ℓ})`` answers the profiling prompts
-    with those layers' ℓ on top of ``top_l`` and returns ``(correct answers, mean selectivity)``."""
+    """The greedy search for per-layer ℓ. ``score({layer: ℓ})`` answers the profiling prompts with those
+    layers' ℓ on top of ``top_l`` and returns ``(correct answers, mean selectivity)``.
+
+    1. The dense answers are scored once (``dense_correct``). A setting *passes* when its correct answers
+       are at least the dense count less ``max_drop`` of the prompts.
+    2. ℓ = ``top_l`` everywhere: if it passes, no layer changes.
+    3. Greedy groups: the sparse layers are cut into runs of ``group`` consecutive layers. Each round tries
+       every group not yet chosen at ℓ = C (every bucket) on top of those chosen, and keeps the one with
+       the most correct answers (ties: fewer keys read, then the earlier group). It stops when a setting
+       passes or ``max_groups`` are chosen.
+    4. Ladder: with the chosen groups passing at ℓ = C, their ℓ is lowered to the smallest of ``ladder``
+       (default: ``2·top_l, 4·top_l, …`` below C) that still passes.
+    """
     need = dense_correct - settings.max_drop * prompts
     result = ProfileResult({}, False, dense_correct, prompts)
     seen: dict[tuple[tuple[int, int], ...], Trial] = {}
@@ -182,8 +189,6 @@ def profiling_prompts(cfg: Any, ps: ProfileSettings, tokenizer: Any, exclude: se
     longest data length), the tasks (``ps.tasks``, default ``data.tasks``) taken in turn, none of
     ``exclude`` (the prompt ids the classifiers trained on: a setting is judged on prompts they never
     saw); each needs its gold answer."""
-    from calib.data import build_prompts, take_in_turn
-
     length = ps.length if ps.length is not None else max(int(x) for x in cfg.data.lengths)
     tasks = ps.tasks or [str(t) for t in cfg.data.tasks or []]
     per = -(-ps.prompts // max(1, len(tasks))) + len(exclude)
@@ -216,10 +221,6 @@ class AnswerScorer:
     loop: str
 
     def answers(self, setting: dict[int, int]) -> list[Any]:
-        from calib.evaluate import answer_prompts
-        from runtime_kernels import hf
-        from runtime_kernels.saap import SaapDecode
-
         runtime = SaapDecode(self.per_layer, self.top_l, top_l_layers={**self.base_layers, **setting}, stats=True)
         state = hf.attach(self.loaded.model, decode=runtime)
         try:
@@ -239,9 +240,6 @@ def profile(cfg: Any, ps: ProfileSettings, loaded: Any, params: dict[int, Any], 
     """Run :func:`search` on the model: profiling prompts answered densely once (the eval's cache), then
     by :class:`AnswerScorer` with the just-trained ``params`` (``{layer: SaapLayerParams}``, sparse
     layers) at each candidate ``{layer: ℓ}``; ``exclude``: the calibration prompts' ids."""
-    from calib.evaluate import cached_dense_answers, eval_loop
-    from runtime_kernels.saap.reference import SaapLayerParams
-
     prompts = profiling_prompts(cfg, ps, loaded.tokenizer, exclude)
     trials, on_cpu = max_trials(len(params), ps, s.top_l, s.clusters), str(device).startswith("cpu")
     (log.warning if on_cpu else log.info)(

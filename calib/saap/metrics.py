@@ -10,17 +10,10 @@ the candidates whose bucket is among the method's ℓ best buckets. Per (head, q
 * ``recall``: mass of the true causal attention (RoPE'd ``q·k``, softmax over ``0..i``) on visited keys;
 * ``rel_error``: ``‖o_sparse − o‖ / ‖o‖`` with ``o_sparse`` the softmax restricted to visited keys.
 
-Methods: ``saap`` (buckets of de-RoPE'd keys, ranked by the sum of the GQA group's classifier
-probabilities, as the runtime does), ``kmeans_derope`` and ``kmeans_rope`` (the paper's IVF baselines:
-k-means on de-RoPE'd / RoPE'd keys, each query head probing the ℓ centroids of largest inner product
-with its de-RoPE'd / RoPE'd query, like Faiss IVFFlat; ``baseline_probe="group"`` sums the group's
-inner products instead), and ``window`` (ℓ = 0, StreamingLLM). With per-head probing also
-``saap_per_head``: each query head ranks the buckets by its own classifier, the like-for-like partner of
-the per-head baselines. The runtime's group sum visits one bucket set per KV head, so ``saap``'s
-like-for-like baselines are the group-probed ones; per-head selection visits up to g sets per KV head
-at the same per-head selectivity. ``baseline_probe="both"`` reports both pairs in one pass: the per-head
-baselines under their names and the group-probed ones as ``kmeans_derope_group`` / ``kmeans_rope_group``;
-``baseline_probe="none"`` evaluates ``saap`` and the window only (the recipe's default ``method.report``).
+Methods (:func:`evaluate_layer`): ``saap`` (buckets of de-RoPE'd keys, ranked by the sum of the GQA
+group's classifier probabilities, as the runtime does), the paper's IVF baselines ``kmeans_derope`` and
+``kmeans_rope`` (k-means on de-RoPE'd / RoPE'd keys, probed by inner product like Faiss IVFFlat), and
+``window`` (ℓ = 0, StreamingLLM). Results and their reading: docs/results/saap.md.
 """
 
 from __future__ import annotations
@@ -146,6 +139,15 @@ def evaluate_layer(q_rope: torch.Tensor, q_derope: torch.Tensor, k_rope: torch.T
     ``oracle``: also ``oracle_derope`` / ``oracle_rope`` — each partition's buckets ranked by the group's
     true attention mass on its candidate keys (a perfect classifier; one bucket set per KV head like the
     runtime), the upper bound of what any ranking of that partition reaches.
+
+    Baselines: each query head probes the ℓ centroids of largest inner product with its de-RoPE'd /
+    RoPE'd query; ``baseline_probe="group"`` sums the GQA group's inner products instead. With per-head
+    probing also ``saap_per_head``: each query head ranks the buckets by its own classifier, the
+    like-for-like partner of the per-head baselines. The runtime's group sum visits one bucket set per
+    KV head, so ``saap``'s like-for-like baselines are the group-probed ones; per-head selection visits
+    up to g sets per KV head at the same per-head selectivity. ``baseline_probe="both"`` reports both
+    pairs in one pass (the group-probed ones as ``kmeans_derope_group`` / ``kmeans_rope_group``);
+    ``"none"`` evaluates ``saap`` and the window only (the recipe's default ``method.report``).
     """
     hq, t, d = q_rope.shape
     hkv, g = k_rope.shape[0], hq // k_rope.shape[0]

@@ -2,25 +2,21 @@
 
 Stages, timed as ``time_<stage>_s`` (per-layer ones also ``compute_<stage>_s`` over resumed runs):
 
-1. ``load`` — the model, ``method.prompts`` calibration prompts over ``method.calib_lengths`` and the
-   held-out ``method.eval`` prompts (at a length never calibrated on when the data has several).
-2. ``collect`` — :func:`calib.collect.collect` samples keys per (prompt, non-dense layer, KV head) and keeps
-   the bucket candidates at the end of the prompt (``[sink, T - recent)``), as at decode.
-3. ``kmeans`` — per (non-dense layer, KV head) L2 k-means on the de-RoPE'd keys (SAAP's buckets, seed
-   ``cfg.seed + h``) and on the RoPE'd keys (the ``kmeans_rope`` baseline, evaluation only).
-4. ``targets`` — :func:`calib.collect.run_layer_callbacks` picks long-range queries per head and computes
-   their rows of ``A·H_k``; with ``classifier.teacher_forced_answer`` every head also gets the gold
-   answer's decode positions (:data:`ANSWER_ROOM` positions are kept free for it).
+1. ``load`` — the model, the calibration prompts and the held-out ``method.eval`` prompts.
+2. ``collect`` — keys per (prompt, non-dense layer, KV head) among the bucket candidates ``[sink, T - recent)``.
+3. ``kmeans`` — per (non-dense layer, KV head) L2 k-means on the de-RoPE'd keys (seed ``cfg.seed + h``)
+   and, with ``method.report=full``, on the RoPE'd keys (the ``kmeans_rope`` baseline).
+4. ``targets`` — long-range queries per head and their rows of ``A·H_k``; with
+   ``classifier.teacher_forced_answer`` also the gold answer's decode positions (:data:`ANSWER_ROOM`).
 5. ``classifier`` — per layer all query heads train at once (batched weights, Adam); loss curves to MLflow.
    ``layers`` (``method.layer_profile.enabled``): per-layer ℓ by greedy answers (:mod:`.layer_profile`).
 6. ``eval`` — held-out decode-like queries: selectivity, recall and output error of SAAP and the window
    alone, plus the k-means baselines and oracles with ``method.report=full`` (:mod:`calib.saap.report`).
 
-Artifact (read by :meth:`runtime_kernels.saap.SaapDecode.from_artifact`): hyperparameters ``sink``, ``window``,
-``top_l``, ``dense_layers``, ``bn_eps`` (plus every calibration setting); per non-dense layer ``l`` the tensors
-``layers.<l>.<field>`` of :attr:`SaapLayerParams.TENSOR_FIELDS` in one safetensors file (``layer_<l>``).
-
-Design notes (each stage in detail, answer-aware calibration and its measurements): docs/notes/saap-recipe.md
+Artifact (read by :meth:`runtime_kernels.saap.SaapDecode.from_artifact`): hyperparameters ``sink``,
+``window``, ``top_l``, ``dense_layers``, ``bn_eps`` (plus every calibration setting); per non-dense layer
+``l`` the tensors ``layers.<l>.<field>`` of :attr:`SaapLayerParams.TENSOR_FIELDS` in ``layer_<l>``.
+Design notes (each stage in detail, answer-aware calibration): docs/notes/saap-recipe.md.
 """
 
 from __future__ import annotations
@@ -34,17 +30,31 @@ from typing import Any, Sequence
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
 
+from calib.collect import CollectConfig, collect, run_layer_callbacks
+from calib.collect.sampling import sample_generator
 from calib.config import layer_map, require
+from calib.data import build_prompts, take_in_turn
+from calib.data.books import ANSWERED_TASKS, BOOK_TASKS
 from calib.data.prompt import answer_token_ids  # noqa: F401 (public here too: the targets' answers)
-from calib.data import take_in_turn
+from calib.data.synthetic import TASKS
 from calib.errors import UserError
+from calib.models import load_model
 from calib.recipe_settings import Section, layer_scales, report_mode
-from calib.saap import layer_profile
+from calib.rope import derope, rotary_cos_sin
+from calib.run import MethodOutput
+from calib.saap import layer_profile, resume
 from calib.saap.artifact import hyperparameters, method_output  # noqa: F401 (hyperparameters: public here too)
+from calib.saap.classifier import BatchedQueryClassifier, fit_query_classifiers
+from calib.saap.kmeans import assign
 from calib.saap.kmeans_stage import kmeans_layer
-from calib.saap.metrics import LayerEvaluation
+from calib.saap.metrics import LayerEvaluation, eval_query_positions, evaluate_layer
+from calib.saap.targets import prompt_training_rows, top1_key_distance
 from runtime_kernels.saap.reference import SaapLayerParams
+
+# calib.saap.report (matplotlib, mlflow) is imported where used: the CLI imports this recipe for its checks
+# of a run's settings and data, which must fail fast.
 
 log = logging.getLogger(__name__)
 
@@ -153,9 +163,6 @@ def validate(cfg: DictConfig) -> None:
     """Range checks of ``cfg.method`` (one-line :class:`UserError`); a layer profile on generated data must
     name tasks that data generates (``data=synthetic`` on the command line with a model whose profile
     answers book needles fails here, not after the calibration)."""
-    from calib.data.books import BOOK_TASKS
-    from calib.data.synthetic import TASKS
-
     profile = Settings.from_cfg(cfg).profile
     source = str(cfg.data.get("source", "synthetic"))
     generated = {"synthetic": TASKS, "books": BOOK_TASKS}.get(source)
@@ -170,9 +177,6 @@ def data_needs(cfg: DictConfig) -> dict[str, str | None]:
     """Calibration and held-out rows, no answers needed (a gold answer, when given, is teacher-forced),
     unless ``method.layer_profile`` scores greedy answers on rows of the data. A profile on named tasks of
     generated data (synthetic tasks, book needles) needs no check: those prompts always carry answers."""
-    from calib.data.books import ANSWERED_TASKS
-    from calib.data.synthetic import TASKS
-
     profile = Settings.from_cfg(cfg).profile
     generated = str(cfg.data.get("source", "synthetic")) in ("synthetic", "books")
     answered = profile.tasks is not None and set(profile.tasks) <= {*TASKS, *ANSWERED_TASKS}
@@ -193,9 +197,11 @@ def longest_calibration_prompt(cfg: DictConfig, s: Settings) -> int | None:
 
 
 def prompt_lengths(cfg: DictConfig, s: Settings) -> tuple[list[int], int]:
-    """``(calibration lengths, evaluation length)`` (see the module docstring for the defaults). Default
-    calibration lengths longer than :func:`longest_calibration_prompt` are cut to it: SmolLM2's data
-    lengths end at its 8192-token context, and ``prompt + answer`` must fit (8128 there)."""
+    """``(calibration lengths, evaluation length)``: ``method.calib_lengths``, default the data lengths
+    but the evaluation length, and ``method.eval.length``, default the second longest data length (a
+    length never calibrated on when the data has several). Default calibration lengths longer than
+    :func:`longest_calibration_prompt` are cut to it: SmolLM2's data lengths end at its 8192-token
+    context, and ``prompt + answer`` must fit (8128 there)."""
     lengths = sorted({int(x) for x in cfg.data.lengths})
     eval_length = s.eval_length if s.eval_length is not None else (lengths[-2] if len(lengths) > 1 else lengths[-1])
     calib = s.calib_lengths
@@ -231,8 +237,6 @@ def _in_turn(prompts: Sequence[Any], n: int, what: str) -> list[Any]:
 
 def build_prompt_sets(cfg: DictConfig, s: Settings, tokenizer: Any) -> tuple[list[Any], list[Any], list[int], int]:
     """``(calibration prompts, held-out prompts, calibration lengths, evaluation length)``."""
-    from calib.data import build_prompts
-
     calib_lengths, eval_length = prompt_lengths(cfg, s)
     tasks = [str(t) for t in cfg.data.tasks or []]  # file/hub data: rows of any task, of any length
     synthetic = str(cfg.data.get("source", "synthetic")) in ("synthetic", "books")  # generated per task and length
@@ -256,8 +260,6 @@ def keys_per_prompt(s: Settings, num_prompts: int) -> int:
 
 def collect_keys(cfg: DictConfig, loaded: Any, prompts: Sequence[Any], s: Settings, layers: list[int]) -> Any:
     """The collected set (RoPE'd keys of ``layers``) of the calibration prompts (cached, resumable)."""
-    from calib.collect import CollectConfig, collect
-
     base = CollectConfig.from_any(cfg.get("collect"))
     ccfg = dataclasses.replace(base, keys_per_head=keys_per_prompt(s, len(prompts)), queries_per_head=1,
                                store=["k_post"], layers=layers)
@@ -267,8 +269,6 @@ def collect_keys(cfg: DictConfig, loaded: Any, prompts: Sequence[Any], s: Settin
 # ---------------------------------------------------------------------------------- second pass
 def derope_capture(model: Any, cap: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """De-RoPE'd ``(q [Hq, T, D], k [Hkv, T, D])`` float32 of a capture, with the model's rotary module."""
-    from calib.rope import derope, rotary_cos_sin
-
     cos, sin = rotary_cos_sin(model, cap.positions)
     cos, sin = cos.to(cap.q_post.device), sin.to(cap.q_post.device)
     return derope(cap.q_post, cos, sin, torch.float32), derope(cap.k_post, cos, sin, torch.float32)
@@ -304,12 +304,6 @@ def training_rows(loaded: Any, prompts: Sequence[Any], centroids: dict[int, torc
                   seed: int) -> dict[int, TrainingRows]:
     """The second pass: per non-dense layer the sampled queries (plus, with ``teacher_forced_answer``,
     the answer positions) and their ``A·H_k`` rows."""
-    from calib.collect import run_layer_callbacks
-    from calib.collect.sampling import sample_generator
-    from calib.saap.kmeans import assign
-    from calib.rope import derope, rotary_cos_sin
-    from calib.saap.targets import prompt_training_rows
-
     sequences, prompt_lens = calibration_sequences(loaded.tokenizer, prompts, s.teacher_forced_answer)
     rows = {l: TrainingRows([], [], [], []) for l in centroids}
     scales = layer_scales(loaded.model)
@@ -344,13 +338,11 @@ def training_rows(loaded: Any, prompts: Sequence[Any], centroids: dict[int, torc
 
 
 def train_layer(rows: TrainingRows, s: Settings, layer: int, device: torch.device,
-                bar: Any = None) -> tuple[Any, torch.Tensor]:
+                bar: Any = None) -> tuple[BatchedQueryClassifier, torch.Tensor]:
     """All query heads of one layer at once -> ``(BatchedQueryClassifier, loss curve [steps, Hq])``; each
     step's batch comes from one prompt (the paper, App. A).
 
     ``bar``: the stage's progress bar (one step per optimizer step); None opens one for this layer."""
-    from calib.saap.classifier import fit_query_classifiers
-
     x, t, index = rows.tensors()
     return fit_query_classifiers(x, t, hidden=s.hidden, lr=s.lr, steps=s.steps, batch=s.batch,
                                  seed=s.classifier_seed, prompt_index=index,
@@ -360,24 +352,17 @@ def train_layer(rows: TrainingRows, s: Settings, layer: int, device: torch.devic
 def classifier_layer(rows: TrainingRows, centroids: torch.Tensor, s: Settings, layer: int,
                      device: torch.device, bar: Any = None) -> dict[str, torch.Tensor]:
     """One layer's classifiers as :func:`calib.saap.resume.classifier_to_tensors` (params + loss curve)."""
-    from calib.saap.resume import classifier_to_tensors
-
     if bar is not None:
         bar.set_description(f"saap classifiers, layer {layer}")
     model, curve = train_layer(rows, s, layer, device, bar)
     log.info("saap: layer %d classifiers, KL %.4f -> %.4f (mean over heads)", layer,
              float(curve[0].mean()), float(curve[-1].mean()))
-    return classifier_to_tensors(model.layer_params(centroids, sink=s.sink, recent=s.recent), curve)
+    return resume.classifier_to_tensors(model.layer_params(centroids, sink=s.sink, recent=s.recent), curve)
 
 
 def evaluate(loaded: Any, prompts: Sequence[Any], params: dict[int, SaapLayerParams],
              rope_centroids: dict[int, torch.Tensor], s: Settings, seed: int) -> dict[int, LayerEvaluation]:
     """Per non-dense layer the evaluation of all held-out prompts (queries joined)."""
-    from calib.collect import run_layer_callbacks
-    from calib.collect.sampling import sample_generator
-    from calib.saap.metrics import eval_query_positions, evaluate_layer
-    from calib.saap.targets import top1_key_distance
-
     scales = layer_scales(loaded.model)
     dev_params = {l: p.to(loaded.device) for l, p in params.items()}
     dev_rope = {l: c.to(loaded.device) for l, c in rope_centroids.items()}
@@ -411,15 +396,12 @@ def evaluate(loaded: Any, prompts: Sequence[Any], params: dict[int, SaapLayerPar
 # ------------------------------------------------------------------------------------------- recipe
 def stage_bar(total: int, desc: str, unit: str) -> Any:
     """A tqdm bar over a stage's known amount of work (so it shows an ETA); closes as a context manager."""
-    from tqdm.auto import tqdm
-
     return tqdm(total=total, desc=desc, unit=unit, leave=False)
 
 
-def calibrate(cfg: DictConfig, ctx: Any) -> Any:
+def calibrate(cfg: DictConfig, ctx: Any) -> MethodOutput:
     """The SAAP pipeline (see the module docstring); returns the :class:`calib.run.MethodOutput`."""
-    from calib.models import load_model
-    from calib.saap import report, resume
+    from calib.saap import report
 
     s = Settings.from_cfg(cfg)
     seed = int(cfg.get("seed", 0))

@@ -20,13 +20,17 @@ Metric names avoid ``@`` (MLflow accepts only ``[/\\w.\\- :]``): ``recall_at_sel
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, Sequence
 
+import mlflow
 import numpy as np
 import torch
 from matplotlib.figure import Figure
+from mlflow.entities import Metric
 
 from calib.saap.metrics import LayerEvaluation, recall_at_selectivity
+from calib.tracking import log_figure
 
 METHODS = ("saap", "saap_per_head", "kmeans_derope", "kmeans_rope", "kmeans_derope_group",
            "kmeans_rope_group", "oracle_derope", "oracle_rope")  # the ℓ-indexed methods; "window" is ℓ = 0
@@ -224,11 +228,6 @@ def loss_figure(curves: dict[int, torch.Tensor], title: str) -> Figure:
 # --------------------------------------------------------------------------------------- mlflow
 def log_loss_series(curves: dict[int, torch.Tensor], max_points: int = 500) -> None:
     """Log ``classifier_loss.layer<l>`` (mean over heads) per step to the active run, in batches."""
-    import time
-
-    import mlflow
-    from mlflow.entities import Metric
-
     run = mlflow.active_run()
     if run is None:
         return
@@ -247,10 +246,6 @@ def log_loss_series(curves: dict[int, torch.Tensor], max_points: int = 500) -> N
 def log_report(rows: list[dict[str, Any]], loss_curves: dict[int, torch.Tensor], model_name: str,
                extra: dict[str, Any]) -> None:
     """Table (``saap/eval_table.json``), trade-off plots and loss curves to the active run."""
-    import mlflow
-
-    from calib.tracking import log_figure
-
     if mlflow.active_run() is None:
         return
     mlflow.log_dict(json_safe({"rows": rows, **extra}), "saap/eval_table.json")
@@ -283,10 +278,6 @@ def layer_profile_figure(rows: list[dict[str, Any]], dense_acc: float, title: st
 
 def log_layer_profile(rows: list[dict[str, Any]], dense_acc: float, model_name: str) -> None:
     """The profile's trials (``saap/layer_profile.json``) and their plot to the active run."""
-    import mlflow
-
-    from calib.tracking import log_figure
-
     if mlflow.active_run() is None:
         return
     mlflow.log_dict(json_safe({"dense_acc": dense_acc, "trials": rows}), "saap/layer_profile.json")

@@ -19,6 +19,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from calib.checkpoint import StageCheckpoints, stage_checkpoints
+from calib.config import to_container
+from calib.data import dataset_hash
 from runtime_kernels.saap.reference import SaapLayerParams
 
 _ROW_FIELDS = ("x", "targets", "long_range", "answer", "positions")
@@ -26,9 +28,6 @@ _ROW_FIELDS = ("x", "targets", "long_range", "answer", "positions")
 
 def saap_checkpoints(cfg: Any, model_hash: str | None, prompts: Sequence[Any]) -> StageCheckpoints:
     """The checkpoints of this SAAP calibration: keyed by the resolved config, model and prompt set."""
-    from calib.config import to_container
-    from calib.data import dataset_hash
-
     return stage_checkpoints("saap", to_container(cfg), model_hash=model_hash, data_hash=dataset_hash(prompts))
 
 

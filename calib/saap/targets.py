@@ -9,18 +9,11 @@ renormalized (i.e. a softmax over the non-sink keys), not causally masked by def
 Only long-range queries are kept: the query's top-1 key (sink excluded) lies more than ``long_range``
 tokens before it. The top-1 is taken over the keys the query sees at decode (``j ≤ i``, ``causal=True``
 by default): a decode query never sees the future, so "its best key is far back" is about its past.
-
-Answer-aware rows (:func:`prompt_training_rows`, ``method.classifier.teacher_forced_answer``): the
-sequence may be the prompt followed by its gold answer's tokens (teacher forcing). The sampled
-queries and their targets then come from the prompt part only, exactly as without the answer, and
-the **answer positions** ``[T, T + m)`` are added for every head: the queries the decode runtime
-actually sees while it emits the answer (the query of answer token ``j`` predicts token ``j + 1``, the
-last one predicts the stop token). Their targets are causal (a decode query sees only its past),
-whatever ``causal_targets`` says for the prompt's rows.
+With a teacher-forced gold answer, :func:`prompt_training_rows` also adds the answer's decode positions.
 
 Everything runs on one prompt's tensors, chunked over queries (memory ``O(chunk · T)`` per head), so
 the recipe calls it inside the collection pass and keeps only the sampled queries and their targets.
-GQA layout: query head ``h`` reads KV head ``h // (Hq // Hkv)``.
+GQA layout: query head ``h`` reads KV head ``h // (Hq // Hkv)``. Design notes: docs/notes/saap-recipe.md.
 """
 
 from __future__ import annotations
@@ -190,6 +183,12 @@ def prompt_training_rows(q_rope: torch.Tensor, k_rope: torch.Tensor, key_bucket:
                          causal_targets: bool = False, candidates: int | None = None,
                          scale: float | None = None, generator: torch.Generator | None = None) -> PromptRows:
     """Training queries and targets of one (possibly teacher-forced) sequence.
+
+    Answer-aware rows (``method.classifier.teacher_forced_answer``): the sequence may be the prompt
+    followed by its gold answer's tokens. The sampled queries and their targets then come from the prompt
+    part only, exactly as without the answer, and the answer positions are added for every head: the
+    queries the decode runtime sees while it emits the answer. Their targets are causal (a decode query
+    sees only its past), whatever ``causal_targets`` says for the prompt's rows.
 
     ``q_rope [Hq, T, D]``, ``k_rope [Hkv, T, D]``, ``key_bucket [Hkv, T]`` cover the whole sequence;
     ``prompt_len`` (default ``T``) is where the prompt ends and the appended answer begins.

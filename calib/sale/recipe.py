@@ -1,32 +1,20 @@
 """``python -m calib run +method=sale``: per (layer, query head) thresholds tau by tau-halving (docs/methods.md, SALE).
 
-Stages (each timed):
+Stages, each timed; stages 2 and 3 and the theta curve are report extras (``method.report=full`` only):
 
 1. ``calibrate`` — ``num_samples`` calibration prompts of ``calib_length`` tokens (default: the longest
-   data length) run through the DENSE model once each. For every (layer, prompt) the capture callback
-   gets the RoPE'd q, k, v the attention used and O = the model's own per-head attention output before
-   ``o_proj`` (``keep_attn_output``), estimates the Selection-Pass block scores once and records every
-   head's ``Err(tau) = ||O - O~||_1 / N`` and density at every tau of the halving ladder
-   (:mod:`calib.sale.tables`). Each layer is thus calibrated on the dense model's inputs to that layer
-   (no error cascade), only one layer of one prompt is in memory at a time, and there is one forward
-   per prompt. Halving then runs per layer on those tables, all heads at once per step: a head keeps
-   the first tau whose error is ``<= theta`` on EVERY sample; ``tau <= tau_min`` becomes 0 (dense).
-Stages 2 and 3 and the theta curve are report extras: they run with ``method.report=full`` only (the
-default ``artifact`` computes what the artifact holds and its headline metrics, stage 1).
-
+   data length) run through the DENSE model once each; per (layer, prompt) every head's error
+   ``Err(tau) = ||O - O~||_1 / N`` against the model's own attention output and its density are recorded
+   at every tau of the halving ladder (:func:`collect_tables`). Halving then runs per layer on those
+   tables (:func:`halve_layers`): a head keeps the first tau whose error is ``<= theta`` on EVERY
+   sample; ``tau <= tau_min`` becomes 0 (dense).
 2. ``sparsity_by_length`` — block sparsity of the calibrated tau on held-out prompts (``eval.seed``)
    of every data length: the Selection-Pass only, on the dense model's inputs (``sparsity_at_<len>``).
 3. ``ablation`` (``compare_shared_tau``) — one tau shared by all heads whose mean sparsity on the
-   calibration samples matches the per-head result (paper Fig. 3b): worst per-head Err of both on the
-   calibration samples, and held-out task accuracy of dense / per-head / shared on ``ablation_prompts``
-   prompts per task at ``ablation_length`` (default the calibration length), SALE plugged in with
-   ``runtime_kernels.hf.attach(model, prefill=SalePrefill(tau))`` exactly as ``hf.apply`` would.
-
-O vs q/k/v: the stored errors compare with the model's own attention output (SDPA in the model's
-dtype, e.g. bf16 on GPU); O~ is the exact softmax over the kept blocks of the same RoPE'd q, k, v in
-float32 (:func:`calib.sale.tables.ladder_errors_partials`, equal to :func:`block_sparse_attention`).
-At tau = 0 the error is the float noise floor between the two (reported as ``err_dense_floor``); the
-test recomputes every stored error from float64 dense and block-sparse attention.
+   calibration samples matches the per-head result (paper Fig. 3b): worst per-head Err of both, and
+   held-out task accuracy of dense / per-head / shared on ``ablation_prompts`` prompts per task at
+   ``ablation_length`` (default the calibration length), SALE plugged in with ``runtime_kernels.hf.attach``
+   exactly as ``hf.apply`` would. Results: docs/results/sale.md.
 """
 
 from __future__ import annotations
@@ -39,13 +27,24 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
+from calib.collect.capture import run_layer_callbacks
+from calib.data import build_prompts, dataset_hash
 from calib.errors import UserError
+from calib.evaluate import answer_prompts
+from calib.models import load_model
 from calib.recipe_settings import Section, layer_scales, report_mode
+from calib.run import MethodOutput
 from calib.sale.tables import (LadderEval, at_tau, evaluate_ladder, halve_from_table, match_shared_tau,
                                shared_tau_grid, tau_ladder)
+from calib.stats import paired_bootstrap_diff
+from calib.tracking import log_figure
+from runtime_kernels import hf
 from runtime_kernels.manifest import DataRecord
 from runtime_kernels.sale.api import SalePrefill, estimator_precision, sale_select
 from runtime_kernels.sale.reference import SaleSelectionConfig
+
+# mlflow and calib.sale.plots (matplotlib) are imported where used: the CLI imports this recipe for its
+# checks of a run's settings and data, which must fail fast.
 
 BITS = {4: "int4", 8: "int8"}
 
@@ -81,7 +80,7 @@ class Settings:
                    calib_length=m.integer("calib_length", optional=True, at_least=1),
                    calib_tasks=m.names("calib_tasks", optional=True), report=report_mode(m),
                    sparsity_prompts=m.integer("sparsity_prompts", at_least=1),
-                   theta_curve=m.numbers("theta_curve", optional=True, above=0) or [],
+                   theta_curve=m.numbers("theta_curve", optional=True, above=0, empty=True) or [],
                    compare_shared_tau=m.flag("compare_shared_tau"),
                    ablation_prompts=m.integer("ablation_prompts", at_least=0),
                    ablation_length=m.integer("ablation_length", optional=True, at_least=1))
@@ -116,8 +115,6 @@ def calibration_length(cfg: DictConfig, s: Settings) -> int:
 
 def calibration_prompts(cfg: DictConfig, s: Settings, tokenizer: Any) -> list[Any]:
     """``num_samples`` prompts (``data.seed``, ``calib_length``), tasks taken in turn."""
-    from calib.data import build_prompts
-
     n = s.num_samples
     tasks = [str(t) for t in (s.calib_tasks or cfg.data.tasks or [])]  # file/hub data: [] = every task
     per_task = -(-n // max(1, len(tasks)))
@@ -158,9 +155,20 @@ class Calibrated:
 
 def collect_tables(loaded: Any, prompts: Sequence[Any], ladder: list[float], sel: SaleSelectionConfig,
                    grid: torch.Tensor | None) -> CalibTables:
-    """One dense forward per prompt; per (layer, prompt) every head at every ladder tau."""
-    from calib.collect.capture import run_layer_callbacks
+    """One dense forward per prompt; per (layer, prompt) every head at every ladder tau.
 
+    The capture callback gets the RoPE'd q, k, v the attention used and O = the model's own per-head
+    attention output before ``o_proj`` (``keep_attn_output``), estimates the Selection-Pass block scores
+    once and records every head's ``Err(tau)`` and density at every ladder tau (:mod:`calib.sale.tables`).
+    Each layer is thus calibrated on the dense model's inputs to that layer (no error cascade), and only
+    one layer of one prompt is in memory at a time.
+
+    O vs q/k/v: the stored errors compare with the model's own attention output (SDPA in the model's
+    dtype, e.g. bf16 on GPU); O~ is the exact softmax over the kept blocks of the same RoPE'd q, k, v in
+    float32 (:func:`calib.sale.tables.ladder_errors_partials`, equal to :func:`block_sparse_attention`).
+    At tau = 0 the error is the float noise floor between the two (reported as ``err_dense_floor``); the
+    test recomputes every stored error from float64 dense and block-sparse attention.
+    """
     n_layers, n_heads, s = loaded.facts.num_layers, loaded.facts.num_heads, len(prompts)
     g = 0 if grid is None else grid.numel()
     err = torch.zeros(n_layers, len(ladder), s, n_heads)
@@ -200,8 +208,6 @@ def sparsity_by_length(loaded: Any, prompts: Sequence[Any], tau: torch.Tensor,
 
     Selection-Pass only, on the dense model's inputs to each layer.
     """
-    from calib.collect.capture import run_layer_callbacks
-
     scales = layer_scales(loaded.model)
     dens_sum = torch.zeros(len(prompts), dtype=torch.float64)
     count = torch.zeros(len(prompts), dtype=torch.float64)
@@ -227,8 +233,6 @@ def sparsity_by_length(loaded: Any, prompts: Sequence[Any], tau: torch.Tensor,
 def errors_at_shared_tau(loaded: Any, prompts: Sequence[Any], tau: float,
                          sel: SaleSelectionConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Err and density ``[S, L, H]`` of one tau shared by every head, on ``prompts``."""
-    from calib.collect.capture import run_layer_callbacks
-
     n_layers, n_heads = loaded.facts.num_layers, loaded.facts.num_heads
     err = torch.zeros(len(prompts), n_layers, n_heads)
     density = torch.zeros(len(prompts), n_layers, n_heads)
@@ -247,11 +251,6 @@ def errors_at_shared_tau(loaded: Any, prompts: Sequence[Any], tau: float,
 def ablation_accuracy(cfg: DictConfig, s: Settings, loaded: Any, taus: dict[str, torch.Tensor],
                       length: int) -> dict[str, float]:
     """Held-out exact-match accuracy dense and with SALE at each ``taus[name]: [L, H]``."""
-    from calib.data import build_prompts
-    from calib.evaluate import answer_prompts
-    from calib.stats import paired_bootstrap_diff
-    from runtime_kernels import hf
-
     prompts = build_prompts(cfg.data, loaded.tokenizer, seed=int(cfg.eval.seed), lengths=[length],
                             tasks=cfg.data.tasks, num_prompts=s.ablation_prompts,
                             purpose="evaluation")
@@ -287,7 +286,6 @@ def log_plots(cal: Calibrated, by_length: dict[int, list[float]], curve: dict[fl
               model_name: str) -> None:
     """Heatmaps of tau / sparsity / worst error, sparsity vs length and vs theta, to the active run."""
     from calib.sale import plots
-    from calib.tracking import log_figure
 
     title = f"SALE {model_name}, theta={theta:g}"
     log_figure(plots.tau_heatmap(cal.tau, f"{title}: tau per head"), "plots/sale_tau_heatmap.png")
@@ -313,7 +311,6 @@ def log_shared_tau(cal: Calibrated, err_shared: torch.Tensor, dens_shared: torch
     import mlflow
 
     from calib.sale import plots
-    from calib.tracking import log_figure
 
     top = float(err_shared.amax(0).max()) / theta
     log_figure(plots.heatmap(err_shared.amax(0) / theta, f"SALE {model_name}: worst Err / theta, one shared "
@@ -333,13 +330,9 @@ def theta_curve(tables: CalibTables, theta: float, multiples: Sequence[float], t
 
 
 # ------------------------------------------------------------------------------------------- recipe
-def calibrate(cfg: DictConfig, ctx: Any) -> Any:
+def calibrate(cfg: DictConfig, ctx: Any) -> MethodOutput:
     """Calibrate per-head tau; returns the :class:`calib.run.MethodOutput` (see the module docstring)."""
     import mlflow
-
-    from calib.data import build_prompts, dataset_hash
-    from calib.models import load_model
-    from calib.run import MethodOutput
 
     s = Settings.from_cfg(cfg)
     theta, tau0, tau_min, sel, full = s.theta, s.tau0, s.tau_min, s.selection, s.full_report

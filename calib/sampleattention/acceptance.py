@@ -23,6 +23,16 @@ from typing import Any
 
 import numpy as np
 
+from calib.config import compose
+from calib.data import evaluation_prompts
+from calib.errors import UserError
+from calib.evaluate import answer_prompts
+from calib.models import load_model, resolve_device
+from calib.stats import paired_bootstrap_diff
+from runtime_kernels import hf
+from runtime_kernels.artifact import load_artifact
+from runtime_kernels.sampleattention.api import SampleAttentionPrefill
+
 
 def group_summary(dense: Sequence[Any], sparse: Sequence[Any], keys: Sequence[Any], *, resamples: int,
                   seed: int) -> dict[str, dict[str, float]]:
@@ -31,8 +41,6 @@ def group_summary(dense: Sequence[Any], sparse: Sequence[Any], keys: Sequence[An
     ``dense``/``sparse``: :class:`calib.evaluate.PromptResult` in the same prompt order; ``keys[i]`` is
     prompt ``i``'s group.
     """
-    from calib.stats import paired_bootstrap_diff
-
     groups: dict[Any, list[int]] = defaultdict(list)
     for i, key in enumerate(keys):
         groups[key].append(i)
@@ -66,15 +74,6 @@ def verdict(buckets: dict[str, dict[str, float]], *, min_prompts: int, max_drop:
 
 def check(cfg: Any, *, min_prompts: int = 100, max_drop: float = 0.02) -> dict[str, Any]:
     """Run the check for ``cfg.artifact`` (a composed calib config); returns the result dict."""
-    from calib.data import evaluation_prompts
-    from calib.errors import UserError
-    from calib.evaluate import answer_prompts
-    from calib.models import load_model
-    from calib.run import resolve_device
-    from runtime_kernels import hf
-    from runtime_kernels.artifact import load_artifact
-    from runtime_kernels.sampleattention.api import SampleAttentionPrefill
-
     if not cfg.get("artifact"):
         raise UserError("give the artifact: artifact=models:/sampleattention-<model>/<version> (or a directory)")
     loaded = load_model(cfg.model, device=str(resolve_device(str(cfg.get("device", "auto")))))
@@ -101,9 +100,6 @@ def check(cfg: Any, *, min_prompts: int = 100, max_drop: float = 0.02) -> dict[s
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from calib.config import compose
-    from calib.errors import UserError
-
     parser = argparse.ArgumentParser(prog="python -m calib.sampleattention.acceptance",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--min-prompts", type=int, default=100, help="held-out prompts needed per bucket")

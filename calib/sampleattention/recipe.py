@@ -2,28 +2,21 @@
 
 Steps (docs/methods.md, SampleAttention; Zhu et al., arXiv:2406.15486, §4.2.6; each a timed stage):
 
-1. ``load``: the model. ``data``: profiling prompts from ``cfg.data`` with the calibration seed
-   (``data.seed``), ``method.profiling.prompts_per_length`` per task and length for the lengths
-   ``method.profiling.lengths``, grouped by the bucket that holds their token count (``bucket_edges``;
-   the lookup the runtime makes).
-2. ``dense``: each bucket's dense score (:mod:`calib.sampleattention.scoring`: ``method.score`` is
-   ``answer_prob`` by default, ``exact_match`` on SmolLM2); threshold = ``min_relative_score`` x dense.
+1. ``load`` / ``data``: the model; profiling prompts (``data.seed``, ``method.profiling``) grouped by the
+   bucket that holds their token count (``bucket_edges``; the lookup the runtime makes).
+2. ``dense``: each bucket's dense score (:mod:`calib.sampleattention.scoring`, ``method.score``);
+   threshold = ``min_relative_score`` x dense.
 3. ``tune``: per bucket :func:`calib.sampleattention.tuning.tune_length_bucket` over the grid
-   ``alphas_c x alphas_s x chunk_ns``; each point is scored by attaching ``SampleAttentionPrefill`` with
-   that fixed row. Maximize sparsity subject to the threshold; ties (:data:`SPARSITY_TIE_TOL`) go to the
-   smaller chunk_n, then (GPU, ``measure_time``) to the faster attention. Dominated points are skipped.
-4. ``table3`` (``method.report=full`` only; the default ``artifact`` skips it): at each bucket's chosen
-   alphas, every chunk_n of ``table3_chunk_ns`` (null: ``chunk_ns``) scored on all prompts
-   (evaluating what the search skipped or stopped early).
-5. ``report``: every evaluated point, skipped point and the choice per bucket
-   (``sampleattention/tuning.json``), per-bucket heatmaps (``plots/sampleattention/bucket<i>.png``),
-   the Table-3 table with ``method.report=full`` (``sampleattention/table3.md`` + metrics
-   ``table3.b<i>.n<c>.*``).
+   ``alphas_c x alphas_s x chunk_ns``: maximize sparsity subject to the threshold; ties
+   (:data:`SPARSITY_TIE_TOL`) go to the smaller chunk_n, then (GPU, ``measure_time``) to the shorter
+   attention time. Dominated points are skipped.
+4. ``table3`` (``method.report=full`` only): every chunk_n of ``table3_chunk_ns`` at each bucket's chosen
+   alphas, on all prompts. ``report``: every point and the choice per bucket, heatmaps, Table 3.
 
 Artifact: payload ``{"buckets": BucketTable.to_dict(), "tuning": per-bucket summary}`` and the tensor
 ``table`` ``[n_buckets, 3]`` float32 = (alpha_c, alpha_s, chunk_n) per bucket (checked against the
-payload at load). A bucket with no feasible point runs dense; one with no profiling length takes
-the nearest shorter tuned row (:func:`build_bucket_table`).
+payload at load). A bucket with no feasible point runs dense; one with no profiling length takes the
+nearest shorter tuned row (:func:`build_bucket_table`). Results: docs/results/sampleattention.md.
 """
 
 from __future__ import annotations
@@ -37,11 +30,20 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from calib.config import require
+from calib.data import build_prompts, dataset_hash
+from calib.models import load_model
 from calib.recipe_settings import Section, report_mode
+from calib.run import MethodOutput
 from calib.sampleattention.report import BucketReport, heatmap_figure, table3_markdown
 from calib.sampleattention.scoring import SCORES, BucketEvaluator, PointEval
 from calib.sampleattention.tuning import GridPoint, build_bucket_table, tune_length_bucket
+from calib.tracking import log_figure
+from runtime_kernels.manifest import DataRecord
+from runtime_kernels.sampleattention.api import bucket_table_tensor
 from runtime_kernels.sampleattention.buckets import BucketRow, BucketTable
+
+# mlflow is imported where used: the CLI imports this recipe for its checks of a run's settings and data,
+# which must fail fast.
 
 log = logging.getLogger(__name__)
 
@@ -124,8 +126,6 @@ def data_needs(cfg: DictConfig) -> dict[str, str | None]:
 
 
 def _profiling_prompts(cfg: DictConfig, s: Settings, tokenizer: Any) -> list[Any]:
-    from calib.data import build_prompts
-
     p = s.profiling
     return build_prompts(cfg.data, tokenizer, seed=int(cfg.data.seed), lengths=p.lengths, tasks=p.tasks,
                          num_prompts=p.prompts_per_length, purpose="calibration")
@@ -198,9 +198,11 @@ def _metrics(reports: list[BucketReport]) -> dict[str, Any]:
 
 
 def _log_reports(reports: list[BucketReport], s: Settings) -> None:
+    """The search to the active run: every evaluated and skipped point and the choice per bucket
+    (``sampleattention/tuning.json``), per-bucket heatmaps (``plots/sampleattention/bucket<i>.png``) and,
+    with ``method.report=full``, the Table-3 table (``sampleattention/table3.md``; metrics
+    ``table3.b<i>.n<c>.*`` come from :func:`_metrics`)."""
     import mlflow
-
-    from calib.tracking import log_figure
 
     mlflow.log_dict({"buckets": [r.to_dict() for r in reports]}, "sampleattention/tuning.json")
     for r in reports:
@@ -211,15 +213,9 @@ def _log_reports(reports: list[BucketReport], s: Settings) -> None:
                  table3_markdown(reports))
 
 
-def calibrate(cfg: DictConfig, ctx: Any) -> Any:
+def calibrate(cfg: DictConfig, ctx: Any) -> MethodOutput:
     """Tune every bucket, log the search, return the bucket table as the artifact."""
     import mlflow
-
-    from calib.data import dataset_hash
-    from calib.models import load_model
-    from calib.run import MethodOutput
-    from runtime_kernels.manifest import DataRecord
-    from runtime_kernels.sampleattention.api import bucket_table_tensor
 
     s = Settings.from_cfg(cfg)
     edges, p = s.bucket_edges, s.profiling

@@ -13,10 +13,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from calib.sampleattention.scoring import PointEval
 from calib.sampleattention.tuning import GridPoint, TuningResult
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+# matplotlib is imported where used: the recipe imports this module, and the CLI imports the recipe for
+# checks that must fail fast.
 
 RULE_LETTERS = {"dominated_by_failure": "F", "cannot_beat_best": "B", "dominates_feasible": "D"}
 
@@ -98,19 +106,16 @@ def _grid(report: BucketReport, chunk_n: int, alphas_c: list[float], alphas_s: l
     return {"score": score, "sparsity": sparsity, "labels": labels}
 
 
-def heatmap_figure(report: BucketReport, alphas_c: list[float], alphas_s: list[float]) -> Any:
+def heatmap_figure(report: BucketReport, alphas_c: list[float], alphas_s: list[float]) -> Figure:
     """The bucket's figure: one row per evaluated chunk_n, columns score and sparsity."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
+    from matplotlib.figure import Figure
     from matplotlib.patches import Rectangle
 
     chunk_ns = sorted({e.point.chunk_n for e in report.evals.values()})
     rows = max(1, len(chunk_ns))
     size = (2.2 + 2.2 * len(alphas_s), 0.6 + 0.9 * len(alphas_c) * rows)
-    fig, axes = plt.subplots(rows, 2, figsize=size, squeeze=False)
+    fig = Figure(figsize=size)
+    axes = fig.subplots(rows, 2, squeeze=False)
     chosen = report.result.chosen.point if report.result.chosen is not None else None
     for row, n in enumerate(chunk_ns):
         grid = _grid(report, n, alphas_c, alphas_s)

@@ -4,14 +4,10 @@ A point ``(alpha_c, alpha_s, chunk_n)`` is scored by plugging :class:`SampleAtte
 one fixed row into the model (``runtime_kernels.hf.attach``) and answering the bucket's prompts. Two
 task scores (``method.score``), both in ``[0, 1]`` per prompt and averaged over the prompts:
 
-* ``answer_prob``: the gold answer's per-token geometric-mean probability under teacher forcing,
-  ``exp(mean_t log p(y_t | prompt, y_<t))`` over the answer tokens and, for tasks scored by exact
-  match, the end of the answer (the summed probability of the stop tokens: EOS or newline, as greedy
-  decoding stops). Tasks scored by ``contains`` (a model that answers in a sentence) get no stop term:
-  their reply goes on after the answer, so the stop's probability is tiny whatever the attention and
-  would bury the answer tokens' change. Only the prompt's prefill runs SampleAttention; the answer
-  tokens then attend densely to the sparse-prefilled KV cache, as greedy decode steps do. Continuous,
-  so a 0.99 x dense threshold bounds the *degradation* of the answers; it also gives ``tf_exact``
+* ``answer_prob``: the gold answer's per-token geometric-mean probability under teacher forcing
+  (:func:`teacher_forced_score`). Only the prompt's prefill runs SampleAttention; the answer tokens
+  then attend densely to the sparse-prefilled KV cache, as greedy decode steps do. Continuous, so a
+  threshold relative to dense bounds the *degradation* of the answers; it also gives ``tf_exact``
   (every answer token and the stop are the argmax: what greedy decoding would produce).
 * ``exact_match``: greedy generation scored with ``calib.data.is_correct`` (the task's rule, as
   ``calib eval`` scores it): the paper's accuracy criterion (§4.2.6), and SmolLM2's choice
@@ -19,12 +15,7 @@ task scores (``method.score``), both in ``[0, 1]`` per prompt and averaged over 
   ``loop="static"`` (the recipe's choice on CUDA) prompts are answered ``batch_tokens`` at a time
   through the serving loop (``calib.generation.static_greedy_generate``, as in ``calib eval``).
 
-Early stop: prompts are scored one at a time (a batch at a time in the static loop); once even perfect
-scores (1.0) on the remaining prompts could not lift the mean to the feasibility threshold, the point is
-failing whatever the rest give, and the evaluator stops and reports that upper bound as its score (so the
-decision is the one a full evaluation makes; sparsity and time are then means over the prompts scored).
-Prompts are ordered so that likely failures come first: ascending dense answer probability
-(``answer_prob``), dense-correct first (``exact_match``).
+:class:`BucketEvaluator` stops a point early once it cannot reach the feasibility threshold.
 """
 
 from __future__ import annotations
@@ -35,11 +26,16 @@ from typing import Any
 
 import torch
 
+from calib.data import is_correct
 from calib.data.prompt import answer_token_ids
+from calib.generation import greedy_generate, static_greedy_generate, stop_token_ids
 from calib.sampleattention.tuning import GridPoint, PointResult
 from runtime_kernels import hf
 from runtime_kernels.sampleattention.api import SampleAttentionPrefill
 from runtime_kernels.sampleattention.buckets import BucketRow
+
+# runtime_kernels.generate is imported where used: it imports transformers, whose import is heavy, and the
+# CLI imports this module (through the recipe) for checks that must fail fast.
 
 SCORES = ("answer_prob", "exact_match")
 
@@ -90,7 +86,11 @@ def teacher_forced_score(model: Any, prompt_ids: Sequence[int], answer_ids: Sequ
     """``(answer probability, tf_exact)`` of one prompt; ``prefill`` (or dense when None) runs the prompt.
 
     Returns the geometric mean over each answer token's probability and, when ``stop_ids`` is not
-    empty, the summed probability of ``stop_ids`` after the answer (``len(answer_ids) + 1`` terms).
+    empty, the summed probability of ``stop_ids`` after the answer (``len(answer_ids) + 1`` terms):
+    ``exp(mean_t log p(y_t | prompt, y_<t))``. The stop term is the end of the answer as greedy decoding
+    stops (EOS or newline), for tasks scored by exact match; tasks scored by ``contains`` (a model that
+    answers in a sentence) get none: their reply goes on after the answer, so the stop's probability is
+    tiny whatever the attention and would bury the answer tokens' change.
     """
     from runtime_kernels.generate import cache_argument, output_cache
 
@@ -126,6 +126,13 @@ class BucketEvaluator:
 
     ``prompts`` are :class:`calib.data.Prompt`; ``threshold`` (set after :meth:`dense`) enables the
     early stop. Evaluations are cached per point; :meth:`full` re-runs a point stopped early.
+
+    Early stop: prompts are scored one at a time (a batch at a time in the static loop); once even
+    perfect scores (1.0) on the remaining prompts could not lift the mean to the threshold, the point is
+    failing whatever the rest give, and the evaluator stops and reports that upper bound as its score
+    (so the decision is the one a full evaluation makes; sparsity and time are then means over the
+    prompts scored). :meth:`dense` orders the prompts so that likely failures come first: ascending
+    dense answer probability (``answer_prob``), dense-correct first (``exact_match``).
     """
 
     loaded: Any  # calib.models.LoadedModel
@@ -143,8 +150,6 @@ class BucketEvaluator:
     dense_scores: list[PromptScore] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        from calib.evaluate import stop_token_ids
-
         if self.score not in SCORES:
             raise ValueError(f"score={self.score!r}; use one of {SCORES}")
         if self.loop not in ("eager", "static"):
@@ -167,9 +172,6 @@ class BucketEvaluator:
     def _answer(self, prompts: list[Any], rt: SampleAttentionPrefill | None) -> list[tuple[float, bool]]:
         """Greedy answers of ``prompts`` (one rule) scored by their task's rule: eager one prompt at a
         time, or one ragged batch through the serving loop."""
-        from calib.data import is_correct
-        from calib.generation import greedy_generate, static_greedy_generate
-
         model = self.loaded.model
         stops = self._rule_stops[getattr(prompts[0], "scoring", "exact_match")]
         if rt is not None:

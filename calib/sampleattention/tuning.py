@@ -2,32 +2,16 @@
 
 Objective. A grid point is *feasible* when its task score on the bucket's profiling prompts is
 ``>= min_relative_score * dense_score``. Among feasible points let ``s*`` be the largest sparsity;
-points with sparsity ``>= s* - sparsity_tol`` are *tied*, and the chosen one is the smallest by
-``(chunk_n, -sparsity, time_s, alpha_c, alpha_s)``: smaller chunk_n (less sampling overhead), then
-larger sparsity, then faster measured attention time (when a GPU measured it; ``None`` otherwise),
-then the smaller alphas. With ``sparsity_tol = 0`` only exactly equal sparsities tie.
+points with sparsity ``>= s* - sparsity_tol`` are *tied*, and the chosen one (:func:`choose_point`) is
+the smallest by ``(chunk_n, -sparsity, time_s, alpha_c, alpha_s)``: smaller chunk_n (less sampling
+overhead), then larger sparsity, then the shorter attention time (when a GPU timed it; ``None``
+otherwise), then the smaller alphas. With ``sparsity_tol = 0`` only exactly equal sparsities tie.
 
-Assumptions (per chunk_n; nothing is assumed across chunk_n, cf. paper Table 3):
-  * the score is non-decreasing in each alpha (a larger CRA threshold keeps a superset of blocks);
-  * sparsity is non-increasing in each alpha (same reason), and measured time non-decreasing.
-
-Pruning rules, each sound under those assumptions (a skipped point could not change the choice):
-  1. ``dominated_by_failure``: both alphas <= those of a failing point (same chunk_n) => it fails.
-  2. ``cannot_beat_best``: its sparsity is bounded by ``ub``, the smallest sparsity of any evaluated
-     point with both alphas <= its own (same chunk_n). It is skipped if ``ub < best feasible
-     sparsity - tol`` (it can neither tie nor raise ``s*``), or if a feasible evaluated point ``b``
-     has ``b.sparsity >= ub`` and ``(b.chunk_n, -b.sparsity) < (chunk_n, -ub)``: ``b`` is tied
-     whenever it is, and wins the tie-break.
-  3. ``dominates_feasible``: both alphas >= those of a feasible evaluated point ``q`` (same chunk_n)
-     => feasible, but sparsity <= q's and time >= q's, so it never beats ``q``.
-
-Search. chunk_n ascending; within one chunk_n first the sparsest point (smallest alpha_c, smallest
-alpha_s): when it is feasible, rule 3 covers every other point of that chunk_n (one evaluation settles
-it); when it fails it cost one (early-stopped) evaluation. Then a staircase (saddleback) walk over the
-monotone feasibility frontier: start at (largest alpha_c, smallest alpha_s); feasible -> next smaller
-alpha_c, failing -> next larger alpha_s. It evaluates at most ``|alphas_c| + |alphas_s|`` points per
-chunk_n (the probe and the walk) and visits every minimal feasible point. A final sweep evaluates any
-grid point no rule covers, so the result equals the exhaustive-grid optimum whenever the assumptions hold.
+Search (:func:`tune_length_bucket`): per chunk_n the sparsest point, then a staircase walk over the
+monotone feasibility frontier, skipping every point that a pruning rule (:meth:`_Search.skip_reason`)
+shows cannot change the choice; a final sweep evaluates any grid point no rule covers, so the result
+equals the exhaustive-grid optimum whenever score and sparsity are monotone in each alpha.
+Results: docs/results/sampleattention.md.
 """
 
 from __future__ import annotations
@@ -119,7 +103,22 @@ class _Search:
         return max((e.result.sparsity for e in self.evaluated.values() if e.feasible), default=-math.inf)
 
     def skip_reason(self, p: GridPoint) -> SkippedPoint | None:
-        """The first pruning rule that covers ``p`` (module docstring), or None."""
+        """The first pruning rule that covers ``p``, or None.
+
+        Assumptions (per chunk_n; nothing is assumed across chunk_n, cf. paper Table 3): the score is
+        non-decreasing in each alpha (a larger CRA threshold keeps a superset of blocks); sparsity is
+        non-increasing in each alpha (same reason), and attention time non-decreasing. Each rule is sound
+        under them (a skipped point could not change the choice):
+
+        1. ``dominated_by_failure``: both alphas <= those of a failing point (same chunk_n) => it fails.
+        2. ``cannot_beat_best``: its sparsity is bounded by ``ub``, the smallest sparsity of any evaluated
+           point with both alphas <= its own (same chunk_n). It is skipped if ``ub < best feasible
+           sparsity - tol`` (it can neither tie nor raise ``s*``), or if a feasible evaluated point ``b``
+           has ``b.sparsity >= ub`` and ``(b.chunk_n, -b.sparsity) < (chunk_n, -ub)``: ``b`` is tied
+           whenever it is, and wins the tie-break.
+        3. ``dominates_feasible``: both alphas >= those of a feasible evaluated point ``q`` (same
+           chunk_n) => feasible, but sparsity <= q's and time >= q's, so it never beats ``q``.
+        """
         same = [e for e in self.evaluated.values() if e.point.chunk_n == p.chunk_n]
         below = [e for e in same if e.point.alpha_c <= p.alpha_c and e.point.alpha_s <= p.alpha_s]
         for e in same:
@@ -182,7 +181,15 @@ def tune_length_bucket(
     sparsity_tol: float = 0.0,
     on_decided: Callable[[GridPoint], None] | None = None,
 ) -> TuningResult:
-    """Search one length bucket's grid with the dominance pruning of the module docstring.
+    """Search one length bucket's grid with dominance pruning (:meth:`_Search.skip_reason`).
+
+    chunk_n ascending; within one chunk_n first the sparsest point (smallest alpha_c, smallest alpha_s):
+    when it is feasible, rule 3 covers every other point of that chunk_n (one evaluation settles it);
+    when it fails it cost one (early-stopped) evaluation. Then a staircase (saddleback) walk over the
+    monotone feasibility frontier: start at (largest alpha_c, smallest alpha_s); feasible -> next smaller
+    alpha_c, failing -> next larger alpha_s. It evaluates at most ``|alphas_c| + |alphas_s|`` points per
+    chunk_n (the probe and the walk) and visits every minimal feasible point. A final sweep evaluates any
+    grid point no rule covers.
 
     ``evaluate(alpha_c, alpha_s, chunk_n) -> PointResult`` runs the profiling prompts of the bucket.
     Returns the chosen point (None if nothing is feasible), every evaluated point in evaluation

@@ -285,3 +285,12 @@ def test_eval_loop_is_static_on_cuda():
     assert eval_loop(OmegaConf.create({"eval": {"loop": "static"}}), cpu, "sale") == "static-ragged"
     with pytest.raises(UserError, match="eval.loop must be auto, eager or static"):
         eval_loop(OmegaConf.create({"eval": {"loop": "fast"}}), cpu, "sale")
+
+
+def test_an_empty_theta_curve_means_no_curve():
+    """`method.theta_curve=[]` turns the extra sparsity report off (null does too); `calib_tasks=[]` stays an error."""
+    from calib.config import compose
+    from calib.sale.recipe import Settings
+
+    assert Settings.from_cfg(compose(["+method=sale", "method.theta_curve=[]"])).theta_curve == []
+    assert Settings.from_cfg(compose(["+method=sale", "method.theta_curve=null"])).theta_curve == []

@@ -321,7 +321,7 @@ def test_static_exact_match_answers_in_batches_what_eager_answers_one_by_one(loa
                                                                             monkeypatch) -> None:
     """The serving-loop batches give every prompt the reply eager one-prompt generation gives it, under
     dense and under a sparse point, and the same sparsity (a batch's mean given to each of its prompts)."""
-    import calib.data
+    import calib.sampleattention.scoring
     from calib.config import compose
     from calib.sampleattention.recipe import Settings, _profiling_prompts
 
@@ -334,7 +334,7 @@ def test_static_exact_match_answers_in_batches_what_eager_answers_one_by_one(loa
             replies[loop].append(prediction)
             return len(prediction) % 2 == 0  # any deterministic rule: the same replies score the same
 
-        monkeypatch.setattr(calib.data, "is_correct", record)
+        monkeypatch.setattr(calib.sampleattention.scoring, "is_correct", record)
         ev = BucketEvaluator(loaded, prompts, blk=32, score="exact_match", max_new_tokens=6, loop=loop,
                              batch_tokens=4096)
         if loop == "static":

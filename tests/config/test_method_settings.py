@@ -156,3 +156,20 @@ def test_the_cli_composes_the_same(args: tuple[str, ...], source: str) -> None:
         assert OmegaConf.to_container(cfg.method) == OmegaConf.to_container(helper.method)
     else:
         assert "method" not in cfg
+
+
+def test_a_new_model_without_saap_data_gets_a_one_line_fix(tmp_path, monkeypatch) -> None:
+    """A model added under conf/model/ but not under conf/data/saap/: SAAP says which file to add."""
+    import shutil
+
+    from calib import config as calib_config
+    from calib.errors import UserError
+
+    conf = tmp_path / "conf"
+    shutil.copytree(calib_config.config_dir(), conf)
+    shutil.copy(conf / "model" / "tiny.yaml", conf / "model" / "mine.yaml")
+    monkeypatch.setattr(calib_config, "config_dir", lambda: conf)
+    with pytest.raises(UserError) as err:
+        compose(["+method=saap", "model=mine"])
+    assert "\n" not in str(err.value) and "add conf/data/saap/mine.yaml" in str(err.value)
+    assert resolved(compose(["+method=saap", "model=mine", "data=synthetic"]), "data")["source"] == "synthetic"

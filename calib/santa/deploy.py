@@ -12,10 +12,13 @@ questions have ``method.deploy.length`` tokens (null: the reward's length): a bu
 layer reads a smaller share of a longer context, so the ladder must be measured at the longest context
 the artifact will serve (a budget chosen on short questions can fail long ones: docs/results/smollm2.md).
 
-The artifact's default budget is the smallest rung from which the learned schedule is within
-``method.deploy.tolerance`` of dense at that rung and at every larger one (one lucky rung below a
-failing one is not taken). When no rung qualifies the largest is used and ``deploy_within_tolerance``
-is 0. ``options={"santa": {"budget": N}}`` overrides it at load time.
+The artifact's default budget is the smallest rung from which the learned schedule provably stays
+within ``method.deploy.tolerance`` of dense: the paired-bootstrap 95 % lower bound of (learned − dense)
+per question is at least ``−tolerance`` at that rung and at every larger one (one lucky rung below a
+failing one is not taken). A point estimate would let a rung that wins a few of ~100 questions by
+chance through and lose answers held out; the bound is the criterion ``calib eval`` is judged by. When
+no rung qualifies the largest is used and ``deploy_within_tolerance`` is 0.
+``options={"santa": {"budget": N}}`` overrides it at load time.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from calib.recipe_settings import Section
 from calib.santa.heldout import ScoreGroup, score_groups
 from calib.santa.plots import pyplot
 from calib.santa.reward import RewardSettings, new_token_budgets, question_seeds, reward_prompts
-from calib.stats import bootstrap_mean_ci
+from calib.stats import bootstrap_mean_ci, paired_bootstrap_diff
 from calib.tracking import log_figure
 from runtime_kernels.santa.schedule import apportion
 
@@ -48,13 +51,15 @@ class DeploySettings:
     questions: int
     tolerance: float
     length: int | None = None  # synthetic question length in tokens (None: the reward's)
+    resamples: int = 2000  # paired-bootstrap resamples of the bound (eval.bootstrap)
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> "DeploySettings":
         d = Section(cfg.method, "method").section("deploy")
         return cls(budgets_per_layer=tuple(d.integers("budgets_per_layer", at_least=1)),
                    questions=d.integer("questions", at_least=1), tolerance=d.number("tolerance", at_least=0, below=1),
-                   length=d.integer("length", optional=True, at_least=1))
+                   length=d.integer("length", optional=True, at_least=1),
+                   resamples=Section(cfg.eval, "eval").integer("bootstrap", at_least=100))
 
 
 def ladder(num_layers: int, budgets_per_layer: Sequence[int], training_budget: int) -> list[int]:
@@ -62,15 +67,21 @@ def ladder(num_layers: int, budgets_per_layer: Sequence[int], training_budget: i
     return sorted({int(b) * int(num_layers) for b in budgets_per_layer} | {int(training_budget)})
 
 
-def smallest_budget_within(budgets: Sequence[int], learned: Sequence[float], dense: float,
-                           tolerance: float) -> int | None:
-    """The smallest budget from which ``learned >= dense - tolerance`` holds at it and every larger
-    budget; None when the largest budget fails. ``budgets`` ascending, ``learned`` the accuracy at each."""
+def rung_bound(learned: np.ndarray, dense: np.ndarray, resamples: int) -> float:
+    """Paired-bootstrap 95 % lower bound of mean(learned − dense) over the same questions."""
+    return paired_bootstrap_diff(dense, learned, resamples=resamples, seed=0).low
+
+
+def smallest_budget_within(budgets: Sequence[int], learned: Sequence[np.ndarray], dense: np.ndarray,
+                           tolerance: float, resamples: int = 2000) -> int | None:
+    """The smallest budget from which the paired lower bound of (learned − dense) is ``>= −tolerance``
+    at it and every larger budget; None when the largest budget fails. ``budgets`` ascending,
+    ``learned[i]`` the per-question correctness ``[Q]`` at ``budgets[i]``, ``dense`` the same for dense."""
     if len(budgets) != len(learned) or list(budgets) != sorted(budgets):
-        raise ValueError("budgets must be ascending, one accuracy each")
+        raise ValueError("budgets must be ascending, one score vector each")
     found = None
-    for n, acc in zip(reversed(list(budgets)), reversed(list(learned))):
-        if acc < dense - tolerance - 1e-12:  # float guard: 0.97 - 0.01 must admit 0.96
+    for n, scores in zip(reversed(list(budgets)), reversed(list(learned))):
+        if rung_bound(scores, dense, resamples) < -tolerance - 1e-12:  # float guard at the boundary
             break
         found = int(n)
     return found
@@ -93,7 +104,9 @@ class LadderResult:
         """Headline metrics (``deploy_*``) and the curve as ``deploy.learned.N<n>`` / ``deploy.uniform.N<n>``."""
         n = self.default_budget
         ci = bootstrap_mean_ci(self.learned[n], resamples=resamples, seed=seed)
+        diff = paired_bootstrap_diff(self.dense, self.learned[n], resamples=resamples, seed=seed)
         return {"deploy_budget": float(n), "deploy_within_tolerance": float(self.within_tolerance),
+                "deploy_diff": diff.mean, "deploy_diff_ci_low": diff.low, "deploy_diff_ci_high": diff.high,
                 "deploy_accuracy_learned": ci.mean, "deploy_accuracy_learned_ci_low": ci.low,
                 "deploy_accuracy_learned_ci_high": ci.high, "deploy_accuracy_dense": float(self.dense.mean()),
                 "deploy_accuracy_uniform": float(self.uniform[n].mean()), "deploy_questions": float(len(self.dense)),
@@ -102,14 +115,12 @@ class LadderResult:
 
 
 def no_rung_advice(tolerance: float, questions: int) -> str:
-    """What to change when no rung qualifies. One question is ``1 / questions`` of accuracy: when that
-    exceeds the tolerance, a rung qualifies only if it loses no net question to dense, which noise alone
-    denies most ladders."""
+    """What to change when no rung qualifies: a larger ladder, or more questions (the bound's width
+    shrinks as one over the square root of their number; with tolerance 0 only a rung that loses no
+    question qualifies, which more questions cannot help)."""
     advice = "extend method.deploy.budgets_per_layer"
-    if questions > 0 and 0 < tolerance and tolerance * questions < 1:  # tolerance 0: more questions cannot help
-        advice += (f", or raise method.deploy.questions to at least {math.ceil(1 / tolerance - 1e-9)} (one of "
-                   f"{questions} questions is {1 / questions:.4f}, more than the tolerance {tolerance:g}, so a rung "
-                   "qualifies only if it loses no net question to dense)")
+    if tolerance > 0:
+        advice += f", or raise method.deploy.questions (now {questions}) to tighten the paired bound"
     return advice
 
 
@@ -131,12 +142,14 @@ def run_ladder(cfg: Any, loaded: Any, probs: np.ndarray, training_budget: int, s
         schedules[f"uniform:{n}"] = apportion([1.0] * layers, n)
     group = ScoreGroup(prompts, max_new, question_seeds(int(cfg.get("seed", 0)) + 1, len(prompts)), schedules)
     got = score_groups(cfg, loaded, [group], shards, desc="deploy budgets")[0]
-    acc = [float(got[f"learned:{n}"].mean()) for n in budgets]
-    found = smallest_budget_within(budgets, acc, float(got["dense"].mean()), ds.tolerance)
+    found = smallest_budget_within(budgets, [got[f"learned:{n}"] for n in budgets], got["dense"], ds.tolerance,
+                                   ds.resamples)
     if found is None:
-        log.warning("no budget up to N=%d brings the learned schedule within %.3f of dense (%.3f vs %.3f); "
-                    "the artifact defaults to N=%d: %s", budgets[-1], ds.tolerance, acc[-1],
-                    float(got["dense"].mean()), budgets[-1], no_rung_advice(ds.tolerance, len(prompts)))
+        log.warning("no budget up to N=%d keeps the learned schedule's paired lower bound within %.3f of dense "
+                    "(%.3f vs %.3f, bound %.3f); the artifact defaults to N=%d: %s", budgets[-1], ds.tolerance,
+                    float(got[f"learned:{budgets[-1]}"].mean()), float(got["dense"].mean()),
+                    rung_bound(got[f"learned:{budgets[-1]}"], got["dense"], ds.resamples), budgets[-1],
+                    no_rung_advice(ds.tolerance, len(prompts)))
     return LadderResult(budgets=budgets, learned={n: got[f"learned:{n}"] for n in budgets},
                         uniform={n: got[f"uniform:{n}"] for n in budgets}, dense=got["dense"], schedules=learned,
                         default_budget=found if found is not None else budgets[-1],
@@ -169,7 +182,7 @@ def accuracy_vs_budget(result: LadderResult) -> Any:
         ax.errorbar(x, y, yerr=err, fmt=style, capsize=3, label=f"{name} schedule")
     dense = float(result.dense.mean())
     ax.axhline(dense, color="k", lw=1, label=f"dense ({dense:.3f})")
-    ax.axhspan(dense - result.tolerance, dense, color="0.85", label=f"within {result.tolerance:g} of dense")
+    ax.axhspan(dense - result.tolerance, dense, color="0.85", label=f"dense − {result.tolerance:g} (paired bound)")
     ax.axvline(result.default_budget, color="C3", ls=":", label=f"default budget N={result.default_budget}")
     ax.set_xscale("log", base=2)
     ax.set(xlabel="total samples N over all layers", ylabel=f"accuracy ({len(result.dense)} questions)",

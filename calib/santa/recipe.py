@@ -10,7 +10,7 @@ Stages (each timed):
 2. ``heldout``: the learned and the uniform schedule at the same N on the same held-out questions and
    seeds (:func:`calib.santa.heldout.heldout_comparison`).
 3. ``deploy``: the learned share p scaled to a ladder of budgets; the default budget is the smallest
-   rung within ``method.deploy.tolerance`` of dense (:mod:`calib.santa.deploy`).
+   rung whose paired lower bound against dense stays within ``method.deploy.tolerance`` (:mod:`calib.santa.deploy`).
 4. ``plots``: reward curve, p per layer over iterations, schedules, accuracy vs budget.
 
 The artifact (ABI v1): ``schedule.safetensors`` with ``schedule`` int64 [L] (at the default budget),

@@ -90,24 +90,75 @@ def test_ladder_adds_the_training_budget():
     assert ladder(4, [8, 2], 32) == [8, 32]
 
 
+def _scores(n: int, lost: int = 0, won: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(dense, learned) correctness over ``n`` questions: dense right on all but the first ``won``,
+    learned right on those ``won`` and wrong on the last ``lost``."""
+    dense = np.ones(n)
+    dense[:won] = 0
+    learned = dense.copy()
+    learned[:won] = 1
+    if lost:
+        learned[-lost:] = 0
+    return dense, learned
+
+
+def test_rung_bound_on_hand_worked_cases():
+    from calib.santa.deploy import rung_bound
+
+    dense, same = _scores(100)
+    assert rung_bound(same, dense, 2000) == 0.0  # no discordant question: the bound is exactly 0
+    # 5 lost and 5 won of 100: mean 0, per-question sd sqrt(0.1), normal bound -1.96 x 0.0316 = -0.062
+    dense, mixed = _scores(100, lost=5, won=5)
+    assert -0.08 <= rung_bound(mixed, dense, 2000) <= -0.045
+    # 1 lost of 100: a resample holds Poisson(1) losses, >= 3 with probability 0.08, >= 4 with 0.019
+    dense, one = _scores(100, lost=1)
+    assert -0.04 <= rung_bound(one, dense, 2000) <= -0.03
+
+
+def _ladder(*rungs: tuple[int, int], n: int = 100) -> tuple[list[np.ndarray], np.ndarray]:
+    """Per-rung learned scores from (lost, won) pairs against one dense vector (every rung's wins are the
+    same questions, so dense is shared)."""
+    won = max(w for _, w in rungs)
+    dense = np.ones(n)
+    dense[:won] = 0
+    learned = []
+    for lost, w in rungs:
+        x = dense.copy()
+        x[:w] = 1
+        if lost:
+            x[-lost:] = 0
+        learned.append(x)
+    return learned, dense
+
+
 @pytest.mark.parametrize(
-    "learned, dense, tol, expected",
+    "rungs, tol, expected",
     [
-        ([0.50, 0.80, 0.95, 0.97, 0.97], 0.97, 0.01, 32),  # 0.95 misses 0.96; from 32 on every rung is in
-        ([0.50, 0.96, 0.95, 0.97, 0.98], 0.97, 0.01, 32),  # 0.96 at 16 is lucky: 24 fails again -> 32
-        ([0.50, 0.96, 0.96, 0.96, 0.96], 0.97, 0.01, 16),  # exactly dense - tolerance counts
-        ([0.97, 0.97, 0.97, 0.97, 0.97], 0.97, 0.0, 8),  # already dense at the smallest rung
-        ([0.50, 0.80, 0.90, 0.95, 0.95], 0.97, 0.01, None),  # never within: the caller falls back to the largest
-        ([0.50, 0.80, 0.90, 0.99, 0.95], 0.97, 0.01, None),  # the largest rung fails: nothing qualifies
+        ([(16, 0), (0, 0), (0, 0), (0, 0)], 0.02, 16),  # 16 answers lost at the smallest rung, none from 16 on
+        ([(0, 0), (5, 0), (0, 0), (0, 0)], 0.02, 32),  # 8 is lucky: 16 loses again, so 32
+        ([(0, 0), (0, 0), (0, 0), (3, 0)], 0.02, None),  # the largest rung fails: nothing qualifies
+        ([(5, 5), (5, 5), (5, 5), (5, 5)], 0.02, None),  # as many won as lost: dense on average, not provably
+        ([(5, 5), (5, 5), (5, 5), (5, 5)], 0.10, 8),  # ... which a wide tolerance admits
+        ([(1, 0), (0, 0), (0, 0), (0, 0)], 0.0, 16),  # tolerance 0: only rungs that lose nothing
+        ([(0, 2), (0, 2), (0, 2), (0, 2)], 0.0, 8),  # winning questions never count against a rung
     ],
 )
-def test_smallest_budget_within_on_fake_curves(learned, dense, tol, expected):
-    assert smallest_budget_within([8, 16, 24, 32, 64], learned, dense, tol) == expected
+def test_smallest_budget_within_uses_the_paired_lower_bound(rungs, tol, expected):
+    learned, dense = _ladder(*rungs)
+    assert smallest_budget_within([8, 16, 32, 64], learned, dense, tol) == expected
+
+
+def test_smallest_budget_within_rejects_a_point_estimate_that_noise_put_above_dense():
+    """Today's failure: 60 vs 55 of 96 at a small rung, as many discordant questions both ways elsewhere;
+    the point estimate passes, the bound does not, so the largest rung's fallback (None) applies."""
+    learned, dense = _ladder((8, 13), (6, 6), n=96)
+    assert learned[0].mean() > dense.mean() and learned[1].mean() == dense.mean()
+    assert smallest_budget_within([240, 480], learned, dense, 0.02) is None
 
 
 def test_smallest_budget_within_needs_an_ascending_ladder():
     with pytest.raises(ValueError):
-        smallest_budget_within([16, 8], [0.9, 0.9], 0.9, 0.01)
+        smallest_budget_within([16, 8], [np.ones(4), np.ones(4)], np.ones(4), 0.01)
 
 
 # ------------------------------------------------------------------------------ runtime override
@@ -147,13 +198,9 @@ def test_budget_option_needs_the_learned_share():
         SantaDecode.from_artifact(_artifact([2, 2, 2, 2]), MODEL, budget=12)
 
 
-def test_no_rung_advice_names_the_question_count_when_one_question_exceeds_the_tolerance():
+def test_no_rung_advice_names_more_questions_only_when_a_tolerance_admits_losses():
     from calib.santa.deploy import no_rung_advice
 
-    coarse = no_rung_advice(0.01, 96)  # one question = 1.04 points > 1 point
-    assert "budgets_per_layer" in coarse and "method.deploy.questions to at least 100" in coarse
-    assert "\n" not in coarse
-    assert "questions" not in no_rung_advice(0.01, 100)  # one question = exactly the tolerance: admitted
-    assert "questions" not in no_rung_advice(0.05, 96)
-    assert "at least 40" in no_rung_advice(0.025, 30)
+    advice = no_rung_advice(0.02, 96)
+    assert "budgets_per_layer" in advice and "method.deploy.questions (now 96)" in advice and "\n" not in advice
     assert no_rung_advice(0.0, 96) == "extend method.deploy.budgets_per_layer"  # no question count admits a loss

@@ -107,11 +107,12 @@ def one_line(exc: BaseException) -> str:
     hint = next((ln for ln in lines[1:] if ln.startswith("To append")), None)
     if "Could not override" in text and hint:
         text = f"{text} ({hint}); unknown key: check the spelling or list keys with --cfg job"
-    saap_data = re.search(r"Could not find 'data/saap/([\w.-]+)'", text)
-    if saap_data:
-        model = saap_data.group(1)
-        return (f"SAAP has no calibration data for model {model!r}: add conf/data/saap/{model}.yaml "
-                f"(one line, `defaults: [/data/saap/books@_here_]` for a model that reads natural text, "
+    method_data = re.search(r"Could not find 'data/(saap|sampleattention)/([\w.-]+)'", text)
+    if method_data:  # a method whose conf/method/<m>.yaml selects data/<m>/<model>: a model without that file
+        method, model = method_data.groups()
+        title = {"saap": "SAAP", "sampleattention": "SampleAttention"}[method]
+        return (f"{title} has no calibration data for model {model!r}: add conf/data/{method}/{model}.yaml "
+                f"(one line, `defaults: [/data/{method}/books@_here_]` for a model that reads natural text, "
                 f"`[/data/synthetic@_here_]` for one that does not; docs/configuration.md) or pass data=<source>")
     if "Could not find" in text or "Could not load" in text:
         group = re.search(r"'([\w/]+)/[\w.-]+'", text)

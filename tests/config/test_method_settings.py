@@ -34,9 +34,22 @@ REMOVED = {
 }
 # SAAP on a real model calibrates on the books: its layer profile answers book needles.
 SAAP_BOOKS = {"method.layer_profile.tasks": ["book_needle"]}
+# SampleAttention on a real model profiles on the books mixture (conf/data/sampleattention/books.yaml): 3k
+# prompts per length give book_needle, niah_single and niah_multikey k each (smollm2 10, the others 4, as
+# many as each task had before), and smollm2 no longer narrows the tasks to the synthetic ones.
+SAMPLEATTENTION_BOOKS = {
+    "smollm2": {"method.profiling.tasks": None, "method.profiling.prompts_per_length": 30},
+    "llama31": {"method.profiling.prompts_per_length": 12},
+    "qwen25_7b": {"method.profiling.prompts_per_length": 12},
+}
 # SANTA's ladder takes a rung when the paired lower bound of learned - dense is >= -tolerance (it was a point
 # estimate within 0.01): the bound is the held-out acceptance, 2 points.
 SANTA_BOUND = {"method.deploy.tolerance": 0.02}
+CHANGED = {("saap", "smollm2"): SAAP_BOOKS, **{("sampleattention", m): c for m, c in SAMPLEATTENTION_BOOKS.items()},
+           **{("santa", m): SANTA_BOUND for m in MODELS}}
+# The data a method selects for a real model instead of the model's own: (data.tasks, data.synthetic_share).
+BOOKS_DATA = {"saap": (["book_needle", "book_needle_word", "book_multineedle"], 0.5),
+              "sampleattention": (["book_needle"], 0.667)}
 
 
 def resolved(cfg: Any, node: str) -> Any:
@@ -72,10 +85,7 @@ def test_method_node_resolves_as_before(method: str, model: str) -> None:
     cfg = compose([f"+method={method}", f"model={model}"])
     before = BEFORE["method"][f"{method}/{model}"]
     expected = without(before["method"], "method", REMOVED)
-    if method == "saap" and model == "smollm2":
-        expected = with_values(expected, "method", SAAP_BOOKS)
-    if method == "santa":
-        expected = with_values(expected, "method", SANTA_BOUND)
+    expected = with_values(expected, "method", CHANGED.get((method, model), {}))
     assert resolved(cfg, "method") == expected
     if "rl" in before:
         assert resolved(cfg, "rl") == before["rl"]
@@ -97,25 +107,30 @@ def test_without_a_method_nothing_changes(model: str) -> None:
 
 @pytest.mark.parametrize("method", available_methods())
 @pytest.mark.parametrize("model", MODELS)
-def test_data_is_the_models_except_saap_on_a_real_model(method: str, model: str) -> None:
+def test_data_is_the_models_except_books_for_saap_and_sampleattention_on_a_real_model(method: str,
+                                                                                      model: str) -> None:
     cfg = compose([f"+method={method}", f"model={model}"])
-    data = resolved(cfg, "data")
-    if method == "saap" and model != "tiny":
-        assert data["source"] == "books"
-        assert data["tasks"] == ["book_needle", "book_needle_word", "book_multineedle"]
-        assert data["synthetic_share"] == 0.5 and data["synthetic_tasks"] == ["niah_single", "niah_multikey"]
-        assert data["lengths"] == BEFORE["plain"][model]["data"]["lengths"]
+    data, plain = resolved(cfg, "data"), BEFORE["plain"][model]["data"]
+    if method in BOOKS_DATA and model != "tiny":
+        tasks, share = BOOKS_DATA[method]
+        assert data["source"] == "books" and data["tasks"] == tasks
+        assert data["synthetic_share"] == share and data["synthetic_tasks"] == ["niah_single", "niah_multikey"]
+        assert {k: data[k] for k in ("lengths", "seed", "scoring", "chat_template")} == \
+            {k: plain[k] for k in ("lengths", "seed", "scoring", "chat_template")}
     else:
-        assert data == BEFORE["plain"][model]["data"]
+        assert data == plain
 
 
+@pytest.mark.parametrize("method", sorted(BOOKS_DATA))
 @pytest.mark.parametrize("model", REAL_MODELS)
-def test_data_on_the_command_line_wins_over_saaps_choice(model: str) -> None:
-    synthetic = compose(["+method=saap", f"model={model}", "data=synthetic"])
+def test_data_on_the_command_line_wins_over_the_methods_choice(method: str, model: str) -> None:
+    synthetic = compose([f"+method={method}", f"model={model}", "data=synthetic"])
     assert resolved(synthetic, "data") == BEFORE["plain"][model]["data"]
-    books = compose(["data=books", "+method=saap", f"model={model}"])  # order does not matter
+    books = compose(["data=books", f"+method={method}", f"model={model}"])  # order does not matter
     assert books.data.source == "books" and books.data.synthetic_share == 0.0
     assert list(books.data.tasks) == ["book_needle", "book_needle_word", "book_needle_phrase", "book_multineedle"]
+    first = compose(["data=synthetic", f"+method={method}", f"model={model}"])
+    assert resolved(first, "data") == BEFORE["plain"][model]["data"]
 
 
 def test_a_models_delta_changes_only_its_own_method() -> None:
@@ -150,8 +165,9 @@ def cli_config(*args: str) -> Any:
     (("run", "+method=saap", "model=smollm2"), "books"),
     (("run", "+method=saap", "model=smollm2", "data=synthetic", "method.layer_profile.tasks=[niah_single]"),
      "synthetic"),
+    (("run", "+method=sampleattention", "model=smollm2"), "books"),
     (("eval", "model=smollm2"), "synthetic"),
-], ids=["saap-smollm2", "saap-smollm2-data-synthetic", "eval-smollm2"])
+], ids=["saap-smollm2", "saap-smollm2-data-synthetic", "sampleattention-smollm2", "eval-smollm2"])
 def test_the_cli_composes_the_same(args: tuple[str, ...], source: str) -> None:
     """``@hydra.main`` (the CLI) selects the same deltas and data as the compose helper the tests use."""
     cfg = cli_config(*args)
@@ -163,8 +179,10 @@ def test_the_cli_composes_the_same(args: tuple[str, ...], source: str) -> None:
         assert "method" not in cfg
 
 
-def test_a_new_model_without_saap_data_gets_a_one_line_fix(tmp_path, monkeypatch) -> None:
-    """A model added under conf/model/ but not under conf/data/saap/: SAAP says which file to add."""
+@pytest.mark.parametrize("method, title", [("saap", "SAAP"), ("sampleattention", "SampleAttention")])
+def test_a_new_model_without_method_data_gets_a_one_line_fix(tmp_path, monkeypatch, method: str,
+                                                             title: str) -> None:
+    """A model added under conf/model/ but not under conf/data/<method>/: the method says which file to add."""
     import shutil
 
     from calib import config as calib_config
@@ -175,6 +193,12 @@ def test_a_new_model_without_saap_data_gets_a_one_line_fix(tmp_path, monkeypatch
     shutil.copy(conf / "model" / "tiny.yaml", conf / "model" / "mine.yaml")
     monkeypatch.setattr(calib_config, "config_dir", lambda: conf)
     with pytest.raises(UserError) as err:
-        compose(["+method=saap", "model=mine"])
-    assert "\n" not in str(err.value) and "add conf/data/saap/mine.yaml" in str(err.value)
-    assert resolved(compose(["+method=saap", "model=mine", "data=synthetic"]), "data")["source"] == "synthetic"
+        compose([f"+method={method}", "model=mine"])
+    message = str(err.value)
+    assert "\n" not in message and f"add conf/data/{method}/mine.yaml" in message
+    assert message.startswith(f"{title} has no calibration data for model 'mine'")
+    assert f"/data/{method}/books@_here_" in message
+    fixed = compose([f"+method={method}", "model=mine", "data=synthetic"])
+    assert resolved(fixed, "data")["source"] == "synthetic"
+    (conf / "data" / method / "mine.yaml").write_text(f"defaults:\n  - /data/{method}/books@_here_\n")
+    assert resolved(compose([f"+method={method}", "model=mine"]), "data")["source"] == "books"

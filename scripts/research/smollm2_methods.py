@@ -101,8 +101,7 @@ def calib_run(method: str, model: str, overrides: list[str], lane: Lane, timeout
     """One ``calib run`` on the model's real weights in ``lane`` (:func:`bench_calibration_scale.run_method`):
     exit code, wall time, peak RSS, stage times, artifact size and dir, metrics; on failure the stages that
     finished."""
-    return run_method(method, model, overrides, lane.home, timeout_s, init="pretrained", env=lane.env,
-                      runner=run_logged)
+    return run_method(method, model, overrides, lane.home, timeout_s, init="pretrained", env=lane.env)
 
 
 def pick_starved_budget(uniform: dict[str, dict], band: tuple[float, float] = STARVED_BAND) -> dict:

@@ -85,6 +85,7 @@ def calib(script, monkeypatch):
     def install(*args, **kwargs) -> FakeCalib:
         fake = FakeCalib(*args, **kwargs)
         monkeypatch.setattr(script, "run_logged", fake)
+        monkeypatch.setattr(sys.modules["bench_calibration_scale"], "run_logged", fake)  # calib run's runner
         return fake
     for var in ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         monkeypatch.delenv(var, raising=False)

@@ -10,7 +10,8 @@ All through :class:`runtime_kernels.generate.StaticGenerator` with ``hf.apply``'
 (``serve="fastest"``: a method runs only in the layers and shapes where it times faster than dense):
 
 * decode: median device ms of ``--steps`` graph replays at each ``B x T``; tokens/s = B / that;
-* TTFT: the prompt's forward pass and first token at ``--ttft-batches``: the median of 5 after one untimed;
+* TTFT: the prompt's forward pass and first token at ``--ttft-batches``: the median of 7 after one untimed;
+  a method's row also times dense alternately in its own process, and its × dense is to that figure
 * ragged: ``--ragged`` rows of lengths spread over [T/4, T], prefilled one by one and decoded together;
   tokens/s of the whole generation (prefill included);
 * beside every row: the KV-read floor (the dense K+V bytes of a step / the copy rate measured here),
@@ -24,6 +25,7 @@ the masked cache view), ``no-attention``, and each ``--artifact``. Results: docs
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import faulthandler
 import json
@@ -34,6 +36,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 ROOT = Path(__file__).resolve().parents[2]
 for _path in (ROOT, ROOT / "scripts" / "bench"):  # run from a checkout without `pip install -e .`
@@ -51,9 +54,8 @@ from calib.perplexity import real_text_path  # noqa: E402
 from runtime_kernels import hf  # noqa: E402
 from runtime_kernels.generate import StaticGenerator, StepTimes  # noqa: E402
 
-DECODE_METHODS = ("saap", "santa")
 PREFILL_METHODS = ("sale", "sampleattention")
-TTFT_REPEATS = 5  # timed prefills per TTFT point (the median is reported)
+TTFT_REPEATS = 7  # timed prefills per TTFT point and path (the medians are reported)
 
 
 @dataclass
@@ -71,6 +73,7 @@ class Row:
     peak_gb: float | None = None
     dense_layers: int | None = None  # decode: layers the serving policy ran densely at the last view
     note: str = ""
+    dense_ms: float | None = None  # ttft of a method: dense's, timed alternately in the same process
 
 
 @dataclass
@@ -173,13 +176,42 @@ def decode_row(model, tok, method: str, t: int, b: int, compiled: bool, setup: S
     return row
 
 
+@contextlib.contextmanager
+def dense_prefill(model) -> Iterator[None]:
+    """The attached method's prefill work switched off (its prefill kernel, SAAP's index build): the
+    same loop's dense prefill, for a reference measured in the method's own process."""
+    state = getattr(model, "calib_attention", None)
+    if state is None:
+        yield
+        return
+    saved = state.prefill, state.decode
+    state.prefill = state.decode = None
+    try:
+        yield
+    finally:
+        state.prefill, state.decode = saved
+
+
 def ttft_row(model, tok, method: str, t: int, b: int, setup: Setup) -> Row:
+    """TTFT of ``method``; for a method also dense's, timed alternately in this process (a prefill of a
+    small model is launch-bound, and its time moves more between processes than between the two paths)."""
     cuda = not setup.smoke
     prompts = text_rows(tok, b, t, seed=1).to(model.device)
     gen = generator(model, b, t + 8, False, method, cuda)
     gen.prefill(prompts)  # warm-up: kernels' compilation and the serving policy's prefill timings
-    ms = statistics.median(_event_ms(lambda: gen.prefill(prompts), cuda) for _ in range(TTFT_REPEATS))
-    return Row(method, "ttft", t, b, False, ms=ms, tokens_per_s=b * t / ms * 1e3, peak_gb=_peak_gb(cuda))
+    paired = method != "dense"
+    if paired:
+        with dense_prefill(model):
+            gen.prefill(prompts)
+    method_ms, dense_ms = [], []
+    for _ in range(TTFT_REPEATS):
+        method_ms.append(_event_ms(lambda: gen.prefill(prompts), cuda))
+        if paired:
+            with dense_prefill(model):
+                dense_ms.append(_event_ms(lambda: gen.prefill(prompts), cuda))
+    ms = statistics.median(method_ms)
+    return Row(method, "ttft", t, b, False, ms=ms, tokens_per_s=b * t / ms * 1e3, peak_gb=_peak_gb(cuda),
+               dense_ms=statistics.median(dense_ms) if dense_ms else None)
 
 
 def ragged_row(model, tok, method: str, t: int, b: int, compiled: bool, setup: Setup) -> Row:
@@ -221,7 +253,7 @@ def run_config(method: str, compiled: bool, setup: Setup) -> list[Row]:
         if decodes:
             for b in setup.batches:
                 guarded(decode_row, model, tok, method, t, b, compiled, setup)
-        if not compiled and method not in DECODE_METHODS + ("no-attention",):
+        if not compiled and method not in ("santa", "no-attention"):  # SANTA's prefill is dense; SAAP's builds its index
             for b in setup.ttft_batches:
                 guarded(ttft_row, model, tok, method, t, b, setup)
         if setup.ragged and method != "no-attention":
@@ -257,7 +289,8 @@ def print_tables(rows: list[Row], accuracy: dict[str, str]) -> None:
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in sorted(rows, key=lambda r: (r.kind, r.length, r.batch, r.compiled, r.method)):
         d = dense.get((r.kind, r.length, r.batch, r.compiled))
-        ratio = d.ms / r.ms if d and d.ms and r.ms else None
+        reference = r.dense_ms or (d.ms if d else None)  # a TTFT's in-process dense, else the dense row's
+        ratio = reference / r.ms if reference and r.ms else None
         none = floor.get((r.length, r.batch, r.compiled)) if r.kind == "decode" else None
         print(f"| {r.kind} | {r.length} | {r.batch} | {r.method}{f' ({r.note})' if r.note else ''} "
               f"| {'yes' if r.compiled else 'no'} | {_f(r.ms)} | {_f(ratio)} | {_f(r.tokens_per_s, '.0f')} "

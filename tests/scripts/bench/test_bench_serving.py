@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -35,6 +36,29 @@ def test_table_ratios_are_to_dense_at_the_same_point_and_loop(capsys):
     saap = lines[("64", "saap", "no", "6.40")]
     assert "| 1.25 |" in saap and "| 3.20 |" in saap and "books -0.01" in saap  # 8.0 / 6.4; no-attention beside it
     assert "| 1.20 |" in lines[("64", "saap", "yes", "5.00")]  # compiled against compiled dense: 6.0 / 5.0
+
+
+def test_a_ttft_ratio_is_to_the_dense_prefill_timed_in_the_same_process(capsys):
+    rows = [bench.Row("dense", "ttft", 8000, 1, False, ms=40.0),  # another process: not the reference
+            bench.Row("sale", "ttft", 8000, 1, False, ms=30.0, dense_ms=27.0)]
+    bench.print_tables(rows, {})
+    sale = next(line for line in capsys.readouterr().out.splitlines() if "| sale |" in line)
+    assert "| 0.90 |" in sale  # 27.0 / 30.0, not 40.0 / 30.0
+
+
+def test_dense_prefill_switches_the_method_off_and_always_back_on():
+    class Model:
+        calib_attention = SimpleNamespace(prefill="sale kernel", decode="saap index")
+
+    model = Model()
+    with bench.dense_prefill(model):
+        assert (model.calib_attention.prefill, model.calib_attention.decode) == (None, None)
+    assert (model.calib_attention.prefill, model.calib_attention.decode) == ("sale kernel", "saap index")
+    with pytest.raises(RuntimeError), bench.dense_prefill(model):
+        raise RuntimeError("a prefill failed")
+    assert model.calib_attention.prefill == "sale kernel"
+    with bench.dense_prefill(object()):  # nothing attached: nothing to switch
+        pass
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,7 @@ from tqdm.auto import tqdm
 
 from calib.config import require
 from calib.data import build_prompts, dataset_hash
+from calib.errors import UserError
 from calib.models import load_model
 from calib.recipe_settings import Section, report_mode
 from calib.run import MethodOutput
@@ -56,12 +58,53 @@ class ProfilingSettings:
     """``method.profiling``: the prompts each grid point is scored on and how they are answered."""
 
     lengths: list[int]
-    prompts_per_length: int
+    prompts_per_length: int | dict[int, int]  # per task: one count for every length, or a count per length
     tasks: list[str] | None
     max_new_tokens: int
     loop: str  # auto | eager | static
     batch_tokens: int
     report_cra: bool
+
+    def count(self, length: int) -> int:
+        """Prompts per (book) task at ``length``."""
+        c = self.prompts_per_length
+        return c if isinstance(c, int) else c[length]
+
+    @property
+    def uniform(self) -> bool:
+        """Every length gets the same count."""
+        return len({self.count(n) for n in self.lengths}) == 1
+
+    def recorded_counts(self) -> int | dict[str, int]:
+        """``prompts_per_length`` as the manifest records it: the integer, or the mapping with its
+        lengths as JSON keys (strings), in the order of ``lengths``."""
+        c = self.prompts_per_length
+        return c if isinstance(c, int) else {str(n): c[n] for n in self.lengths}
+
+
+def _prompt_counts(p: Section, lengths: list[int]) -> int | dict[int, int]:
+    """``profiling.prompts_per_length``: one integer for every length, or ``{length: count}`` naming each
+    of ``lengths`` and no other (counts >= 1); anything else -> one-line UserError naming the key."""
+    key, raw = p.key("prompts_per_length"), p.value("prompts_per_length")
+    if not isinstance(raw, Mapping):
+        if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+            raise UserError(f"{key} must be an integer or a mapping {{length: count}} naming every profiled "
+                            f"length (got {raw!r})")
+        return p.integer("prompts_per_length", at_least=1)
+    counts, out = Section(raw, key), {}
+    for k in raw:
+        length = k if isinstance(k, int) and not isinstance(k, bool) else int(k) if str(k).isdigit() else None
+        if length not in lengths:
+            raise UserError(f"{key} has a count for {k!r}, which is not one of {p.key('lengths')} {lengths}: "
+                            f"name each profiled length, or give one integer for all")
+        if length in out:
+            raise UserError(f"{key} names length {length} twice")
+        out[length] = counts.integer(k, at_least=1)
+    missing = [n for n in lengths if n not in out]
+    if missing:
+        raise UserError(f"{key} has no count for length {missing[0]} of {p.key('lengths')} {lengths}: "
+                        f"name each profiled length, or give one integer for all")
+    return {n: out[n] for n in lengths}
 
 
 @dataclass(frozen=True)
@@ -88,8 +131,9 @@ class Settings:
         edges = m.integers("bucket_edges", at_least=1)
         require(all(a < b for a, b in zip(edges, edges[1:])),
                 f"method.bucket_edges={edges} must be strictly increasing (lower edges of buckets 1..n)")
+        lengths = p.integers("lengths", at_least=1)
         profiling = ProfilingSettings(
-            lengths=p.integers("lengths", at_least=1), prompts_per_length=p.integer("prompts_per_length", at_least=1),
+            lengths=lengths, prompts_per_length=_prompt_counts(p, lengths),
             tasks=p.names("tasks", optional=True), max_new_tokens=p.integer("max_new_tokens", at_least=1),
             loop=p.choice("loop", ("auto", "eager", "static")), batch_tokens=p.integer("batch_tokens", at_least=1),
             report_cra=p.flag("report_cra"))
@@ -117,7 +161,15 @@ class Settings:
 
 def validate(cfg: DictConfig) -> None:
     """Range checks of ``cfg.method`` (one-line ``UserError`` naming the key)."""
-    Settings.from_cfg(cfg)
+    _check_counts_fit_source(cfg, Settings.from_cfg(cfg).profiling)
+
+
+def _check_counts_fit_source(cfg: DictConfig, p: ProfilingSettings) -> None:
+    """A count per length needs prompts built per length: file and hub rows are counted per task only."""
+    source = str(cfg.data.get("source", "synthetic")) if cfg.get("data") is not None else "synthetic"
+    require(p.uniform or source in ("synthetic", "books"),
+            f"method.profiling.prompts_per_length gives the lengths different counts, but data.source={source} "
+            f"takes rows per task, whatever their length: give one integer")
 
 
 def data_needs(cfg: DictConfig) -> dict[str, str | None]:
@@ -126,9 +178,18 @@ def data_needs(cfg: DictConfig) -> dict[str, str | None]:
 
 
 def _profiling_prompts(cfg: DictConfig, s: Settings, tokenizer: Any) -> list[Any]:
+    """``profiling.count(n)`` prompts per (book) task at each length ``n``, the lengths that share a count
+    built together (one count for all: one call). Synthetic and book prompts are each seeded by
+    (``data.seed``, task, length, index): a length's prompts do not depend on the other lengths' counts,
+    and a larger count keeps a smaller one's prompts and adds more."""
     p = s.profiling
-    return build_prompts(cfg.data, tokenizer, seed=int(cfg.data.seed), lengths=p.lengths, tasks=p.tasks,
-                         num_prompts=p.prompts_per_length, purpose="calibration")
+    _check_counts_fit_source(cfg, p)
+    by_count: dict[int, list[int]] = {}
+    for n in p.lengths:
+        by_count.setdefault(p.count(n), []).append(n)
+    return [q for count, lengths in by_count.items()
+            for q in build_prompts(cfg.data, tokenizer, seed=int(cfg.data.seed), lengths=lengths, tasks=p.tasks,
+                                   num_prompts=count, purpose="calibration")]
 
 
 def _by_bucket(edges: list[int], prompts: list[Any]) -> list[list[Any]]:
@@ -246,13 +307,14 @@ def calibrate(cfg: DictConfig, ctx: Any) -> MethodOutput:
         if mlflow.active_run() is not None:
             _log_reports(reports, s)
     hyper = {**dataclasses.asdict(s), "measure_time": timing, "sparsity_tie_tol": SPARSITY_TIE_TOL}
+    hyper["profiling"]["prompts_per_length"] = p.recorded_counts()
     summary = [{"bucket": r.index, "range": r.label, "lengths": r.lengths, "num_prompts": r.num_prompts,
                 "dense_score": r.dense_score, "threshold": r.threshold,
                 "chosen": None if r.chosen_eval() is None else r.chosen_eval().record()} for r in reports]
     data = DataRecord(source=str(cfg.data.source), seed=int(cfg.data.seed), count=len(prompts),
                       lengths=p.lengths, content_hash=dataset_hash(prompts),
                       tasks=sorted({q.task for q in prompts}),
-                      details={"purpose": "profiling", "prompts_per_length": p.prompts_per_length,
+                      details={"purpose": "profiling", "prompts_per_length": p.recorded_counts(),
                                "prompts_per_bucket": {str(r.index): r.num_prompts for r in reports}})
     return MethodOutput(tensors={"buckets": {"table": bucket_table_tensor(table)}}, hyperparameters=hyper,
                         model=loaded.facts.to_dict(), data=data, metrics=_metrics(reports),

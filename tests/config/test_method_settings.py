@@ -35,10 +35,12 @@ REMOVED = {
 # SAAP on a real model calibrates on the books: its layer profile answers book needles.
 SAAP_BOOKS = {"method.layer_profile.tasks": ["book_needle"]}
 # SampleAttention on a real model profiles on the books mixture (conf/data/sampleattention/books.yaml): 3k
-# prompts per length give book_needle, niah_single and niah_multikey k each (smollm2 10, the others 4, as
-# many as each task had before), and smollm2 no longer narrows the tasks to the synthetic ones.
+# prompts at a length give book_needle, niah_single and niah_multikey k each (the larger models 4 at every
+# length, as many as each task had before; smollm2 a count per length, more where prompts are short and
+# cheap), and smollm2 no longer narrows the tasks to the synthetic ones.
 SAMPLEATTENTION_BOOKS = {
-    "smollm2": {"method.profiling.tasks": None, "method.profiling.prompts_per_length": 30},
+    "smollm2": {"method.profiling.tasks": None,
+                "method.profiling.prompts_per_length": {"1024": 120, "2048": 60, "4096": 30, "8192": 30}},
     "llama31": {"method.profiling.prompts_per_length": 12},
     "qwen25_7b": {"method.profiling.prompts_per_length": 12},
 }

@@ -184,6 +184,30 @@ def test_artifact_payload_and_tensor_round_trip(run) -> None:
         assert (row.alpha_c, row.alpha_s, row.chunk_n) == want
     assert art.manifest.data.count == 4 and art.manifest.data.lengths == list(LENGTHS)
     assert art.manifest.hyperparameters["score"] == "answer_prob"
+    assert art.manifest.data.details["prompts_per_length"] == 1  # one count for every length, as configured
+    assert art.manifest.hyperparameters["profiling"]["prompts_per_length"] == 1
+
+
+def test_a_count_per_length_is_recorded_as_a_mapping(model_dir: Path, home: Path) -> None:
+    """``prompts_per_length={256: 2, 512: 1}``: 2 and 1 prompts of each of the two tasks, in the buckets of
+    their lengths; the manifest and the search record the mapping and the counts per bucket."""
+    import mlflow
+
+    import calib.run
+    from calib.config import compose
+
+    def calibrate_and_read() -> tuple[dict[str, Any], dict[str, Any]]:
+        result = calib.run.run(compose(overrides(model_dir, "method.profiling.prompts_per_length={256:2,512:1}")))
+        return result, mlflow.artifacts.load_dict(f"runs:/{result['run_id']}/sampleattention/tuning.json")
+
+    result, tuning = _in_home(home, calibrate_and_read)
+    manifest = load_artifact(result["artifact_dir"], method="sampleattention").manifest
+    assert manifest.data.count == 2 * 2 + 2 * 1 and manifest.data.lengths == list(LENGTHS)
+    assert manifest.data.details == {"purpose": "profiling", "prompts_per_length": {"256": 2, "512": 1},
+                                     "prompts_per_bucket": {"0": 4, "1": 2}}
+    assert manifest.hyperparameters["profiling"]["prompts_per_length"] == {"256": 2, "512": 1}
+    assert [(b["lengths"], b["num_prompts"]) for b in tuning["buckets"]] == [([256], 4), ([512], 2)]
+    assert manifest.payload["tuning"][0]["num_prompts"] == 4
 
 
 def test_dense_score_matches_an_independent_teacher_forced_pass(run, loaded, model_dir: Path) -> None:

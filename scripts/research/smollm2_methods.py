@@ -137,6 +137,14 @@ def suite_of(cell: str) -> str:
     return "books" if cell.split("@")[0].startswith("book_") else "synthetic"
 
 
+def suites_for(cells: list[str]) -> list[str]:
+    """The eval suites that hold ``cells``: ``eval.cells`` restricts a suite with some of its tasks among
+    them, while a suite with none answers its whole default grid, so a rerun of some cells names only
+    the suites they are in."""
+    named = {suite_of(c) for c in cells}
+    return [s for s in ("synthetic", "books") if s in named]
+
+
 def eval_command(args: argparse.Namespace, artifact_dir: str, cells: list[str] | None = None) -> list[str]:
     """``calib eval`` of the artifact on the kept cells, or on ``cells`` only with ``--confirm-prompts``
     prompts each and no real-text NLL (the confirmation re-answers cells, nothing else)."""
@@ -144,10 +152,10 @@ def eval_command(args: argparse.Namespace, artifact_dir: str, cells: list[str] |
     if cells is None:
         return [*cmd, f"eval.num_prompts={args.eval_prompts}", f"eval.batch_tokens={args.batch_tokens}",
                 *args.eval_set]
-    replaced = ("eval.num_prompts=", "eval.cells=", "eval.nll.chunks=")
+    replaced = ("eval.num_prompts=", "eval.cells=", "eval.nll.chunks=", "eval.suites=")
     return [*cmd, f"eval.num_prompts={args.confirm_prompts}", f"eval.batch_tokens={args.batch_tokens}",
             *[s for s in args.eval_set if not s.startswith(replaced)], "eval.nll.chunks=0",
-            f"eval.cells=[{','.join(cells)}]"]
+            f"eval.suites=[{','.join(suites_for(cells))}]", f"eval.cells=[{','.join(cells)}]"]
 
 
 def finished(row: dict, step: str) -> bool:

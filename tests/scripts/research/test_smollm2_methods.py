@@ -138,7 +138,7 @@ def test_confirm_reanswers_the_failing_cells_on_more_prompts(script, calib, tmp_
     assert "eval.num_prompts=100" in eval_cmd and "eval.cells=[niah_single@1024]" in eval_cmd
     assert confirm[3:] == ["eval", "model=smollm2", "artifact=/artifacts/sale", "eval.num_prompts=1000",
                            "eval.batch_tokens=4096", "eval.loop=eager", "eval.nll.chunks=0",
-                           "eval.cells=[book_needle@2048,niah_multikey@1024]"]
+                           "eval.suites=[synthetic,books]", "eval.cells=[book_needle@2048,niah_multikey@1024]"]
     row = json.loads(out.read_text())["sale"]
     assert row["confirm"]["cells"] == ["book_needle@2048", "niah_multikey@1024"] and row["confirm"]["prompts"] == 1000
     summary = out.with_suffix(".md").read_text()
@@ -146,6 +146,15 @@ def test_confirm_reanswers_the_failing_cells_on_more_prompts(script, calib, tmp_
     assert "| sale | niah_single@1024 | 100 | 0.900 → 0.890 | -0.010 [-0.020, +0.000] | holds |" in summary
     assert "| sale | synthetic | 2 | fails: niah_multikey@1024 |" in summary
     assert "| sale | books | 1 | holds |" in summary
+
+
+def test_a_rerun_of_synthetic_cells_names_only_the_synthetic_suite(script):
+    # a suite given eval.cells of none of its tasks answers its whole grid: the rerun must not name it
+    args = script.parse_args(["--home", "h", "--out", "o.json", "--eval-set", "eval.suites=[books]"])
+    cmd = script.eval_command(args, "/a", ["niah_single@4096", "niah_single@8192"])
+    assert [a for a in cmd if a.startswith("eval.suites=")] == ["eval.suites=[synthetic]"]
+    assert script.suites_for(["book_needle@1024"]) == ["books"]
+    assert script.suites_for(["book_needle@1024", "niah_single@1024"]) == ["synthetic", "books"]
 
 
 def test_no_confirmation_when_every_cell_holds_or_it_is_off(script, calib, tmp_path):

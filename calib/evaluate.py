@@ -209,12 +209,11 @@ def runtime_settings(runtime: Any) -> dict[str, Any]:
 
 
 def with_statistics(options: dict[str, dict[str, Any]], method: str) -> dict[str, dict[str, Any]]:
-    """``options`` plus what eval needs that serving does not, for SAAP: the selectivity count
-    (``hf.apply`` serves without it: it ranks the buckets a second time per step). Eval also applies
-    with ``serve="method"``: the method at every step, where serving falls back to dense attention."""
-    if method != "saap":
-        return options
-    return {**options, "saap": {**options.get("saap", {}), "stats": True}}
+    """``options`` plus what eval needs that serving does not: the runtime's statistics (``hf.apply``
+    serves without them: SAAP's selectivity ranks the buckets a second time per step, SANTA's adds small
+    kernels to every step, SALE's and SampleAttention's sync with the host in every prefill layer). Eval
+    also applies with ``serve="method"``: the method at every step, where serving falls back to dense."""
+    return {**options, method: {**options.get(method, {}), "stats": True}}
 
 
 def runtime_options(cfg: Any, method: str) -> dict[str, dict[str, Any]]:

@@ -86,7 +86,7 @@ def check(cfg: Any, *, min_prompts: int = 100, max_drop: float = 0.02) -> dict[s
     prompts = evaluation_prompts(cfg, loaded.tokenizer)
     max_new = int(cfg.eval.max_new_tokens)
     dense = answer_prompts(loaded, prompts, max_new)
-    runtime = hf.apply(loaded.model, artifact, serve="method")
+    runtime = hf.apply(loaded.model, artifact, serve="method", options={"sampleattention": {"stats": True}})
     try:
         sparse = answer_prompts(loaded, prompts, max_new, runtime, desc="sampleattention")
     finally:

@@ -110,14 +110,15 @@ class SalePrefill:
     computes the exact softmax over them. Decode is not touched (SALE is a prefill method).
 
     ``pop_stats()`` returns ``{"density", "sparsity"}``: kept / causal blocks averaged over every
-    (layer, batch row, query head) since the previous call (a dense layer counts as density 1).
+    (layer, batch row, query head) since the previous call (a dense layer counts as density 1), summed on
+    the device (no host sync per layer) when ``stats`` is on; ``{}`` with it off (serving).
     """
 
     method = "sale"
     phase = "prefill"
 
     def __init__(self, tau: torch.Tensor, config: SaleSelectionConfig = SaleSelectionConfig(), *,
-                 backend: Backend = "auto") -> None:
+                 backend: Backend = "auto", stats: bool = True) -> None:
         """``tau: [L, Hq]`` thresholds in ``[0, 1]``."""
         tau = torch.as_tensor(tau, dtype=torch.float32).detach().cpu()
         if tau.dim() != 2 or bool(((tau < 0) | (tau > 1) | tau.isnan()).any()):
@@ -127,19 +128,22 @@ class SalePrefill:
         self.backend = backend
         self._dense_layers = [bool((row == 0).all()) for row in tau]
         self._on_device: dict[str, torch.Tensor] = {}
-        self._density_sum = 0.0
+        self.stats = stats
+        self._dense_heads = 0  # (layer, row, head) entries of dense layers since the last pop_stats
+        self._density_sum: torch.Tensor | None = None  # the sparse layers' densities, summed on the device
         self._count = 0
 
     @classmethod
-    def from_artifact(cls, artifact: Any, model: Any) -> "SalePrefill":
-        """Build from a verified SALE artifact (tensor ``tau: [L, Hq]``) for ``model``."""
+    def from_artifact(cls, artifact: Any, model: Any, *, stats: bool = False) -> "SalePrefill":
+        """Build from a verified SALE artifact (tensor ``tau: [L, Hq]``) for ``model``. ``stats`` is off
+        for serving (``hf.apply``'s default); ``calib eval`` turns it on."""
         tau = artifact.tensor("tau")
         cfg = getattr(model, "config", None)
         want = (getattr(cfg, "num_hidden_layers", tau.shape[0]), getattr(cfg, "num_attention_heads", tau.shape[-1]))
         if tau.dim() != 2 or tuple(tau.shape) != tuple(want):
             raise ArtifactError(f"{artifact.path}: tau has shape {tuple(tau.shape)} but the model has "
                                 f"{want[0]} layers x {want[1]} query heads; use an artifact calibrated for this model")
-        return cls(tau, _selection_config(artifact))
+        return cls(tau, _selection_config(artifact), stats=stats)
 
     def _tau_row(self, layer: int, device: torch.device) -> torch.Tensor:
         key = str(device)
@@ -154,21 +158,25 @@ class SalePrefill:
         if layer >= self.tau.shape[0] or q.shape[1] != self.tau.shape[1]:
             raise ValueError(f"SALE thresholds are [{self.tau.shape[0]}, {self.tau.shape[1]}]; "
                              f"got layer {layer} with {q.shape[1]} query heads")
+        heads = q.shape[0] * q.shape[1]
         if self._dense_layers[layer]:
-            self._density_sum += float(q.shape[0] * q.shape[1])
-            self._count += q.shape[0] * q.shape[1]
+            if self.stats:
+                self._dense_heads += heads
+                self._count += heads
             return None
         mask = sale_select(q, k, self._tau_row(layer, q.device), config=self.config, scale=scale,
                            backend=self.backend)
-        density = mask.density()  # [B, Hq]
-        self._density_sum += float(density.sum())
-        self._count += density.numel()
+        if self.stats:
+            density = mask.density().double().sum()  # [B, Hq] summed, left on the device
+            self._density_sum = density if self._density_sum is None else self._density_sum + density
+            self._count += heads
         return blocksparse_api.block_sparse_attention(q, k, v, mask, scale=scale, backend=self.backend)
 
     def pop_stats(self) -> dict[str, float]:
         """Mean block density / sparsity since the last call (``{}`` when no prefill ran)."""
         if self._count == 0:
             return {}
-        density = self._density_sum / self._count
-        self._density_sum, self._count = 0.0, 0
+        measured = 0.0 if self._density_sum is None else float(self._density_sum)
+        density = (measured + self._dense_heads) / self._count
+        self._density_sum, self._dense_heads, self._count = None, 0, 0
         return {"density": density, "sparsity": 1.0 - density}

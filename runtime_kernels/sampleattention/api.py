@@ -166,7 +166,7 @@ class SampleAttentionPrefill:
     points this way). A dense row (either alpha 1) returns ``None`` so the model's own attention runs,
     except with ``timing`` where dense SDPA runs here so that its time is measured like a sparse call.
 
-    Statistics (:meth:`pop_stats`, per prompt in ``calib eval``): mean block ``density`` and
+    Statistics (``stats``; :meth:`pop_stats`, per prompt in ``calib eval``): mean block ``density`` and
     ``sparsity = 1 - density`` over every (layer, batch, head) of the calls since the last pop, the
     mean and minimum sampled CRA (``cra``, ``cra_min``: exact kept softmax mass on the Stage-1 sampled
     query rows, 1 for dense rows; computed outside the timed region, only with ``report_cra``), the
@@ -178,7 +178,7 @@ class SampleAttentionPrefill:
     phase = "prefill"
 
     def __init__(self, table: BucketTable | BucketRow, *, blk: int = 64, report_cra: bool = True,
-                 timing: bool = False, backend: Backend | Literal["masked"] = "auto") -> None:
+                 timing: bool = False, backend: Backend | Literal["masked"] = "auto", stats: bool = True) -> None:
         if backend not in ("auto", "masked", "reference", "triton"):
             raise ValueError(f"unknown backend {backend!r}; use auto, masked, reference or triton")
         if isinstance(table, BucketRow):
@@ -187,12 +187,15 @@ class SampleAttentionPrefill:
         self.report_cra = report_cra
         self.timing = timing
         self.backend = backend
+        self.stats = stats
         self._stats = _Stats()
 
     @classmethod
-    def from_artifact(cls, artifact: Any, model: Any = None) -> "SampleAttentionPrefill":
+    def from_artifact(cls, artifact: Any, model: Any = None, *, stats: bool = False) -> "SampleAttentionPrefill":
         """The runtime of a ``sampleattention`` artifact: ``payload["buckets"]`` (checked against the
-        ``table`` tensor ``[n_buckets, 3]`` = (alpha_c, alpha_s, chunk_n) when the artifact has one)."""
+        ``table`` tensor ``[n_buckets, 3]`` = (alpha_c, alpha_s, chunk_n) when the artifact has one).
+        ``stats`` is off for serving (``hf.apply``'s default): the statistics (density, and the sampled
+        CRA: one more softmax pass) sync with the host in every layer; ``calib eval`` turns them on."""
         buckets = artifact.manifest.payload.get("buckets")
         if not isinstance(buckets, dict):
             raise ArtifactError(f"{artifact.path}: SampleAttention artifact has no bucket table "
@@ -207,7 +210,7 @@ class SampleAttentionPrefill:
             if tuple(tensor.shape) != tuple(expected.shape) or not torch.allclose(tensor.float(), expected, atol=1e-6):
                 raise ArtifactError(f"{artifact.path}: tensor 'table' {tuple(tensor.shape)} disagrees with "
                                     "payload.buckets (edited manifest?); re-run the calibration")
-        return cls(table)
+        return cls(table, report_cra=stats, stats=stats)
 
     def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                 ctx: Any = None) -> torch.Tensor | None:
@@ -222,8 +225,9 @@ class SampleAttentionPrefill:
             if self.timing:
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
             elapsed = self._clock(q) - start if self.timing else 0.0
-            ones = torch.ones(b, hq)
-            self._stats.add(ones, ones if self.report_cra else None, bucket, elapsed)
+            if self.stats:
+                ones = torch.ones(b, hq)
+                self._stats.add(ones, ones if self.report_cra else None, bucket, elapsed)
             return out
         row_mass = None
         if self.report_cra and not self.timing and _selection_impl(q, self.backend) is reference:
@@ -236,6 +240,8 @@ class SampleAttentionPrefill:
             mask = _select(q, k, row, self.table.blk, scale, self.backend)
         out = self._attend(q, k, v, mask, scale)
         elapsed = self._clock(q) - start if self.timing else 0.0
+        if not self.stats:
+            return out
         cra = None
         if self.report_cra:
             rows = sampled_query_rows(q.shape[2], row.chunk_n, self.table.blk, q.device)

@@ -73,7 +73,7 @@ class SantaDecode:
     restarts both, and with one seed per batch row makes each row sample what it would alone. A batch
     with a padding mask runs dense (like every decode method here).
 
-    Statistics count in both loops: eager calls add host numbers; static-cache decode steps (CUDA graphs
+    Statistics (``stats``) count in both loops: eager calls add host numbers; static-cache decode steps (CUDA graphs
     replay them without the host) add on the device to one buffer, ``[sum of S, sum of sample fractions,
     calls]`` float64, made once and then only added to in place, so a graph adds to it at every replay
     (:meth:`stats_checkpoint` / :meth:`stats_restore` let the loop drop its uncaptured warm-up steps).
@@ -85,8 +85,9 @@ class SantaDecode:
 
     def __init__(self, schedule: "torch.Tensor | list[int] | tuple[int, ...]", *, estimator: str = "sys",
                  tiling: str = "flash", tile: int = 256, phases: Any = ("decode",), seed: int | None = None,
-                 backend: str = "auto") -> None:
+                 backend: str = "auto", stats: bool = True) -> None:
         self.schedule = _schedule_list(schedule)
+        self.stats = stats
         check_decode_settings(estimator, tiling, tile)
         self.estimator, self.tiling, self.tile, self.backend = estimator, tiling, int(tile), backend
         self.phases = _phases(phases)
@@ -97,7 +98,7 @@ class SantaDecode:
 
     @classmethod
     def from_artifact(cls, artifact: Any, model: Any, *, seed: int | None = 0,
-                      budget: int | None = None) -> "SantaDecode":
+                      budget: int | None = None, stats: bool = False) -> "SantaDecode":
         """Build from a verified SANTA artifact: tensor ``schedule: [L]`` int64 (the schedule at the
         artifact's default budget), and ``estimator``, ``tiling``, ``tile``, ``phases`` from the payload
         (else the hyper-parameters).
@@ -105,7 +106,9 @@ class SantaDecode:
         ``budget`` (``hf.apply(..., options={"santa": {"budget": N}})``): run at total budget ``N``
         instead, the schedule apportioned from the artifact's learned share ``probs: [L]`` by largest
         remainder with at least one sample per layer (:func:`runtime_kernels.santa.schedule.apportion`);
-        needs ``N >= L``. At the artifact's own default budget this is the stored schedule."""
+        needs ``N >= L``. At the artifact's own default budget this is the stored schedule. ``stats`` is off
+        for serving (``hf.apply``'s default): a static step's statistics are a dozen small kernels per layer;
+        ``calib eval`` turns it on."""
         schedule = artifact.tensor("schedule")
         layers = getattr(getattr(model, "config", None), "num_hidden_layers", schedule.shape[0])
         if schedule.dim() != 1 or schedule.shape[0] != layers:
@@ -117,7 +120,7 @@ class SantaDecode:
         try:
             return cls(schedule, estimator=str(settings.get("estimator", "sys")),
                        tiling=str(settings.get("tiling", "flash")), tile=int(settings.get("tile", 256)),
-                       phases=settings.get("phases", ("decode",)), seed=seed)
+                       phases=settings.get("phases", ("decode",)), seed=seed, stats=stats)
         except (TypeError, ValueError) as exc:
             raise ArtifactError(f"{artifact.path}: invalid SANTA settings ({exc})") from None
 
@@ -182,8 +185,8 @@ class SantaDecode:
 
         out = sampled(slice(None), gens[0]) if len(gens) == 1 else \
             torch.cat([sampled(slice(b, b + 1), gen) for b, gen in enumerate(gens)])
-        t = q.shape[2]
-        self._record(s, s, (t + 1) / 2)  # a causal row reads on average (T + 1) / 2 keys
+        if self.stats:
+            self._record(s, s, (q.shape[2] + 1) / 2)  # a causal row reads on average (T + 1) / 2 keys
         return out
 
     def observe_prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Any = None) -> None:
@@ -212,6 +215,8 @@ class SantaDecode:
         out = fn(q[:, :, 0], k, v, int_vector(s, b, q.device), tiling=self.tiling, tile=self.tile,
                  estimator=self.estimator, scale=float(scale), uniforms=draws,
                  cache_len=int_vector(tk, b, q.device) if eager else cache_len)
+        if not self.stats:
+            return out[:, :, None]
         if eager:
             tiles = -(-tk // self.tile)
             self._record(s, tiles * max(1, int(s / tiles + 0.5)) if self.tiling == "flash" else s, tk)

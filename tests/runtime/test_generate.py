@@ -132,6 +132,23 @@ def test_santa_static_loop_equals_eager_for_a_seed():
     assert not torch.equal(eager_generate(model, ids, 20), eager)  # the seed matters: SANTA really sampled
 
 
+def test_santa_serving_samples_the_same_keys_without_statistics():
+    """hf.apply serves SANTA with stats off: a static step then adds no statistic kernels, and samples
+    exactly what the counted run samples."""
+    model, ids = _model(), _prompt(2, 50)
+
+    def run(stats: bool) -> tuple[torch.Tensor, SantaDecode]:
+        rt = SantaDecode([3, 2, 5], tiling="flash", tile=16, seed=7, backend="reference", stats=stats)
+        hf.attach(model, decode=rt)
+        return StaticGenerator(model, batch=2, max_len=80, graphs=False, bucket=16).generate(ids, 12), rt
+
+    counted, with_stats = run(True)
+    served, without = run(False)
+    assert with_stats.pop_stats()["sampled_calls"] > 0
+    assert without._sums is None and without.pop_stats() == {}  # no device buffer, nothing counted
+    assert torch.equal(served, counted)
+
+
 def _ragged_rows(lengths: list[int]) -> list[list[int]]:
     return [_prompt(1, n, seed=i)[0].tolist() for i, n in enumerate(lengths)]
 

@@ -140,7 +140,7 @@ def test_apply_is_exactly_dense_at_tau_zero_and_close_otherwise(low_run, loaded,
                            "density": torch.ones_like(art.tensor("density"))}}
     zero_dir = write_artifact(tmp_path / "zero", dataclasses.replace(art.manifest), zero)
     try:
-        rt = hf.apply(loaded.model, zero_dir)
+        rt = hf.apply(loaded.model, zero_dir, options={"sale": {"stats": True}})
         with torch.no_grad():
             same = loaded.model(input_ids=ids).logits
         zero_stats = rt.prefill.pop_stats()
@@ -149,7 +149,7 @@ def test_apply_is_exactly_dense_at_tau_zero_and_close_otherwise(low_run, loaded,
     assert torch.equal(same, dense)
     assert zero_stats == {"density": 1.0, "sparsity": 0.0}
     try:
-        rt = hf.apply(loaded.model, art)
+        rt = hf.apply(loaded.model, art, options={"sale": {"stats": True}})
         with torch.no_grad():
             sparse = loaded.model(input_ids=ids).logits
         stats = rt.prefill.pop_stats()
@@ -250,7 +250,7 @@ def test_eval_static_loop_gives_the_eager_answers_and_stats(low_run, loaded):
     prompts = [SimpleNamespace(task="t", length=300, answer="", scoring="contains",
                                input_ids=torch.randint(20, 200, (n,), generator=gen).tolist())
                for n in (300, 300, 260)]  # one nominal length, two token counts
-    state = hf.apply(loaded.model, low_run["artifact_dir"])
+    state = hf.apply(loaded.model, low_run["artifact_dir"], options={"sale": {"stats": True}})
     try:
         eager = answer_prompts(loaded, prompts, 5, state, batch_tokens=1000, loop="eager")
         static = answer_prompts(loaded, prompts, 5, state, batch_tokens=1000, loop="static")

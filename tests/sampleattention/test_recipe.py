@@ -260,7 +260,7 @@ def test_hf_apply_uses_the_tuned_rows(run, loaded) -> None:
     from runtime_kernels import hf
 
     art = load_artifact(run["result"]["artifact_dir"])
-    rt = hf.apply(loaded.model, art)
+    rt = hf.apply(loaded.model, art, options={"sampleattention": {"stats": True}})
     try:
         assert isinstance(rt.prefill, SampleAttentionPrefill)
         ids = torch.arange(10, 10 + 450)[None]

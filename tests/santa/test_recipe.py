@@ -136,7 +136,7 @@ def test_artifact_applies_to_the_model(run_result, model_dir):
 
     loaded = load_model(_compose(model_dir).model, device="cpu")
     try:
-        state = hf.apply(loaded.model, run_result["artifact_dir"])
+        state = hf.apply(loaded.model, run_result["artifact_dir"], options={"santa": {"stats": True}})
         assert isinstance(state.decode, SantaDecode) and state.prefill is state.decode
         want = load_artifact(run_result["artifact_dir"]).tensor("schedule").tolist()
         assert state.decode.schedule == want
@@ -144,7 +144,7 @@ def test_artifact_applies_to_the_model(run_result, model_dir):
             out = loaded.model(input_ids=torch.arange(5, 69)[None], use_cache=True)
         assert torch.isfinite(out.logits).all() and state.decode.pop_stats()["sampled_calls"] == 2
         probs = load_artifact(run_result["artifact_dir"]).tensor("probs").double().tolist()
-        state = hf.apply(loaded.model, run_result["artifact_dir"], options={"santa": {"budget": 7}})
+        state = hf.apply(loaded.model, run_result["artifact_dir"], options={"santa": {"budget": 7, "stats": True}})
         assert state.decode.schedule == apportion(probs, 7) and sum(state.decode.schedule) == 7
         with pytest.raises(ArtifactError, match="integer >= 2"):
             hf.apply(loaded.model, run_result["artifact_dir"], options={"santa": {"budget": 1}})

@@ -68,3 +68,11 @@ def test_eval_reports_both_suites_on_the_embedded_model(tmp_path, monkeypatch):
     books = [result["tasks"][f"{t}@512"]["dense"] for t in book_tasks]
     assert m["suite.books.dense_acc"] == pytest.approx(sum(books) / len(books))
     assert m["num_prompts"] == 2 + 2 * len(book_tasks)
+
+
+def test_eval_counts_statistics_that_serving_leaves_off():
+    from calib.evaluate import with_statistics
+
+    for method in ("saap", "sale", "sampleattention", "santa"):
+        assert with_statistics({}, method) == {method: {"stats": True}}
+    assert with_statistics({"santa": {"budget": 64}}, "santa") == {"santa": {"budget": 64, "stats": True}}

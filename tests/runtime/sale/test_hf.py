@@ -43,11 +43,27 @@ def test_pop_stats_averages_layers_and_heads_then_resets():
     rt.prefill(0, q, k, v, 0.25)
     rt.prefill(1, q, k, v, 0.25)
     d1 = sale_select(q, k, tau[1], config=CFG, scale=0.25).density()  # [B, H]
-    expected = (8 * 1.0 + float(d1.sum())) / 16
+    expected = (8 * 1.0 + float(d1.double().sum())) / 16
     stats = rt.pop_stats()
     assert stats["density"] == pytest.approx(expected) and stats["sparsity"] == pytest.approx(1 - expected)
     assert 0 < stats["sparsity"] < 0.5  # head 1 of layer 1 and all of layer 0 are dense
     assert rt.pop_stats() == {}
+
+
+def test_statistics_read_the_device_once_per_pop_and_serving_keeps_none(monkeypatch):
+    tau = torch.tensor([[0.0, 0.0, 0.0, 0.0], [0.9, 0.0, 0.5, 0.3]])
+    q, k, v = _qkv()
+    reads = []
+    real_float = torch.Tensor.__float__
+    monkeypatch.setattr(torch.Tensor, "__float__", lambda t: reads.append(1) or real_float(t))
+    rt = SalePrefill(tau, CFG)
+    for layer in (0, 1, 1):
+        rt.prefill(layer, q, k, v, 0.25)
+    assert reads == []  # a host read of a GPU tensor is a sync: none while the layers run
+    assert 0 < rt.pop_stats()["sparsity"] < 1 and len(reads) == 1
+    served = SalePrefill(tau, CFG, stats=False)  # hf.apply's default: from_artifact(..., stats=False)
+    served.prefill(1, q, k, v, 0.25)
+    assert served.pop_stats() == {} and len(reads) == 1
 
 
 def test_constructor_and_call_validation():
@@ -94,7 +110,7 @@ def test_apply_zero_tau_is_bitwise_dense_and_positive_tau_is_close(model, tmp_pa
     with torch.no_grad():
         dense = model(input_ids=ids).logits
     try:
-        rt = hf.apply(model, _artifact(tmp_path / "zero", model, torch.zeros(2, 4)))
+        rt = hf.apply(model, _artifact(tmp_path / "zero", model, torch.zeros(2, 4)), options={"sale": {"stats": True}})
         assert isinstance(rt.prefill, SalePrefill) and rt.decode is None
         assert rt.prefill.config == CFG
         with torch.no_grad():
@@ -104,7 +120,8 @@ def test_apply_zero_tau_is_bitwise_dense_and_positive_tau_is_close(model, tmp_pa
         hf.remove(model)
     assert torch.equal(same, dense)
     try:
-        rt = hf.apply(model, _artifact(tmp_path / "sparse", model, torch.full((2, 4), 0.004)))
+        rt = hf.apply(model, _artifact(tmp_path / "sparse", model, torch.full((2, 4), 0.004)),
+                      options={"sale": {"stats": True}})
         with torch.no_grad():
             sparse = model(input_ids=ids).logits
         stats = rt.prefill.pop_stats()

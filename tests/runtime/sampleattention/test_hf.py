@@ -136,7 +136,7 @@ def test_apply_with_alpha_one_rows_is_bitwise_dense(model, tmp_path) -> None:
 
     dense = _logits(model, 200)
     table = BucketTable([128], [DENSE, BucketRow(1.0, 0.5, 4)], blk=BLK, max_length=256)
-    rt = hf.apply(model, _artifact(tmp_path / "dense", model, table))
+    rt = hf.apply(model, _artifact(tmp_path / "dense", model, table), options={"sampleattention": {"stats": True}})
     try:
         assert isinstance(rt.prefill, SampleAttentionPrefill) and rt.decode is None
         assert rt.prefill.table == table
@@ -148,12 +148,39 @@ def test_apply_with_alpha_one_rows_is_bitwise_dense(model, tmp_path) -> None:
     assert stats["density"] == 1.0 and stats["cra"] == 1.0 and stats["bucket"] == 1.0
 
 
+def test_serving_computes_no_statistics_and_gives_the_same_output(model, tmp_path, monkeypatch) -> None:
+    from runtime_kernels import hf
+    from runtime_kernels.sampleattention import api
+
+    table = BucketTable([128], [DENSE, BucketRow(0.5, 0.5, 1)], blk=BLK, max_length=256)
+    path = _artifact(tmp_path / "served", model, table)
+    rt = hf.apply(model, path, options={"sampleattention": {"stats": True}})
+    try:
+        measured = _logits(model, 192)
+        assert rt.prefill.pop_stats()["cra"] < 1.0  # the eval path measures the sampled CRA
+    finally:
+        hf.remove(model)
+
+    def no_cra(*args, **kwargs):
+        raise AssertionError("serving computed the CRA")
+
+    monkeypatch.setattr(api, "cumulative_residual_attention", no_cra)  # the CRA on a GPU
+    monkeypatch.setattr(api.reference, "sampled_cra", no_cra)  # and from the reference's row masses
+    rt = hf.apply(model, path)  # serving: hf.apply's default
+    try:
+        served = _logits(model, 192)
+        assert rt.prefill.stats is False and rt.prefill.pop_stats() == {}
+    finally:
+        hf.remove(model)
+    assert torch.equal(served, measured)
+
+
 def test_bucket_row_follows_the_prompt_length_and_beyond_logs_once(model, tmp_path, caplog) -> None:
     from runtime_kernels import hf
 
     table = BucketTable([128], [DENSE, BucketRow(0.5, 0.5, 1)], blk=BLK, max_length=200)
     short, mid, long = _logits(model, 100), _logits(model, 192), _logits(model, 256)
-    rt = hf.apply(model, _artifact(tmp_path / "two", model, table))
+    rt = hf.apply(model, _artifact(tmp_path / "two", model, table), options={"sampleattention": {"stats": True}})
     try:
         with caplog.at_level(logging.WARNING, logger="runtime_kernels.sampleattention.buckets"):
             got_short = _logits(model, 100)

@@ -180,7 +180,7 @@ def test_apply_reads_the_schedule_and_settings_from_the_artifact(model, tmp_path
     dense_prefill, dense_decode = _prefill_then_decode(model)
     payload = {"estimator": "sys", "tiling": "prop", "tile": 64, "phases": ["prefill", "decode"]}
     try:
-        state = hf.apply(model, _artifact(tmp_path / "both", model, [3, 5], payload))
+        state = hf.apply(model, _artifact(tmp_path / "both", model, [3, 5], payload), options={"santa": {"stats": True}})
         rt = state.decode
         assert isinstance(rt, SantaDecode) and state.prefill is rt and rt.phase == "both"
         assert rt.schedule == [3, 5] and (rt.tiling, rt.tile, rt.phases) == ("prop", 64, ("prefill", "decode"))
@@ -190,7 +190,7 @@ def test_apply_reads_the_schedule_and_settings_from_the_artifact(model, tmp_path
     finally:
         hf.remove(model)
     try:  # hyper-parameters only (no payload): decode only, the model's own prefill
-        state = hf.apply(model, _artifact(tmp_path / "decode", model, [2, 2], {}))
+        state = hf.apply(model, _artifact(tmp_path / "decode", model, [2, 2], {}), options={"santa": {"stats": True}})
         assert state.prefill is None and state.decode.phase == "decode" and state.decode.tiling == "flash"
         pre, _ = _prefill_then_decode(model)
         assert torch.equal(pre, dense_prefill)

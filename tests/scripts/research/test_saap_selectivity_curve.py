@@ -4,7 +4,6 @@ own summary code, resuming, the table's order and one-line errors; a fake calib 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -15,18 +14,15 @@ import torch
 
 from runtime_kernels.manifest import DataRecord, Manifest, ModelRecord, ProducerRecord, write_artifact
 
+from tests.scripts.research.loader import load_script
+
 ROOT = Path(__file__).resolve().parents[3]
 CELLS = ["book_needle@1024", "niah_single@4096"]
 
 
 @pytest.fixture(scope="module")
 def script():
-    path = ROOT / "scripts" / "research" / "saap_selectivity_curve.py"
-    spec = importlib.util.spec_from_file_location("saap_selectivity_curve", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+    return load_script("saap_selectivity_curve")
 
 
 def _artifact(path: Path, method: str = "saap", top_l: int = 32, top_l_layers: dict | None = None) -> Path:

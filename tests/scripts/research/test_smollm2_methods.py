@@ -3,7 +3,6 @@ and resuming, with a fake calib in place of the subprocesses (the real runs are 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -12,18 +11,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.scripts.research.loader import load_script
+
 ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
 def script():
-    sys.path.insert(0, str(ROOT / "scripts" / "bench"))
-    path = ROOT / "scripts" / "research" / "smollm2_methods.py"
-    spec = importlib.util.spec_from_file_location("smollm2_methods", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass resolves annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+    return load_script("smollm2_methods")
 
 
 def _sweep(rewards: dict[str, float]) -> dict[str, dict]:

@@ -84,26 +84,28 @@ class ProfilingSettings:
 
 def _prompt_counts(p: Section, lengths: list[int]) -> int | dict[int, int]:
     """``profiling.prompts_per_length``: one integer for every length, or ``{length: count}`` naming each
-    of ``lengths`` and no other (counts >= 1); anything else -> one-line UserError naming the key."""
+    of ``lengths`` (counts >= 1; lengths not profiled are ignored, so a model's mapping serves a run on fewer
+    of its lengths); anything else -> one-line UserError naming the key."""
     key, raw = p.key("prompts_per_length"), p.value("prompts_per_length")
     if not isinstance(raw, Mapping):
         if isinstance(raw, bool) or not isinstance(raw, (int, float)):
             raise UserError(f"{key} must be an integer or a mapping {{length: count}} naming every profiled "
                             f"length (got {raw!r})")
         return p.integer("prompts_per_length", at_least=1)
-    counts, out = Section(raw, key), {}
+    counts, out, seen = Section(raw, key), {}, set()
     for k in raw:
         length = k if isinstance(k, int) and not isinstance(k, bool) else int(k) if str(k).isdigit() else None
-        if length not in lengths:
-            raise UserError(f"{key} has a count for {k!r}, which is not one of {p.key('lengths')} {lengths}: "
-                            f"name each profiled length, or give one integer for all")
-        if length in out:
+        if length is None:
+            raise UserError(f"{key} has a count for {k!r}, which is not a length in tokens")
+        if length in seen:
             raise UserError(f"{key} names length {length} twice")
-        out[length] = counts.integer(k, at_least=1)
+        seen.add(length)
+        if length in lengths:
+            out[length] = counts.integer(k, at_least=1)
     missing = [n for n in lengths if n not in out]
     if missing:
-        raise UserError(f"{key} has no count for length {missing[0]} of {p.key('lengths')} {lengths}: "
-                        f"name each profiled length, or give one integer for all")
+        raise UserError(f"{key} has no count for length {missing[0]} of {p.key('lengths')} {lengths}: add "
+                        f"'+{key}.{missing[0]}=<n>', or give one integer for all")
     return {n: out[n] for n in lengths}
 
 

@@ -12,6 +12,8 @@ All through :class:`runtime_kernels.generate.StaticGenerator` with ``hf.apply``'
 * decode: median device ms of ``--steps`` graph replays at each ``B x T``; tokens/s = B / that;
 * TTFT: the prompt's forward pass and first token at ``--ttft-batches``: the median of 7 after one untimed;
   a method's row also times dense alternately in its own process, and its × dense is to that figure
+* second: from the first token to the second at ``--ttft-batches`` (the method's per-request set-up: SAAP's
+  index build, the step's warm-up and graph capture), host wall time, the median of 3, paired likewise;
 * ragged: ``--ragged`` rows of lengths spread over [T/4, T], prefilled one by one and decoded together;
   tokens/s of the whole generation (prefill included);
 * beside every row: the KV-read floor (the dense K+V bytes of a step / the copy rate measured here),
@@ -56,6 +58,7 @@ from runtime_kernels.generate import StaticGenerator, StepTimes  # noqa: E402
 
 PREFILL_METHODS = ("sale", "sampleattention")
 TTFT_REPEATS = 7  # timed prefills per TTFT point and path (the medians are reported)
+SECOND_REPEATS = 3  # timed first-to-second-token intervals per point and path (each with a prefill before it)
 
 
 @dataclass
@@ -67,13 +70,13 @@ class Row:
     length: int
     batch: int
     compiled: bool
-    ms: float | None = None  # decode: ms per step; ttft: ms; ragged: ms of the whole generation
+    ms: float | None = None  # decode: ms per step; ttft: ms; second: first to second token; ragged: whole generation
     tokens_per_s: float | None = None
     kv_floor_ms: float | None = None
     peak_gb: float | None = None
     dense_layers: int | None = None  # decode: layers the serving policy ran densely at the last view
     note: str = ""
-    dense_ms: float | None = None  # ttft of a method: dense's, timed alternately in the same process
+    dense_ms: float | None = None  # ttft / second of a method: dense's, timed alternately in the same process
 
 
 @dataclass
@@ -214,6 +217,44 @@ def ttft_row(model, tok, method: str, t: int, b: int, setup: Setup) -> Row:
                dense_ms=statistics.median(dense_ms) if dense_ms else None)
 
 
+def _wall_ms(fn, cuda: bool) -> float:
+    """Host wall time of ``fn`` from an idle device to its work done (host-side work such as a graph
+    capture counts)."""
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def second_row(model, tok, method: str, t: int, b: int, setup: Setup) -> Row:
+    """Time from the first token to the second: after each prefill the loop brings the method's state to
+    the step (SAAP builds its index from the cache), warms the step up and captures its graph, then
+    replays it. A method's row also times dense alternately in this process (:func:`dense_prefill`
+    switches the decode method off too)."""
+    cuda = not setup.smoke
+    prompts = text_rows(tok, b, t, seed=2).to(model.device)
+    gen = generator(model, b, t + 8, False, method, cuda)
+    paired = method != "dense"
+
+    def second() -> float:
+        gen.prefill(prompts)
+        return _wall_ms(lambda: gen.decode(1), cuda)
+
+    second()  # warm-up: compilation and the serving policy's timings at this shape
+    method_ms, dense_ms = [], []
+    for _ in range(SECOND_REPEATS):
+        method_ms.append(second())
+        if paired:
+            with dense_prefill(model):
+                dense_ms.append(second())
+    ms = statistics.median(method_ms)
+    return Row(method, "second", t, b, False, ms=ms, peak_gb=_peak_gb(cuda),
+               dense_ms=statistics.median(dense_ms) if dense_ms else None)
+
+
 def ragged_row(model, tok, method: str, t: int, b: int, compiled: bool, setup: Setup) -> Row:
     cuda = not setup.smoke
     gen_lengths = torch.Generator().manual_seed(2)
@@ -253,9 +294,12 @@ def run_config(method: str, compiled: bool, setup: Setup) -> list[Row]:
         if decodes:
             for b in setup.batches:
                 guarded(decode_row, model, tok, method, t, b, compiled, setup)
-        if not compiled and method not in ("santa", "no-attention"):  # SANTA's prefill is dense; SAAP's builds its index
+        if not compiled and method not in ("santa", "no-attention"):  # SANTA's prefill is dense
             for b in setup.ttft_batches:
                 guarded(ttft_row, model, tok, method, t, b, setup)
+        if not compiled and decodes and method != "no-attention":  # SAAP's index build lands here
+            for b in setup.ttft_batches:
+                guarded(second_row, model, tok, method, t, b, setup)
         if setup.ragged and method != "no-attention":
             guarded(ragged_row, model, tok, method, t, setup.ragged, compiled, setup)
     return rows

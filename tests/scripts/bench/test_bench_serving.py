@@ -68,4 +68,4 @@ def test_smoke_run_on_the_cpu_prints_every_kind_of_row():
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     kinds = {line.split("|")[1].strip() for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line}
-    assert {"decode", "ttft", "ragged"} <= kinds
+    assert {"decode", "ttft", "second", "ragged"} <= kinds

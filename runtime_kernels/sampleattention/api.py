@@ -184,7 +184,7 @@ class SampleAttentionPrefill:
         if isinstance(table, BucketRow):
             table = BucketTable([], [table], blk=blk)
         self.table = table
-        self.report_cra = report_cra
+        self.report_cra = report_cra and stats  # the CRA is a statistic: none without them
         self.timing = timing
         self.backend = backend
         self.stats = stats
@@ -210,7 +210,7 @@ class SampleAttentionPrefill:
             if tuple(tensor.shape) != tuple(expected.shape) or not torch.allclose(tensor.float(), expected, atol=1e-6):
                 raise ArtifactError(f"{artifact.path}: tensor 'table' {tuple(tensor.shape)} disagrees with "
                                     "payload.buckets (edited manifest?); re-run the calibration")
-        return cls(table, report_cra=stats, stats=stats)
+        return cls(table, stats=stats)
 
     def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                 ctx: Any = None) -> torch.Tensor | None:

@@ -73,10 +73,10 @@ class SantaDecode:
     restarts both, and with one seed per batch row makes each row sample what it would alone. A batch
     with a padding mask runs dense (like every decode method here).
 
-    Statistics (``stats``) count in both loops: eager calls add host numbers; static-cache decode steps (CUDA graphs
-    replay them without the host) add on the device to one buffer, ``[sum of S, sum of sample fractions,
-    calls]`` float64, made once and then only added to in place, so a graph adds to it at every replay
-    (:meth:`stats_checkpoint` / :meth:`stats_restore` let the loop drop its uncaptured warm-up steps).
+    Statistics (``stats``) count in both loops: eager calls add host numbers; static-cache decode steps
+    (CUDA graphs replay them without the host) add on the device to one buffer, ``[sum of S, sum of sample
+    fractions, calls]`` float64, made once and then only added to in place, so a graph adds to it at every
+    replay (:meth:`stats_checkpoint` / :meth:`stats_restore` let the loop drop its uncaptured warm-up steps).
     ``pop_stats()``: ``mean_samples`` (mean S over sampled attention calls), ``sample_fraction``
     (mean samples drawn per query row / keys it may read, capped at 1) and ``sampled_calls``.
     """

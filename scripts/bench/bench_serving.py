@@ -195,26 +195,32 @@ def dense_prefill(model) -> Iterator[None]:
         state.prefill, state.decode = saved
 
 
+def _paired_ms(model, timed, paired: bool, repeats: int) -> tuple[float, float | None]:
+    """Medians of ``repeats`` calls of ``timed()`` (ms) and, with ``paired``, of the same under
+    :func:`dense_prefill`, alternated, each path warmed up once first."""
+    timed()
+    if paired:
+        with dense_prefill(model):
+            timed()
+    method_ms, dense_ms = [], []
+    for _ in range(repeats):
+        method_ms.append(timed())
+        if paired:
+            with dense_prefill(model):
+                dense_ms.append(timed())
+    return statistics.median(method_ms), statistics.median(dense_ms) if dense_ms else None
+
+
 def ttft_row(model, tok, method: str, t: int, b: int, setup: Setup) -> Row:
     """TTFT of ``method``; for a method also dense's, timed alternately in this process (a prefill of a
     small model is launch-bound, and its time moves more between processes than between the two paths)."""
     cuda = not setup.smoke
     prompts = text_rows(tok, b, t, seed=1).to(model.device)
     gen = generator(model, b, t + 8, False, method, cuda)
-    gen.prefill(prompts)  # warm-up: kernels' compilation and the serving policy's prefill timings
-    paired = method != "dense"
-    if paired:
-        with dense_prefill(model):
-            gen.prefill(prompts)
-    method_ms, dense_ms = [], []
-    for _ in range(TTFT_REPEATS):
-        method_ms.append(_event_ms(lambda: gen.prefill(prompts), cuda))
-        if paired:
-            with dense_prefill(model):
-                dense_ms.append(_event_ms(lambda: gen.prefill(prompts), cuda))
-    ms = statistics.median(method_ms)
+    ms, dense_ms = _paired_ms(model, lambda: _event_ms(lambda: gen.prefill(prompts), cuda), method != "dense",
+                              TTFT_REPEATS)
     return Row(method, "ttft", t, b, False, ms=ms, tokens_per_s=b * t / ms * 1e3, peak_gb=_peak_gb(cuda),
-               dense_ms=statistics.median(dense_ms) if dense_ms else None)
+               dense_ms=dense_ms)
 
 
 def _wall_ms(fn, cuda: bool) -> float:
@@ -237,22 +243,13 @@ def second_row(model, tok, method: str, t: int, b: int, setup: Setup) -> Row:
     cuda = not setup.smoke
     prompts = text_rows(tok, b, t, seed=2).to(model.device)
     gen = generator(model, b, t + 8, False, method, cuda)
-    paired = method != "dense"
 
     def second() -> float:
         gen.prefill(prompts)
         return _wall_ms(lambda: gen.decode(1), cuda)
 
-    second()  # warm-up: compilation and the serving policy's timings at this shape
-    method_ms, dense_ms = [], []
-    for _ in range(SECOND_REPEATS):
-        method_ms.append(second())
-        if paired:
-            with dense_prefill(model):
-                dense_ms.append(second())
-    ms = statistics.median(method_ms)
-    return Row(method, "second", t, b, False, ms=ms, peak_gb=_peak_gb(cuda),
-               dense_ms=statistics.median(dense_ms) if dense_ms else None)
+    ms, dense_ms = _paired_ms(model, second, method != "dense", SECOND_REPEATS)
+    return Row(method, "second", t, b, False, ms=ms, peak_gb=_peak_gb(cuda), dense_ms=dense_ms)
 
 
 def ragged_row(model, tok, method: str, t: int, b: int, compiled: bool, setup: Setup) -> Row:

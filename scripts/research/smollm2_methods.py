@@ -10,7 +10,7 @@ eval model=<model> artifact=<its dir> eval.num_prompts=<n>`` on the model's kept
 (``eval.cells=[...]``, the method's ``confirm`` step), and that figure decides it. A method holds on a suite
 (books: the ``book_*`` cells; synthetic: the rest) when every kept cell does. ``--santa-sweep 1,2,4,8`` (for a model
 whose conf sets no ``rl.budget_per_layer``) first sweeps SANTA's uniform budgets and trains at a starved one.
-``--gpus`` runs one lane per GPU, a queue when methods outnumber GPUs. A lane's processes see only its GPU, get
+``--gpus`` runs one lane per GPU named (``0,0,0``: three on one GPU), a queue when methods outnumber lanes. A lane's processes see only its GPU, get
 ``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` = cores // lanes (each torch process would start a thread per core: several
 oversubscribe the CPU and stall their GPU launch loops) and their own ``CALIB_HOME`` ``<home>/lane<gpu>``: MLflow's
 SQLite store is not safe for concurrent writers. Without ``--gpus`` one lane runs in ``--home``. Only this process
@@ -56,15 +56,22 @@ def usable_cpus() -> int:
 
 
 def make_lanes(home: Path, gpus: list[str], methods: int) -> list[Lane]:
-    """One lane in ``home`` without ``gpus``; else one per GPU (no more than ``methods``), each in
-    ``home/lane<gpu>`` seeing only that GPU, with the cores shared out between the lanes."""
+    """One lane in ``home`` without ``gpus``; else one per entry of ``gpus`` (no more than ``methods``), each
+    seeing only its GPU, with the cores shared out between the lanes. A GPU named again gets another lane
+    (a small model leaves most of a GPU idle): lane ``gpu<id>`` in ``home/lane<id>``, its k-th repeat
+    ``gpu<id>.<k>`` in ``home/lane<id>.<k>``."""
     if not gpus:
         return [Lane("", home, calib_env(home))]
     used = gpus[:max(1, methods)]
     threads = str(max(1, usable_cpus() // len(used)))
-    return [Lane(f"gpu{gpu}", home / f"lane{gpu}",
-                 {**calib_env(home / f"lane{gpu}"), "CUDA_VISIBLE_DEVICES": gpu,
-                  "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}) for gpu in used]
+    lanes = []
+    for i, gpu in enumerate(used):
+        repeat = used[:i].count(gpu)
+        tag = gpu if repeat == 0 else f"{gpu}.{repeat}"
+        lanes.append(Lane(f"gpu{tag}", home / f"lane{tag}",
+                          {**calib_env(home / f"lane{tag}"), "CUDA_VISIBLE_DEVICES": gpu,
+                           "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}))
+    return lanes
 
 
 class Record:
@@ -339,7 +346,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--home", type=Path, required=True, help="CALIB_HOME (with --gpus: the lanes' parent)")
     parser.add_argument("--out", type=Path, required=True, help="JSON of every step (resumed when it exists)")
-    parser.add_argument("--gpus", default="", help="comma-separated GPU ids, one lane each (default: one lane)")
+    parser.add_argument("--gpus", default="", help="comma-separated GPU ids, one lane each; an id named again gets another lane on that GPU "
+                        "(default: one lane)")
     parser.add_argument("--set", action="append", default=[], metavar="METHOD:KEY=VALUE",
                         help="a calib run override for one method (repeatable)")
     parser.add_argument("--eval-set", action="append", default=[], metavar="KEY=VALUE",
@@ -359,8 +367,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     unknown = sorted(set(args.methods) - set(METHODS))
     if unknown:
         parser.error(f"unknown methods {unknown}: choose from {', '.join(METHODS)}")
-    if len(set(args.gpus)) != len(args.gpus):
-        parser.error(f"--gpus names a GPU twice: {','.join(args.gpus)}")
     if args.confirm_prompts and args.confirm_prompts <= args.eval_prompts:
         parser.error("--confirm-prompts must exceed --eval-prompts (or be 0: no confirmation)")
     if args.out.suffix == ".md":

@@ -261,3 +261,13 @@ def test_the_script_imports_only_the_standard_library(tmp_path):
             "sys.exit(f'imported {sorted(heavy)}' if heavy else 0)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_a_gpu_named_again_gets_another_lane_with_its_own_home(script, monkeypatch, tmp_path):
+    monkeypatch.setattr(script, "usable_cpus", lambda: 16)
+    lanes = script.make_lanes(tmp_path, ["0", "0", "1", "0"], 4)
+    assert [lane.name for lane in lanes] == ["gpu0", "gpu0.1", "gpu1", "gpu0.2"]
+    assert [lane.home.name for lane in lanes] == ["lane0", "lane0.1", "lane1", "lane0.2"]
+    assert [lane.env["CUDA_VISIBLE_DEVICES"] for lane in lanes] == ["0", "0", "1", "0"]
+    assert {lane.env["CALIB_HOME"] for lane in lanes} == {str(lane.home) for lane in lanes}
+    assert {lane.env["OMP_NUM_THREADS"] for lane in lanes} == {"4"}

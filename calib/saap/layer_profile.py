@@ -10,14 +10,17 @@ answers survive.
 side, at ``length``: default the longest data length, where SAAP loses most) densely once, then under
 candidate ``{layer: ℓ}`` settings: ℓ = ``top_l`` everywhere, then greedy groups of consecutive layers
 at ℓ = C, then a ladder lowering the chosen groups' ℓ. If no setting passes within ``max_groups``
-groups, every sparse layer's ℓ is widened up the same ladder (the chosen groups stay at C): accuracy
-before selectivity, as a user deploying the artifact expects. If even that fails, the best setting found
-is kept and the run warns; its metrics say it did not pass. Design notes: docs/notes/saap-recipe.md.
+groups, every sparse layer's ℓ is widened up the same ladder (the chosen groups stay at C), then bisected
+between the last failing rung and C, where every bucket is read: accuracy before selectivity, as a user
+deploying the artifact expects (at ℓ = C serving runs flash-decoding: the artifact costs nothing). If even
+ℓ = C misses dense's answers (a numerical tie broken differently), the best setting found is kept and the
+run warns; its metrics say it did not pass. Design notes: docs/notes/saap-recipe.md.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -119,12 +122,25 @@ def ladder_rungs(settings: ProfileSettings, top_l: int, clusters: int) -> list[i
     return sorted(x for x in set(ladder) if top_l < x < clusters)
 
 
+def widen_values(last_failing: int, top_l: int, clusters: int) -> list[int]:
+    """The ℓ that widening bisects once every ladder rung failed: multiples of ``top_l`` above
+    ``last_failing`` (the highest failing rung, or ``top_l``) below ``clusters``, then ``clusters`` itself."""
+    return [*range(last_failing + top_l, clusters, top_l), clusters]
+
+
+def bisection_trials(values: int) -> int:
+    """The most settings a bisection for the smallest passing one of ``values`` answers."""
+    return math.ceil(math.log2(values)) + 1 if values > 1 else values
+
+
 def max_trials(num_layers: int, settings: ProfileSettings, top_l: int, clusters: int) -> int:
     """The most settings :func:`search` can answer: the base, every remaining group in each of
-    ``max_groups`` rounds, then every ladder rung."""
+    ``max_groups`` rounds, every ladder rung, then the widening's bisection up to ``clusters``."""
     groups = len(layer_groups(list(range(num_layers)), settings.group))
     rounds = sum(groups - r for r in range(min(settings.max_groups, groups)))
-    return 1 + rounds + len(ladder_rungs(settings, top_l, clusters))
+    rungs = ladder_rungs(settings, top_l, clusters)
+    tail = widen_values(max(rungs, default=top_l), top_l, clusters) if top_l < clusters else []
+    return 1 + rounds + len(rungs) + bisection_trials(len(tail))
 
 
 def search(layers: Sequence[int], top_l: int, clusters: int, settings: ProfileSettings, dense_correct: int,
@@ -142,7 +158,9 @@ def search(layers: Sequence[int], top_l: int, clusters: int, settings: ProfileSe
     4. Ladder: with the chosen groups passing at ℓ = C, their ℓ is lowered to the smallest of ``ladder``
        (default: ``2·top_l, 4·top_l, …`` below C) that still passes.
     5. Widening, when step 3 ends without a pass: every other sparse layer's ℓ climbs the same ladder, the
-       chosen groups at C, until a setting passes; else the most correct setting found is kept (warned).
+       chosen groups at C, until a setting passes; past the last rung the smallest passing ℓ among
+       :func:`widen_values` (up to C, every bucket) is bisected for, assuming answers do not drop as ℓ
+       grows. When none passes the most correct setting found is kept (warned).
     Steps 4 and 5 exclude each other, so :func:`max_trials` bounds both.
     """
     need = dense_correct - settings.max_drop * prompts
@@ -172,7 +190,8 @@ def search(layers: Sequence[int], top_l: int, clusters: int, settings: ProfileSe
         current, i = max(tried, key=lambda ti: (ti[0].correct, -ti[0].selectivity, -ti[1]))
         chosen.append(remaining.pop(i))
     if current.correct < need:
-        return _widen(layers, chosen, clusters, settings, need, result, run, ladder_rungs(settings, top_l, clusters))
+        return _widen(layers, chosen, top_l, clusters, settings, need, result, run,
+                      ladder_rungs(settings, top_l, clusters))
     raised = [l for g in chosen for l in g]
     result.top_l_layers, result.passed = {l: clusters for l in raised}, True
     for value in ladder_rungs(settings, top_l, clusters):
@@ -182,22 +201,40 @@ def search(layers: Sequence[int], top_l: int, clusters: int, settings: ProfileSe
     return result
 
 
-def _widen(layers: Sequence[int], chosen: list[list[int]], clusters: int, settings: ProfileSettings, need: float,
-           result: ProfileResult, run: Callable[[dict[int, int], str], Trial], rungs: list[int]) -> ProfileResult:
+def _widen(layers: Sequence[int], chosen: list[list[int]], top_l: int, clusters: int, settings: ProfileSettings,
+           need: float, result: ProfileResult, run: Callable[[dict[int, int], str], Trial],
+           rungs: list[int]) -> ProfileResult:
     """Step 5 of :func:`search`: every sparse layer at each rung in turn (the chosen groups at C) until one
-    passes; else the setting with the most correct answers (fewer keys read on a tie), with a warning."""
+    passes, then a bisection for the smallest passing ℓ above the last rung, up to C; else the setting with
+    the most correct answers (fewer keys read on a tie), with a warning."""
     raised = {l: clusters for g in chosen for l in g}
-    for value in rungs:
-        trial = run({**{l: value for l in layers}, **raised}, f"widen {value}")
-        if trial.correct >= need:
-            result.top_l_layers, result.passed = dict(trial.top_l_layers), True
-            return result
+
+    def widened(value: int) -> Trial:
+        return run({**{l: value for l in layers}, **raised}, f"widen {value}")
+
+    passing = next((t for t in map(widened, rungs) if t.correct >= need), None)
+    if passing is None and top_l < clusters:
+        values = widen_values(max(rungs, default=top_l), top_l, clusters)
+        lo, hi = 0, len(values) - 1  # invariant: every value below values[lo] failed
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if widened(values[mid]).correct >= need:
+                hi = mid
+            else:
+                lo = mid + 1
+        trial = widened(values[lo])  # answered already unless lo is the last value
+        passing = trial if trial.correct >= need else None
+    if passing is not None:
+        result.top_l_layers, result.passed = dict(passing.top_l_layers), True
+        if all(v >= clusters for v in passing.top_l_layers.values()):
+            log.warning("SAAP layer profile: only ℓ = C (every bucket) in every sparse layer kept dense's answers: "
+                        "the artifact reads every key, and serving runs flash-decoding")
+        return result
     top = max(result.trials, key=lambda t: (t.correct, -t.selectivity))
     result.top_l_layers = dict(top.top_l_layers)
-    log.warning("SAAP layer profile: no setting within %d groups and ℓ up to %s kept dense's answers (%d of %d; "
-                "dense %d); the artifact keeps the best found, %s", settings.max_groups,
-                rungs[-1] if rungs else "ℓ", top.correct, result.prompts, result.dense_correct,
-                top.top_l_layers or "no per-layer ℓ")
+    log.warning("SAAP layer profile: no setting within %d groups and ℓ up to C = %d kept dense's answers (%d of %d; "
+                "dense %d); the artifact keeps the best found, %s", settings.max_groups, clusters,
+                top.correct, result.prompts, result.dense_correct, top.top_l_layers or "no per-layer ℓ")
     return result
 
 

@@ -65,25 +65,54 @@ def test_two_groups_ties_go_to_the_earlier_and_a_rung_that_never_passes():
     assert [t.step for t in res.trials][:6] == ["base", "group 1-4", "group 5-8", "group 9-12", "group 5-8",
                                                 "group 9-12"]
     assert res.trials[5].top_l_layers == {l: C for l in (1, 2, 3, 4, 9, 10, 11, 12)}
-    # the longest search: base + 3 groups + the 2 left + rungs 16, 32, 64 (the profile's cost bound)
-    assert len(res.trials) == 9 == max_trials(len(LAYERS), settings(max_drop=0.0), TOP_L, C)
-    # max_groups past the 3 groups: rounds of 3, 2 and 1; no rung strictly between ℓ = 8 and C = 128
-    assert max_trials(len(LAYERS), settings(max_groups=5, ladder=[4, 8, 200]), TOP_L, C) == 1 + (3 + 2 + 1) + 0
-    assert max_trials(len(LAYERS), settings(ladder=[16, 16, 100]), TOP_L, C) == 1 + (3 + 2) + 2
+    assert len(res.trials) == 9  # base + 3 groups + the 2 left + rungs 16, 32, 64
+    # the cost bound adds widening's bisection over 72, 80, ..., 120, 128 (8 values: 3 halvings + 1)
+    assert max_trials(len(LAYERS), settings(max_drop=0.0), TOP_L, C) == 9 + 4
+    # max_groups past the 3 groups: rounds of 3, 2 and 1; no rung strictly between ℓ = 8 and C = 128, so the
+    # bisection runs over 16, 24, ..., 120, 128 (15 values: 4 halvings + 1)
+    assert max_trials(len(LAYERS), settings(max_groups=5, ladder=[4, 8, 200]), TOP_L, C) == 1 + (3 + 2 + 1) + 0 + 5
+    # rungs 16 and 100, then 108, 116, 124, 128 (2 halvings + 1)
+    assert max_trials(len(LAYERS), settings(ladder=[16, 16, 100]), TOP_L, C) == 1 + (3 + 2) + 2 + 3
 
 
-def test_no_pass_within_max_groups_widens_then_keeps_the_best_and_warns(caplog):
-    """Layer 10 needs every bucket and one group may be raised: widening every layer up the ladder (16, 32,
-    64 < C) cannot save it either, so the best setting, group 1-4 at C (9/10, fewest keys), is kept."""
+def test_no_rung_passes_so_widening_bisects_up_to_every_bucket(caplog):
+    """Layers 2 and 10 need every bucket and one group may be raised: the rungs 16, 32, 64 fail, then the
+    bisection over 72, 80, ..., 120, 128 tries 96, 112, 120 (all fail) and ends at C: every layer reads
+    every bucket, which passes, and the run says the artifact reads every key."""
     model = HandModel(10, need={2: C, 10: C}, loss={2: 1, 10: 1})
     with caplog.at_level(logging.WARNING, logger="calib.saap.layer_profile"):
         res = search(LAYERS, TOP_L, C, settings(max_drop=0.0, max_groups=1), 10, 10, model)
-    assert [t.step for t in res.trials][-3:] == ["widen 16", "widen 32", "widen 64"]
-    assert res.trials[-1].top_l_layers == {**{l: 64 for l in LAYERS}, **{l: C for l in (1, 2, 3, 4)}}
-    assert not res.passed and res.top_l_layers == {l: C for l in (1, 2, 3, 4)}
-    assert res.metrics()["layer_profile.acc"] == 0.9 and res.metrics()["layer_profile.passed"] == 0
-    assert "no setting within 1 groups and ℓ up to 64 kept dense's answers" in caplog.text
+    assert [t.step for t in res.trials][4:] == ["widen 16", "widen 32", "widen 64", "widen 96", "widen 112",
+                                                "widen 120", "widen 128"]
+    assert res.passed and res.top_l_layers == {l: C for l in LAYERS}
+    assert res.metrics()["layer_profile.acc"] == 1.0 and res.metrics()["layer_profile.selectivity"] == 1.0
+    assert "only ℓ = C (every bucket) in every sparse layer kept dense's answers" in caplog.text
     assert len(res.trials) <= max_trials(len(LAYERS), settings(max_drop=0.0, max_groups=1), TOP_L, C)
+
+
+@pytest.mark.parametrize("need", [65, 72, 73, 100, 120, 121])
+def test_widening_finds_the_smallest_passing_l_above_the_ladder(need):
+    """Layers 2, 6 and 10 each need ℓ >= ``need`` (one answer each, groups raise one of them): the smallest
+    passing value of 72, 80, ..., 128 is the first multiple of 8 above 64 that reaches ``need``, found by
+    bisection within the cost bound, and the trials never answer a setting twice."""
+    model = HandModel(10, need={2: need, 6: need, 10: need}, loss={2: 1, 6: 1, 10: 1})
+    res = search(LAYERS, TOP_L, C, settings(max_drop=0.0, max_groups=1), 10, 10, model)
+    smallest = next(v for v in range(72, C + 1, 8) if v >= need)  # the linear scan bisection must agree with
+    assert res.passed and res.top_l_layers == {**{l: smallest for l in LAYERS}, **{l: C for l in (1, 2, 3, 4)}}
+    assert len(res.trials) <= max_trials(len(LAYERS), settings(max_drop=0.0, max_groups=1), TOP_L, C)
+    assert len({tuple(sorted(c.items())) for c in model.calls}) == len(model.calls)
+
+
+def test_nothing_passes_even_at_every_bucket_keeps_the_best_and_warns(caplog):
+    """An answer no ℓ saves (layer 3 would need more buckets than there are): widening reaches C and
+    fails, so the most correct setting that reads the fewest keys, the base, is kept and the run warns."""
+    model = HandModel(10, need={3: C + 1}, loss={3: 1})
+    with caplog.at_level(logging.WARNING, logger="calib.saap.layer_profile"):
+        res = search(LAYERS, TOP_L, C, settings(max_drop=0.0, max_groups=1), 10, 10, model)
+    assert res.trials[-1].step == "widen 128" and res.trials[-1].correct == 9
+    assert not res.passed and res.top_l_layers == {}
+    assert res.metrics()["layer_profile.acc"] == 0.9 and res.metrics()["layer_profile.passed"] == 0
+    assert "no setting within 1 groups and ℓ up to C = 128 kept dense's answers (9 of 10" in caplog.text
 
 
 def test_widening_every_layer_passes_where_one_group_cannot():

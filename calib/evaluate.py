@@ -308,7 +308,8 @@ def real_text_metrics(cfg: Any, loaded: Any, artifact: Any, method: str) -> dict
     t0 = time.perf_counter()
     out = real_text_nll(loaded, chunk_tokens=int(nll.chunk_tokens), chunks=int(nll.chunks),
                         decode_tokens=int(nll.decode_tokens), artifact=artifact,
-                        options=runtime_options(cfg, method) if artifact is not None else None)
+                        options=runtime_options(cfg, method) if artifact is not None else None,
+                        batch_tokens=int(cfg.eval.get("batch_tokens") or 0))
     out["time_nll_s"] = time.perf_counter() - t0
     line = f"real-text NLL: dense {out['nll_dense']:.4f}"
     if "nll_sparse" in out:

@@ -10,7 +10,8 @@ chunks of ``chunk_tokens`` tokens. Each chunk is scored the way a model reads an
   here: SAAP, SANTA), each step predicting the following token.
 
 The NLL is in nats per token; ``nll_prefill`` and ``nll_decode`` average the two parts separately and
-``nll`` all scored tokens. A chunk of T tokens scores T - 1 predictions.
+``nll`` all scored tokens. A chunk of T tokens scores T - 1 predictions. Chunks (all of one token count) are
+scored several at a time, as rows of one batch without padding, so a method sees each as it would alone.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -31,6 +32,7 @@ from runtime_kernels import hf
 # CLI imports this module (through calib.evaluate and the recipes) for checks that must fail fast.
 
 LOGIT_SLICE = 1024  # positions whose logits are materialized at once (vocab x this x 4 bytes)
+DEFAULT_BATCH_TOKENS = 65536  # chunk tokens scored together (8 chunks of 8192)
 
 
 def real_text_path() -> Path:
@@ -83,54 +85,91 @@ def text_chunks(tokenizer: Any, text: str, chunk_tokens: int, max_chunks: int | 
 
 
 def _nll_of_positions(head: tuple[torch.Tensor, torch.Tensor | None], hidden: torch.Tensor,
-                      targets: torch.Tensor) -> float:
-    """Summed NLL of ``targets: [N]`` under the output layer ``head = (weight [V, H], bias)`` applied to
-    ``hidden: [N, H]``, in float32 whatever the model's dtype, ``LOGIT_SLICE`` positions at a time."""
+                      targets: torch.Tensor) -> torch.Tensor:
+    """Summed NLL (a 0-d float64 tensor, left on the device: no host sync) of ``targets: [N]`` under the
+    output layer ``head = (weight [V, H], bias)`` applied to ``hidden: [N, H]``, in the head's dtype (at
+    least float32 whatever the model's), ``LOGIT_SLICE`` positions at a time."""
     weight, bias = head
-    total = 0.0
+    total = torch.zeros((), dtype=torch.float64, device=hidden.device)
     for start in range(0, hidden.shape[0], LOGIT_SLICE):
-        logits = torch.nn.functional.linear(hidden[start:start + LOGIT_SLICE].float(), weight, bias)  # [n, V]
-        total += float(torch.nn.functional.cross_entropy(logits, targets[start:start + LOGIT_SLICE], reduction="sum"))
+        logits = torch.nn.functional.linear(hidden[start:start + LOGIT_SLICE].to(weight.dtype), weight, bias)  # [n, V]
+        total += torch.nn.functional.cross_entropy(logits, targets[start:start + LOGIT_SLICE], reduction="sum")
     return total
 
 
+def _output_head(model: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The output layer's ``(weight [V, H], bias)`` in float32, or float64 for a float64 model."""
+    out_layer = model.get_output_embeddings()
+    dtype = torch.promote_types(out_layer.weight.dtype, torch.float32)
+    bias = getattr(out_layer, "bias", None)
+    return out_layer.weight.to(dtype), None if bias is None else bias.to(dtype)
+
+
 @torch.inference_mode()
-def chunk_nll(model: Any, ids: Sequence[int], decode_tokens: int) -> NllResult:
-    """Score one chunk: prefill all but the last ``decode_tokens`` tokens, then teacher-forced decode steps."""
+def batch_nll(model: Any, rows: Sequence[Sequence[int]], decode_tokens: int,
+              on_step: Callable[[], None] | None = None) -> NllResult:
+    """Score chunks of one token count together: prefill all but the last ``decode_tokens`` tokens of every
+    row in one call (``[R, n_prefill]``), then teacher-forced decode steps of all rows (``[R, 1]`` each).
+
+    No padding and no attention mask, so any attention the model runs (a method's runtime included) sees
+    each row as it would alone. ``on_step`` is called after each model call (a progress bar's tick).
+    """
     from runtime_kernels.generate import cache_argument, output_cache
 
+    if len({len(ids) for ids in rows}) != 1:
+        raise ValueError(f"chunks of different lengths {sorted({len(ids) for ids in rows})} cannot be batched")
     device = next(model.parameters()).device
-    tokens = torch.tensor(list(ids), device=device)  # [T]
-    n_prefill = len(ids) - decode_tokens
+    tokens = torch.tensor([list(ids) for ids in rows], device=device)  # [R, T]
+    n_rows, n_tokens = tokens.shape
+    n_prefill = n_tokens - decode_tokens
     if n_prefill < 2:
-        raise UserError(f"chunk of {len(ids)} tokens with decode_tokens={decode_tokens}: nothing left to prefill")
-    decoder, out_layer = model.get_decoder(), model.get_output_embeddings()
-    bias = getattr(out_layer, "bias", None)
-    head = (out_layer.weight.float(), None if bias is None else bias.float())
-    out = decoder(input_ids=tokens[None, :n_prefill], use_cache=True)
-    hidden = out.last_hidden_state[0]  # [n_prefill, H]
-    result = NllResult(chunks=1, tokens_prefill=n_prefill - 1)
-    result.nll_sum_prefill = _nll_of_positions(head, hidden[:-1], tokens[1:n_prefill])
-    past, last = output_cache(out), hidden[-1:]  # last: [1, H], predicts tokens[n_prefill]
+        raise UserError(f"chunk of {n_tokens} tokens with decode_tokens={decode_tokens}: nothing left to prefill")
+    decoder, head = model.get_decoder(), _output_head(model)
+    out = decoder(input_ids=tokens[:, :n_prefill], use_cache=True)
+    hidden = out.last_hidden_state  # [R, n_prefill, H]
+    nll_prefill = sum(_nll_of_positions(head, hidden[r, :-1], tokens[r, 1:n_prefill]) for r in range(n_rows))
+    past, states = output_cache(out), [hidden[:, -1].clone()]  # states[i]: [R, H], predicts tokens[:, n_prefill + i]
+    del out, hidden
     arg = cache_argument(decoder)
-    for pos in range(n_prefill, len(ids)):
-        result.nll_sum_decode += _nll_of_positions(head, last, tokens[pos:pos + 1])
-        result.tokens_decode += 1
-        if pos + 1 == len(ids):
-            break
-        step = decoder(input_ids=tokens[None, pos:pos + 1], use_cache=True, **{arg: past})
-        past, last = output_cache(step), step.last_hidden_state[0]
+    if on_step is not None:
+        on_step()
+    for pos in range(n_prefill, n_tokens - 1):
+        step = decoder(input_ids=tokens[:, pos:pos + 1], use_cache=True, **{arg: past})
+        past = output_cache(step)
+        states.append(step.last_hidden_state[:, -1])
+        if on_step is not None:
+            on_step()
+    result = NllResult(chunks=n_rows, tokens_prefill=n_rows * (n_prefill - 1), nll_sum_prefill=float(nll_prefill))
+    if decode_tokens > 0:
+        decoded = torch.stack(states, dim=1)  # [R, decode_tokens, H]
+        targets = tokens[:, n_prefill:]  # [R, decode_tokens]
+        flat = decoded.reshape(-1, decoded.shape[-1])  # [R * decode_tokens, H], row-major like targets
+        result.nll_sum_decode = float(_nll_of_positions(head, flat, targets.reshape(-1)))
+        result.tokens_decode = n_rows * decode_tokens
     return result
 
 
-def mean_nll(model: Any, chunks: Sequence[Sequence[int]], decode_tokens: int, runtime: Any = None) -> NllResult:
-    """Summed NLL over ``chunks`` (each scored by :func:`chunk_nll`); ``runtime``'s stats are drained per chunk."""
+def chunk_nll(model: Any, ids: Sequence[int], decode_tokens: int) -> NllResult:
+    """Score one chunk: :func:`batch_nll` of a batch of one."""
+    return batch_nll(model, [ids], decode_tokens)
+
+
+def mean_nll(model: Any, chunks: Sequence[Sequence[int]], decode_tokens: int, runtime: Any = None,
+             batch_tokens: int = DEFAULT_BATCH_TOKENS) -> NllResult:
+    """Summed NLL over ``chunks``, scored by :func:`batch_nll` up to ``batch_tokens`` tokens per batch (at least
+    one chunk; ``<= 0``: one chunk at a time, :func:`calib.generation.equal_length_batches`); ``runtime``'s
+    stats are drained per batch. The progress bar counts model calls (a prefill or a decode step)."""
+    from calib.generation import equal_length_batches
+
+    batches = equal_length_batches([len(ids) for ids in chunks], batch_tokens)
+    calls = len(batches) * max(1, decode_tokens)
     total = NllResult()
-    for ids in tqdm(list(chunks), desc="real-text NLL", unit="chunk", leave=False, disable=len(chunks) < 2 or None):
-        total.add(chunk_nll(model, ids, decode_tokens))
-        for rt in (getattr(runtime, "prefill", None), getattr(runtime, "decode", None)):
-            if rt is not None and hasattr(rt, "pop_stats"):
-                rt.pop_stats()
+    with tqdm(total=calls, desc="real-text NLL", unit="step", leave=False, disable=calls < 64 or None) as bar:
+        for idx in batches:
+            total.add(batch_nll(model, [chunks[i] for i in idx], decode_tokens, on_step=lambda: bar.update(1)))
+            for rt in (getattr(runtime, "prefill", None), getattr(runtime, "decode", None)):
+                if rt is not None and hasattr(rt, "pop_stats"):
+                    rt.pop_stats()
     return total
 
 
@@ -154,9 +193,11 @@ def nll_report(dense: NllResult, sparse: NllResult | None) -> dict[str, float]:
 
 
 def real_text_nll(loaded: Any, *, chunk_tokens: int, chunks: int, decode_tokens: int, artifact: Any = None,
-                  options: dict[str, dict[str, Any]] | None = None, text_path: Path | None = None) -> dict[str, float]:
+                  options: dict[str, dict[str, Any]] | None = None, text_path: Path | None = None,
+                  batch_tokens: int = DEFAULT_BATCH_TOKENS) -> dict[str, float]:
     """Dense NLL of ``loaded`` on the real text and, with ``artifact``, the NLL with it applied
-    (``runtime_kernels.hf.apply(model, artifact, options=options)``); see :func:`nll_report`."""
+    (``runtime_kernels.hf.apply(model, artifact, options=options)``); see :func:`nll_report`. Chunks are
+    scored ``batch_tokens`` tokens at a time (:func:`mean_nll`)."""
     path = text_path or real_text_path()
     if not path.is_file():
         raise UserError(f"real text {path} is missing: see artifacts/texts/README.md")
@@ -164,12 +205,12 @@ def real_text_nll(loaded: Any, *, chunk_tokens: int, chunks: int, decode_tokens:
     if chunk_tokens > limit:
         raise UserError(f"eval.nll.chunk_tokens={chunk_tokens} exceeds the model's context ({limit})")
     pieces = text_chunks(loaded.tokenizer, path.read_text(encoding="utf-8"), chunk_tokens, chunks)
-    dense = mean_nll(loaded.model, pieces, decode_tokens)
+    dense = mean_nll(loaded.model, pieces, decode_tokens, batch_tokens=batch_tokens)
     sparse = None
     if artifact is not None:
         runtime = hf.apply(loaded.model, artifact, options=options, serve="method")
         try:
-            sparse = mean_nll(loaded.model, pieces, decode_tokens, runtime)
+            sparse = mean_nll(loaded.model, pieces, decode_tokens, runtime, batch_tokens)
         finally:
             hf.remove(loaded.model)
     return nll_report(dense, sparse)

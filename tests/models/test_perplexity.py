@@ -1,4 +1,5 @@
-"""Real-text NLL: chunking, prefill + decode scoring against one full forward pass, the report."""
+"""Real-text NLL: chunking, batched prefill + decode scoring against one full forward pass per chunk and
+against each chunk scored alone, the token budget, the progress bar, the report."""
 
 from __future__ import annotations
 
@@ -7,31 +8,125 @@ import math
 import pytest
 import torch
 
-from calib.perplexity import NllResult, chunk_nll, nll_report, real_text_path, text_chunks
+from calib import perplexity
+from calib.perplexity import NllResult, batch_nll, chunk_nll, mean_nll, nll_report, real_text_path, text_chunks
 from calib.models import random_model
 from tests.models.helpers import LLAMA_ARCH
 
 
 @pytest.fixture(scope="module")
 def model() -> torch.nn.Module:
-    return random_model("llama", LLAMA_ARCH, seed=5)
+    return random_model("llama", LLAMA_ARCH, seed=5, dtype=torch.float64)
 
 
-def _reference_nll(model: torch.nn.Module, ids: list[int]) -> float:
-    """Mean cross entropy of every next-token prediction from one plain forward pass (float64)."""
-    logits = model(torch.tensor([ids])).logits[0, :-1].double()
-    return float(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="mean"))
+def _rows(count: int, length: int = 40, seed: int = 1) -> list[list[int]]:
+    return torch.randint(3, 128, (count, length), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.mark.parametrize("decode_tokens", [0, 1, 7])
-def test_prefill_plus_decode_equals_one_forward_pass(model, decode_tokens):
-    ids = torch.randint(3, 128, (40,), generator=torch.Generator().manual_seed(1)).tolist()
-    res = chunk_nll(model, ids, decode_tokens)
-    assert res.tokens_prefill + res.tokens_decode == 39 and res.tokens_decode == decode_tokens
-    assert res.summary()["nll"] == pytest.approx(_reference_nll(model, ids), rel=1e-5)
+def _reference_sums(model: torch.nn.Module, ids: list[int], decode_tokens: int) -> tuple[float, float]:
+    """Summed cross entropy of the prefill part's and the decode part's next-token predictions, both from
+    one plain forward pass over the whole chunk (float64): teacher forcing needs no cache."""
+    logits = model(torch.tensor([ids])).logits[0, :-1].double()  # [T - 1, V]: position i predicts ids[i + 1]
+    ce = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="none")
+    split = len(ids) - decode_tokens - 1  # predictions made inside the prefill
+    return float(ce[:split].sum()), float(ce[split:].sum())
 
 
-def test_uniform_predictions_cost_log_vocab(model):
+@pytest.mark.parametrize("rows", [1, 3], ids=lambda r: f"R{r}")
+@pytest.mark.parametrize("decode_tokens", [0, 1, 7], ids=lambda d: f"decode{d}")
+def test_prefill_plus_decode_equals_one_forward_pass(model, rows, decode_tokens):
+    chunks = _rows(rows)
+    res = batch_nll(model, chunks, decode_tokens)
+    sums = [_reference_sums(model, ids, decode_tokens) for ids in chunks]
+    assert res.chunks == rows and res.tokens_decode == rows * decode_tokens
+    assert res.tokens_prefill == rows * (39 - decode_tokens)
+    assert res.nll_sum_prefill == pytest.approx(sum(s[0] for s in sums), rel=1e-10)
+    assert res.nll_sum_decode == pytest.approx(sum(s[1] for s in sums), rel=1e-10, abs=1e-12)
+
+
+def test_a_batch_scores_each_row_as_it_would_alone(model):
+    chunks = _rows(3, seed=2)
+    batched = batch_nll(model, chunks, decode_tokens=5)
+    alone = NllResult()
+    for ids in chunks:
+        alone.add(chunk_nll(model, ids, decode_tokens=5))
+    assert (batched.tokens_prefill, batched.tokens_decode, batched.chunks) == (alone.tokens_prefill,
+                                                                               alone.tokens_decode, 3)
+    assert batched.nll_sum_prefill == pytest.approx(alone.nll_sum_prefill, rel=1e-12)
+    assert batched.nll_sum_decode == pytest.approx(alone.nll_sum_decode, rel=1e-12)
+
+
+def test_chunks_of_different_lengths_are_not_batched(model):
+    with pytest.raises(ValueError, match="different lengths"):
+        batch_nll(model, [list(range(3, 13)), list(range(3, 14))], decode_tokens=2)
+
+
+class _Recorder:
+    """Stand-in for a method runtime: records the decoder calls (rows x tokens) between ``pop_stats`` calls."""
+
+    def __init__(self, decoder: torch.nn.Module) -> None:
+        self.calls: list[tuple[int, int]] = []
+        self.drained: list[list[tuple[int, int]]] = []
+        self.prefill, self.decode = self, None
+        decoder.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module, args, kwargs):
+        self.calls.append(tuple(kwargs["input_ids"].shape))
+
+    def pop_stats(self) -> dict[str, float]:
+        self.drained.append(self.calls)
+        self.calls = []
+        return {}
+
+
+def test_a_token_budget_splits_the_chunks_and_stats_drain_per_batch(model):
+    counted = random_model("llama", LLAMA_ARCH, seed=5, dtype=torch.float64)  # its own hook, not the fixture's
+    rec = _Recorder(counted.get_decoder())
+    chunks = _rows(5, seed=3)
+    total = mean_nll(counted, chunks, decode_tokens=4, runtime=rec, batch_tokens=2 * 40 + 39)  # 2 rows fit
+    # each batch: one prefill [rows, 36], then 3 decode steps [rows, 1] (the last token needs no call)
+    assert rec.drained == [[(r, 36)] + [(r, 1)] * 3 for r in (2, 2, 1)] and rec.calls == []
+    alone = NllResult()
+    for ids in chunks:
+        alone.add(chunk_nll(model, ids, decode_tokens=4))
+    assert (total.chunks, total.tokens_prefill, total.tokens_decode) == (5, 5 * 35, 5 * 4)
+    assert total.nll_sum_prefill == pytest.approx(alone.nll_sum_prefill, rel=1e-12)
+    assert total.nll_sum_decode == pytest.approx(alone.nll_sum_decode, rel=1e-12)
+
+
+@pytest.mark.parametrize("budget", [0, 39], ids=["off", "below-one-chunk"])
+def test_a_budget_below_one_chunk_scores_one_chunk_at_a_time(budget):
+    counted = random_model("llama", LLAMA_ARCH, seed=5, dtype=torch.float64)
+    rec = _Recorder(counted.get_decoder())
+    mean_nll(counted, _rows(2), decode_tokens=1, runtime=rec, batch_tokens=budget)
+    assert rec.drained == [[(1, 39)], [(1, 39)]]
+
+
+def test_the_progress_bar_counts_every_model_call(model, monkeypatch):
+    bars = []
+
+    class _Bar:
+        def __init__(self, total, **kwargs):
+            self.total, self.n, self.disable = total, 0, kwargs.get("disable")
+            bars.append(self)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def update(self, n):
+            self.n += n
+
+    monkeypatch.setattr(perplexity, "tqdm", _Bar)
+    mean_nll(model, _rows(3, length=80), decode_tokens=40, batch_tokens=160)  # batches of 2 and 1: 40 calls each
+    mean_nll(model, _rows(1), decode_tokens=3)
+    assert [(b.total, b.n) for b in bars] == [(80, 80), (3, 3)]
+    assert bars[0].disable is None and bars[1].disable is True  # a few calls: no bar
+
+
+def test_uniform_predictions_cost_log_vocab():
     flat = random_model("llama", LLAMA_ARCH, seed=5)
     with torch.no_grad():
         flat.lm_head.weight.zero_()  # every logit 0: each prediction has probability 1/V

@@ -14,14 +14,10 @@ task and length.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from importlib import metadata
 from typing import Any, Sequence
 
 import numpy as np
@@ -29,7 +25,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from calib import registry, tracking
+from calib import dense_cache, registry, tracking
 from calib.config import available, layer_map, to_container, validate_common
 from calib.data import EVAL_NEEDS, check_data, evaluation_prompts, is_correct
 from calib.data.rows import cfg_get
@@ -37,7 +33,7 @@ from calib.errors import UserError
 from calib.generation import equal_length_batches, equal_length_greedy_generate, static_greedy_generate
 from calib.generation import greedy_generate, stop_token_ids  # noqa: F401 (recipes import them from here)
 from calib.models import load_model, resolve_device
-from calib.paths import artifacts_dir, config_dir
+from calib.paths import config_dir
 from calib.perplexity import real_text_nll
 from calib.stats import paired_bootstrap_diff
 from runtime_kernels import hf
@@ -117,38 +113,24 @@ def eval_loop(cfg: Any, device: Any, method: str) -> str:
 
 def dense_cache_key(loaded: Any, prompts: Sequence[Any], max_new_tokens: int, batch_tokens: int,
                     loop: str = "eager") -> str | None:
-    """What dense greedy answers depend on: the weights (model hash), dtype, device type, the library
-    versions, the decoding budget, the batching, the loop and every prompt's tokens, answer and scoring rule;
-    ``None`` (no caching) when the weights have no content hash (a random dry run)."""
-    model_hash = getattr(loaded.facts, "model_hash", None)
-    if not model_hash or getattr(loaded.facts, "dry_run", False):
-        return None
-    digest = hashlib.sha256()
-    digest.update(json.dumps([model_hash, str(loaded.model.dtype), loaded.device.type, torch.__version__,
-                              metadata.version("transformers"), int(max_new_tokens), int(batch_tokens), str(loop)]).encode())
-    for p in prompts:
-        digest.update(json.dumps([list(p.input_ids), str(p.answer), getattr(p, "scoring", "exact_match")]).encode())
-    return digest.hexdigest()[:32]
+    """What dense greedy answers depend on (:func:`calib.dense_cache.cache_key`): the weights, the decoding
+    budget, the batching, the loop and every prompt's tokens, answer and scoring rule."""
+    return dense_cache.cache_key(loaded, [int(max_new_tokens), int(batch_tokens), str(loop)],
+                                 ([list(p.input_ids), str(p.answer), getattr(p, "scoring", "exact_match")]
+                                  for p in prompts))
 
 
 def cached_dense_answers(loaded: Any, prompts: Sequence[Any], max_new_tokens: int,
                          batch_tokens: int, loop: str = "eager") -> list[PromptResult]:
     """Dense answers, read from ``artifacts/cache/eval_dense/<key>.json`` when the same model answered
-    the same prompts with the same settings before (:func:`dense_cache_key`): evaluating several
-    artifacts of one model on one held-out set computes the dense side once."""
+    the same prompts with the same settings before (:func:`dense_cache_key`)."""
     key = dense_cache_key(loaded, prompts, max_new_tokens, batch_tokens, loop)
-    path = artifacts_dir() / "cache" / "eval_dense" / f"{key}.json"
-    if key is not None and path.is_file():
-        rows = json.loads(path.read_text())
-        if len(rows) == len(prompts):
-            print(f"dense answers: reused {path}", file=sys.stderr)
-            return [PromptResult(p.task, p.length, r["prediction"], bool(r["correct"]), {}) for p, r in zip(prompts, rows)]
+    rows = dense_cache.read("eval_dense", key)
+    if rows is not None and len(rows) == len(prompts):
+        print(f"dense answers: reused cache/eval_dense/{key}.json", file=sys.stderr)
+        return [PromptResult(p.task, p.length, r["prediction"], bool(r["correct"]), {}) for p, r in zip(prompts, rows)]
     results = answer_prompts(loaded, prompts, max_new_tokens, batch_tokens=batch_tokens, loop=loop)
-    if key is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps([{"prediction": r.prediction, "correct": r.correct} for r in results]))
-        tmp.replace(path)
+    dense_cache.write("eval_dense", key, [{"prediction": r.prediction, "correct": r.correct} for r in results])
     return results
 
 

@@ -17,6 +17,7 @@ scored several at a time, as rows of one batch without padding, so a method sees
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -24,6 +25,7 @@ from typing import Any, Callable, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from calib import dense_cache
 from calib.errors import UserError
 from calib.paths import project_root
 from runtime_kernels import hf
@@ -192,6 +194,20 @@ def nll_report(dense: NllResult, sparse: NllResult | None) -> dict[str, float]:
     return out
 
 
+def cached_dense_nll(loaded: Any, chunks: Sequence[Sequence[int]], decode_tokens: int,
+                     batch_tokens: int = DEFAULT_BATCH_TOKENS) -> NllResult:
+    """The dense :func:`mean_nll` of ``chunks``, read from ``artifacts/cache/eval_dense_nll/<key>.json`` when the
+    same model scored the same chunks with the same settings before (:func:`calib.dense_cache.cache_key`)."""
+    key = dense_cache.cache_key(loaded, [int(decode_tokens), int(batch_tokens)], (list(ids) for ids in chunks))
+    cached = dense_cache.read("eval_dense_nll", key)
+    if cached is not None:
+        print(f"dense real-text NLL: reused cache/eval_dense_nll/{key}.json", file=sys.stderr)
+        return NllResult(**cached)
+    result = mean_nll(loaded.model, chunks, decode_tokens, batch_tokens=batch_tokens)
+    dense_cache.write("eval_dense_nll", key, asdict(result))
+    return result
+
+
 def real_text_nll(loaded: Any, *, chunk_tokens: int, chunks: int, decode_tokens: int, artifact: Any = None,
                   options: dict[str, dict[str, Any]] | None = None, text_path: Path | None = None,
                   batch_tokens: int = DEFAULT_BATCH_TOKENS) -> dict[str, float]:
@@ -205,7 +221,7 @@ def real_text_nll(loaded: Any, *, chunk_tokens: int, chunks: int, decode_tokens:
     if chunk_tokens > limit:
         raise UserError(f"eval.nll.chunk_tokens={chunk_tokens} exceeds the model's context ({limit})")
     pieces = text_chunks(loaded.tokenizer, path.read_text(encoding="utf-8"), chunk_tokens, chunks)
-    dense = mean_nll(loaded.model, pieces, decode_tokens, batch_tokens=batch_tokens)
+    dense = cached_dense_nll(loaded, pieces, decode_tokens, batch_tokens)
     sparse = None
     if artifact is not None:
         runtime = hf.apply(loaded.model, artifact, options=options, serve="method")

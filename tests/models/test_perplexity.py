@@ -4,6 +4,7 @@ against each chunk scored alone, the token budget, the progress bar, the report.
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -169,3 +170,28 @@ def test_the_shipped_text_is_long_plain_english():
     text = real_text_path().read_text(encoding="utf-8")
     assert len(text) > 400_000 and text.isascii()
     assert "Anne Elliot" in text and "Captain Wentworth" in text
+
+
+def test_dense_nll_is_computed_once_per_model_chunks_and_settings(calib_home, monkeypatch):
+    calls = []
+
+    def fake_mean_nll(model, chunks, decode_tokens, runtime=None, batch_tokens=0):
+        calls.append(len(chunks))
+        return NllResult(nll_sum_prefill=1.5 * len(chunks), tokens_prefill=10 * len(chunks), nll_sum_decode=0.25,
+                         tokens_decode=decode_tokens * len(chunks), chunks=len(chunks))
+
+    def loaded(model_hash="sha256:abc"):
+        return SimpleNamespace(facts=SimpleNamespace(model_hash=model_hash, dry_run=False),
+                               model=SimpleNamespace(dtype=torch.float32), device=torch.device("cpu"))
+
+    monkeypatch.setattr(perplexity, "mean_nll", fake_mean_nll)
+    chunks = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    first = perplexity.cached_dense_nll(loaded(), chunks, 2, 64)
+    assert perplexity.cached_dense_nll(loaded(), chunks, 2, 64) == first and calls == [2]
+    perplexity.cached_dense_nll(loaded(), chunks, 1, 64)  # another decode split: scored again
+    perplexity.cached_dense_nll(loaded(), chunks, 2, 8)  # another batching: scored again
+    perplexity.cached_dense_nll(loaded(), [[1, 2, 3, 4], [5, 6, 7, 9]], 2, 64)  # another text
+    perplexity.cached_dense_nll(loaded("sha256:other"), chunks, 2, 64)  # other weights
+    perplexity.cached_dense_nll(loaded(None), chunks, 2, 64)  # no content hash: never cached
+    perplexity.cached_dense_nll(loaded(None), chunks, 2, 64)
+    assert calls == [2] * 7

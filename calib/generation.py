@@ -80,7 +80,8 @@ def static_greedy_generate(model: Any, batch: Sequence[Sequence[int]], max_new_t
     :class:`runtime_kernels.generate.StaticGenerator`: a preallocated cache and, on CUDA, one CUDA graph
     per decode step (one replay of host time instead of a Python pass over every layer). All
     ``max_new_tokens`` steps run; each row is cut before its first stop token. Prompts may differ in
-    length (a ragged batch: each row prefilled alone, then decoded together at its own position, unless
+    length (a ragged batch: rows of close lengths prefilled in one call, padded after their last token, or
+    each alone under a prefill method, then decoded together at its own position, unless
     an attached decode runtime keeps state for one length, which the generator refuses)."""
     if max_new_tokens < 1:
         return [[] for _ in batch]

@@ -12,8 +12,11 @@ decode step of the whole (unmodified) model in a CUDA graph, gpt-fast style: a s
   when nothing is); before each capture the serving policy picks the layers a method runs in
   (:mod:`runtime_kernels.serving_policy`); method state that moves with the view (SAAP's index) is
   updated by ``before_graph`` outside the graph.
-* Prefill runs eagerly; prompts of different lengths (a ragged batch) prefill one row at a time and
-  decode together, each row at its own position.
+* Prefill runs eagerly; prompts of different lengths (a ragged batch) decode together, each row at its
+  own position. Rows of close lengths prefill in one call, the shorter ones padded after their last token
+  (a causal prefill of a row never reads what follows it, and decoding overwrites the padding), each row's
+  first token read at its own last position (:func:`ragged_runs`); with a prefill method attached, which
+  sees the whole sequence, each row prefills alone.
 * ``compile=True`` runs each step's model call through ``torch.compile`` (the norms, rotary and MLP
   kernels fused; attention and the cache update stay eager graph breaks), compiled at the first two
   view lengths only. Design notes: docs/notes/serving-loop.md.
@@ -36,6 +39,7 @@ from runtime_kernels import hf
 from runtime_kernels.serving_policy import choose_dense_layers, graph_ms
 
 DEFAULT_BUCKET = 256  # positions per view length; SANTA's tile, so a view never splits a tile
+RAGGED_PAD_SHARE = 16  # a ragged prefill call pads its rows by at most 1/16 of its longest row
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -51,7 +55,7 @@ class StaticKVCache(_HFCache):
     ``length [B]`` is the number of valid keys once this step's keys are written.
 
     :attr:`rows` (a slice) restricts writes and views to some batch rows: a ragged batch's prefill runs
-    one row at a time. During decode steps :attr:`step_pos` ``[B]`` holds each row's write position
+    a run of rows (or one row) at a time. During decode steps :attr:`step_pos` ``[B]`` holds each row's write position
     (one key per row, each at its own position).
 
     Only the few transformers ``Cache`` members a decoder-only model calls are provided (``update``,
@@ -172,6 +176,19 @@ def _layer_index_unspecialized() -> contextlib.AbstractContextManager[Any]:
     if not hasattr(config, "allow_unspec_int_on_nn_module"):  # pragma: no cover - torch 2.11-2.13 have it
         return contextlib.nullcontext()
     return config.patch(allow_unspec_int_on_nn_module=True)
+
+
+def ragged_runs(lengths: Sequence[int], alone: bool = False) -> list[slice]:
+    """The prefill calls of a ragged batch: runs of consecutive rows whose lengths differ by at most
+    1/:data:`RAGGED_PAD_SHARE` of the run's longest (its shorter rows padded to it), or one row each
+    (``alone``)."""
+    runs, start = [], 0
+    for end in range(1, len(lengths) + 1):
+        part = lengths[start:end + 1]
+        if alone or end == len(lengths) or max(part) - min(part) > max(part) // RAGGED_PAD_SHARE:
+            runs.append(slice(start, end))
+            start = end
+    return runs
 
 
 class StaticGenerator:
@@ -344,7 +361,7 @@ class StaticGenerator:
         """Run the prompts into the cache; returns the first new token of each row ``[B, 1]``.
 
         ``input_ids``: a ``[B, T]`` tensor (one call), or ``B`` rows of token ids whose lengths may
-        differ (a ragged batch: one call per row, module docstring)."""
+        differ (a ragged batch: one call per run of :func:`ragged_runs`, module docstring)."""
         rows = input_ids if isinstance(input_ids, torch.Tensor) else [list(r) for r in input_ids]
         lengths = [len(r) for r in rows] if not isinstance(rows, torch.Tensor) else [rows.shape[1]] * rows.shape[0]
         if len(lengths) != self.cache.batch:
@@ -356,18 +373,23 @@ class StaticGenerator:
             ids = rows if isinstance(rows, torch.Tensor) else torch.tensor(rows)
             self.token.copy_(self._prefill_rows(ids.to(self.device), slice(None)))
         else:
-            for b, row in enumerate(rows):
-                ids = torch.as_tensor(row, dtype=torch.long).reshape(1, -1).to(self.device)
-                self.token[b:b + 1].copy_(self._prefill_rows(ids, slice(b, b + 1)))
+            state = self._state()
+            alone = state is not None and state.prefill is not None
+            for run in ragged_runs(lengths, alone):
+                longest, part = max(lengths[run]), rows[run]
+                ids = torch.tensor([row + row[-1:] * (longest - len(row)) for row in part], dtype=torch.long)
+                self.token[run].copy_(self._prefill_rows(ids.to(self.device), run, [len(row) - 1 for row in part]))
         self.cache.length.copy_(torch.tensor(lengths))
         self.pos.copy_(self.cache.length)
         self._graph_view = -1  # the graph itself goes at the next capture: its pool must outlive it
         return self.token.clone()
 
-    def _prefill_rows(self, input_ids: torch.Tensor, rows: slice) -> torch.Tensor:
-        """One causal prefill call of ``input_ids [b, T]`` into cache ``rows``; the next token ``[b, 1]``."""
+    def _prefill_rows(self, input_ids: torch.Tensor, rows: slice, last: list[int] | None = None) -> torch.Tensor:
+        """One causal prefill call of ``input_ids [b, T]`` into cache ``rows``; the next token ``[b, 1]``,
+        predicted at position ``T - 1`` or, with ``last``, at each row's ``last[i]`` (rows padded after it)."""
         c, state = self.cache, self._state()
         b, t = input_ids.shape
+        keep = 1 if last is None else t - min(last)  # logits of positions t - keep .. t - 1
         c.view, c.rows = t, rows
         c.write_pos = torch.arange(t, device=self.device)
         if state is not None:
@@ -376,12 +398,15 @@ class StaticGenerator:
             # no mask: an unpadded causal prefill from position 0, which transformers' mask creation turns
             # into SDPA's is_causal (and which the prefill methods require, hf._plain_prefill)
             logits = self.model(input_ids=input_ids, position_ids=c.write_pos[None].expand(b, t), use_cache=True,
-                                logits_to_keep=1, **{self._cache_arg: c}).logits
+                                logits_to_keep=keep, **{self._cache_arg: c}).logits
         finally:
             c.rows = slice(None)
             if state is not None:
                 state.static_rows = None
-        return logits[:, -1].argmax(-1, keepdim=True)
+        if last is None:
+            return logits[:, -1].argmax(-1, keepdim=True)
+        at = torch.tensor(last, device=logits.device) - (t - keep)
+        return logits[torch.arange(b, device=logits.device), at].argmax(-1, keepdim=True)
 
     @torch.inference_mode()
     def decode(self, steps: int, times: StepTimes | None = None) -> torch.Tensor:

@@ -84,7 +84,7 @@ class RewardSettings:
 
         ``static`` is the serving loop (:func:`calib.generation.static_greedy_generate`: a preallocated cache
         and one CUDA graph per decode step, captured again per batch since the schedule is part of the graph;
-        rows of different token counts share a batch, each prefilled alone and decoded at its own position).
+        rows of different token counts share a batch, each decoded at its own position).
         ``eager`` is transformers' DynamicCache with a Python pass over the layers per step, launch-bound for
         a small model. Both draw the same samples (offsets keyed by seed, layer and position:
         :mod:`runtime_kernels.santa.draws`), so they answer alike up to floating-point ties; the static loop
@@ -171,7 +171,7 @@ def answer_correct(loaded: Any, prompts: Sequence[Any], max_new: Sequence[int], 
     ``batch_tokens > 0``: questions of one scoring rule and decoding budget are answered together, up to
     that many prompt tokens per batch (:func:`calib.generation.equal_length_batches`; no padding, so every
     attention call sees what it sees for one question): of one token count in the eager loop, of any
-    count in the static loop (a ragged batch: each row prefilled alone, decoded at its own position). ``seeds``: the runtime is
+    count in the static loop (a ragged batch, each row decoded at its own position). ``seeds``: the runtime is
     reseeded with ``seeds[i]`` for question ``i``, one seed per batch row, so its sampling does not
     depend on which other questions ran before it or beside it (up to the floating-point effects of
     batched matrix products). ``loop``: ``eager`` or ``static`` (module docstring).

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from runtime_kernels import hf
-from runtime_kernels.generate import StaticGenerator, StaticKVCache, eager_generate, round_up
+from runtime_kernels.generate import StaticGenerator, StaticKVCache, eager_generate, ragged_runs, round_up
 from runtime_kernels.saap import SaapDecode, SaapLayerParams
 from runtime_kernels.santa.runtime import SantaDecode
 from runtime_kernels.santa.draws import keyed_uniforms
@@ -153,23 +153,47 @@ def _ragged_rows(lengths: list[int]) -> list[list[int]]:
     return [_prompt(1, n, seed=i)[0].tolist() for i, n in enumerate(lengths)]
 
 
-def test_dense_ragged_batch_equals_each_prompt_alone():
-    """Prompts of three lengths in one batch, several view lengths: each row prefilled alone into its
-    cache row, then decoded at its own position, gives the tokens it gets alone (float64: exact)."""
+def _prefill_calls(model) -> list[tuple[int, int]]:
+    """``(rows, tokens)`` of every multi-token forward call of ``model`` from now on (a hook)."""
+    calls: list[tuple[int, int]] = []
+    model.register_forward_pre_hook(lambda m, args, kw: calls.append(tuple(kw["input_ids"].shape))
+                                    if kw["input_ids"].shape[1] > 1 else None, with_kwargs=True)
+    return calls
+
+
+def test_ragged_runs_pad_by_at_most_a_sixteenth_of_the_longest_row():
+    # 1000, 1010, 1063: spread 63 <= 1063 // 16 = 66; adding 990 makes 73 > 66; 990 and 500 differ too much;
+    # 500, 510: 10 <= 31
+    assert ragged_runs([1000, 1010, 1063, 990, 500, 510]) == [slice(0, 3), slice(3, 4), slice(4, 6)]
+    assert ragged_runs([7, 7, 7], alone=True) == [slice(0, 1), slice(1, 2), slice(2, 3)]
+    assert ragged_runs([5]) == [slice(0, 1)]
+
+
+@pytest.mark.parametrize("lengths, calls", [([37, 45, 40], [(1, 37), (1, 45), (1, 40)]),
+                                            ([160, 150, 157], [(3, 160)])])
+def test_dense_ragged_batch_equals_each_prompt_alone(lengths, calls):
+    """Prompts of three lengths in one batch, several view lengths: far apart each row prefills alone into its
+    cache row, close ones in one call padded after their last token; decoded each at its own position, a
+    row gives the tokens it gets alone (float64: exact)."""
     model = _model().double()
-    rows = _ragged_rows([37, 45, 40])
-    gen = StaticGenerator(model, batch=3, max_len=45 + 20 + 1, graphs=False, bucket=8)
+    rows = _ragged_rows(lengths)
+    seen = _prefill_calls(model)
+    gen = StaticGenerator(model, batch=3, max_len=max(lengths) + 20 + 1, graphs=False, bucket=8)
     got = gen.generate(rows, 20)
+    assert seen == calls
     for b, row in enumerate(rows):
         assert torch.equal(got[b], eager_generate(model, torch.tensor([row]), 20)[0])
-    assert gen.pos.tolist() == [37 + 20, 45 + 20, 40 + 20]  # each row's next position
+    assert gen.pos.tolist() == [n + 20 for n in lengths]  # each row's next position
 
 
-def test_santa_ragged_batch_with_per_row_seeds_equals_each_prompt_alone():
+@pytest.mark.parametrize("lengths", [[50, 41, 47], [50, 48, 47]])
+def test_santa_ragged_batch_with_per_row_seeds_equals_each_prompt_alone(lengths):
     """S²ANTA in prefill and decode, one seed per row: a row of a ragged batch samples what it samples as
-    the only row under its seed (its prefill generator and its decode offsets are its own)."""
+    the only row under its seed (its prefill generator and its decode offsets are its own); a prefill method
+    sees whole sequences, so even close lengths prefill one row at a time."""
     model = _model().double()
-    rows, seeds = _ragged_rows([50, 41, 47]), [11, 12, 13]
+    rows, seeds = _ragged_rows(lengths), [11, 12, 13]
+    seen = _prefill_calls(model)
 
     def santa(seed):
         return SantaDecode([3, 2, 5], tiling="flash", tile=16, seed=seed, phases=("prefill", "decode"),
@@ -186,21 +210,23 @@ def test_santa_ragged_batch_with_per_row_seeds_equals_each_prompt_alone():
     other = StaticGenerator(model, batch=3, max_len=80, graphs=False, bucket=16).generate(rows, 16)
     hf.remove(model)
     assert torch.equal(other[2], got[2]) and not torch.equal(other[:2], got[:2])
+    assert {rows for rows, _ in seen} == {1}
 
 
-def test_saap_ragged_batch_indexes_the_shortest_row_and_attends_every_key_once():
-    """One bucket index length serves a ragged batch: the shortest row decodes as it would alone, and
-    with every bucket visited (ℓ = C) each row attends each of its keys exactly once, index or window,
-    so the tokens are dense attention's (float64)."""
+@pytest.mark.parametrize("lengths", [[40, 47, 43], [160, 170, 165]])
+def test_saap_ragged_batch_indexes_the_shortest_row_and_attends_every_key_once(lengths):
+    """One bucket index length serves a ragged batch (prefilled row by row, or in one padded call): the
+    shortest row decodes as it would alone, and with every bucket visited (ℓ = C) each row attends each of
+    its keys exactly once, index or window, so the tokens are dense attention's (float64)."""
     model = _model().double()
-    rows = _ragged_rows([40, 47, 43])
+    rows = _ragged_rows(lengths)
     hf.attach(model, decode=_saap(top_l=2))
-    got = StaticGenerator(model, batch=3, max_len=80, graphs=False, bucket=8).generate(rows, 16)
+    got = StaticGenerator(model, batch=3, max_len=200, graphs=False, bucket=8).generate(rows, 16)
     hf.attach(model, decode=_saap(top_l=2))
-    alone = StaticGenerator(model, batch=1, max_len=80, graphs=False, bucket=8).generate([rows[0]], 16)
+    alone = StaticGenerator(model, batch=1, max_len=200, graphs=False, bucket=8).generate([rows[0]], 16)
     assert torch.equal(got[0], alone[0])
     hf.attach(model, decode=_saap(top_l=C))
-    every_bucket = StaticGenerator(model, batch=3, max_len=80, graphs=False, bucket=8).generate(rows, 16)
+    every_bucket = StaticGenerator(model, batch=3, max_len=200, graphs=False, bucket=8).generate(rows, 16)
     hf.remove(model)
     for b, row in enumerate(rows):
         assert torch.equal(every_bucket[b], eager_generate(model, torch.tensor([row]), 16)[0])

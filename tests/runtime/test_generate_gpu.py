@@ -134,13 +134,14 @@ def test_compiled_graphed_static_loop_generates_the_eager_tokens(tiny, name: str
 
 @pytest.mark.parametrize("tiling", ["prop", "flash"])
 def test_ragged_batch_under_graphs_equals_each_prompt_alone(tiny, tiling):
-    """A batch of three prompt lengths (one row per graph capture, each at its own position, crossing a
-    view change): each row's tokens equal its eager tokens alone, dense and with S²ANTA under per-row
-    seeds in prefill and decode (the SANTA reward's batches)."""
+    """A batch of three prompt lengths far enough apart that each row prefills alone (one graph capture,
+    each row at its own position, crossing a view change): each row's tokens equal its eager tokens alone,
+    dense and with S²ANTA under per-row seeds in prefill and decode (the SANTA reward's batches). Close
+    lengths prefill in one padded call: equal up to batched products' rounding, exact in float64 on the CPU."""
     from runtime_kernels.santa.runtime import SantaDecode
 
     vocab, layers = tiny.config.vocab_size, tiny.config.num_hidden_layers
-    rows = [_prompt(1, n, vocab)[0].tolist() for n in (230, 251, 244)]
+    rows = [_prompt(1, n, vocab)[0].tolist() for n in (230, 251, 205)]
     seeds = [21, 22, 23]
 
     def santa(seed):

@@ -74,7 +74,7 @@ def test_batched_answers_equal_one_at_a_time(tmp_path):
 def test_static_loop_answers_what_the_eager_loop_answers(tmp_path):
     """The serving loop (preallocated cache; on CPU without graphs) samples the same keys as the eager
     DynamicCache loop, so batched questions under per-row seeds get the same replies through either,
-    although its batches mix prompt lengths (each row prefilled alone, decoded at its own position)."""
+    although its batches mix prompt lengths (each row decoded at its own position)."""
     import calib.santa.reward as reward
     from calib.generation import equal_length_batches
 

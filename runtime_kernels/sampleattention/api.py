@@ -15,7 +15,7 @@ import functools
 import importlib
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Literal
 
@@ -134,28 +134,60 @@ def masked_dense_attention(
 # The runtime object ``runtime_kernels.hf`` plugs into a model
 
 
+def _device_sum(total: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
+    """``total + value.sum()`` in float64, left on ``value``'s device (no host sync)."""
+    part = value.double().sum()
+    return part if total is None else total + part
+
+
 @dataclass
 class _Stats:
-    """Running sums over the prefill calls (layers x prompts) since the last :meth:`pop_stats`."""
+    """Running sums over the prefill calls (layers x prompts) since the last :meth:`pop_stats`. Measured
+    values stay on the device, summed there, and are read once per pop (no host sync per layer); a dense
+    row's density and CRA are 1 per head, counted here. Timed calls on CUDA record event pairs, read at the
+    pop; on the CPU the host clock times them."""
 
     calls: int = 0
     heads: int = 0  # (batch, head) entries summed below
-    density: float = 0.0
-    cra: float = 0.0
-    cra_min: float = math.inf
-    time_s: float = 0.0
+    dense_heads: int = 0  # of them, in dense rows (density and CRA 1)
+    density: torch.Tensor | None = None  # sparse rows' summed density, float64 on the device
+    cra: torch.Tensor | None = None  # the same for the sampled CRA
+    cra_min: torch.Tensor | None = None
+    time_s: float = 0.0  # host-clocked (CPU) attention time
+    events: list[tuple[Any, Any]] = field(default_factory=list)  # CUDA (start, end) of each timed call
     bucket: int = -1
 
-    def add(self, density: torch.Tensor, cra: torch.Tensor | None, bucket: int, time_s: float) -> None:
-        """``density: [B, H]``; ``cra: [B, H]`` or None (not measured)."""
+    def add(self, heads: int, density: torch.Tensor | None, cra: torch.Tensor | None, bucket: int) -> None:
+        """A call over ``heads`` (batch, head) entries: ``density, cra: [B, H]`` measured, or ``density``
+        None for a dense row; ``cra`` None when not measured."""
         self.calls += 1
-        self.heads += density.numel()
-        self.density += float(density.double().sum())
-        if cra is not None:
-            self.cra += float(cra.double().sum())
-            self.cra_min = min(self.cra_min, float(cra.min()))
-        self.time_s += time_s
+        self.heads += heads
         self.bucket = bucket
+        if density is None:
+            self.dense_heads += heads
+            return
+        self.density = _device_sum(self.density, density)
+        if cra is not None:
+            self.cra = _device_sum(self.cra, cra)
+            low = cra.min()
+            self.cra_min = low if self.cra_min is None else torch.minimum(self.cra_min, low)
+
+    def summary(self, report_cra: bool, timing: bool) -> dict[str, float]:
+        """The means over every (call, batch, head); ``{}`` when nothing ran."""
+        if self.calls == 0:
+            return {}
+        measured = 0.0 if self.density is None else float(self.density)
+        density = (measured + self.dense_heads) / self.heads
+        out = {"density": density, "sparsity": 1.0 - density, "bucket": float(self.bucket)}
+        if report_cra:
+            cra = 0.0 if self.cra is None else float(self.cra)
+            lows = ([float(self.cra_min)] if self.cra_min is not None else []) + ([1.0] if self.dense_heads else [])
+            out.update(cra=(cra + self.dense_heads) / self.heads, cra_min=min(lows, default=math.inf))
+        if timing:
+            if self.events:
+                self.events[-1][1].synchronize()
+            out["attn_time_s"] = self.time_s + sum(a.elapsed_time(b) for a, b in self.events) / 1e3
+        return out
 
 
 class SampleAttentionPrefill:
@@ -171,7 +203,8 @@ class SampleAttentionPrefill:
     mean and minimum sampled CRA (``cra``, ``cra_min``: exact kept softmax mass on the Stage-1 sampled
     query rows, 1 for dense rows; computed outside the timed region, only with ``report_cra``), the
     bucket index of the last call, and with ``timing`` the summed attention time ``attn_time_s``
-    (selection + attention, CUDA-synchronized on GPU).
+    (selection + attention: CUDA events on GPU, the host clock on CPU). They are summed on the device and
+    read at :meth:`pop_stats`: no call synchronizes with the host.
     """
 
     method = "sampleattention"
@@ -224,10 +257,9 @@ class SampleAttentionPrefill:
             out = None
             if self.timing:
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-            elapsed = self._clock(q) - start if self.timing else 0.0
+                self._stop(q, start)
             if self.stats:
-                ones = torch.ones(b, hq)
-                self._stats.add(ones, ones if self.report_cra else None, bucket, elapsed)
+                self._stats.add(b * hq, None, None, bucket)
             return out
         row_mass = None
         if self.report_cra and not self.timing and _selection_impl(q, self.backend) is reference:
@@ -239,7 +271,8 @@ class SampleAttentionPrefill:
         else:
             mask = _select(q, k, row, self.table.blk, scale, self.backend)
         out = self._attend(q, k, v, mask, scale)
-        elapsed = self._clock(q) - start if self.timing else 0.0
+        if self.timing:
+            self._stop(q, start)
         if not self.stats:
             return out
         cra = None
@@ -247,7 +280,7 @@ class SampleAttentionPrefill:
             rows = sampled_query_rows(q.shape[2], row.chunk_n, self.table.blk, q.device)
             cra = (reference.sampled_cra(mask, rows, row_mass) if row_mass is not None
                    else cumulative_residual_attention(q, k, mask, rows, scale=scale))
-        self._stats.add(mask.density(), cra, bucket, elapsed)
+        self._stats.add(b * hq, mask.density(), cra, bucket)
         return out
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask, scale: float) -> torch.Tensor:
@@ -257,23 +290,29 @@ class SampleAttentionPrefill:
             return masked_dense_attention(q, k, v, mask, scale=scale)
         return block_sparse_attention(q, k, v, mask, scale=scale, backend=self.backend)
 
-    def _clock(self, q: torch.Tensor) -> float:
-        if self.timing and q.is_cuda:
-            torch.cuda.synchronize(q.device)
+    def _clock(self, q: torch.Tensor) -> Any:
+        """The start of a timed call: a recorded CUDA event, or the host clock (CPU); None untimed."""
+        if not self.timing:
+            return None
+        if q.is_cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
         return time.perf_counter()
+
+    def _stop(self, q: torch.Tensor, start: Any) -> None:
+        """End the timed call begun at ``start`` (:meth:`_clock`)."""
+        if q.is_cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._stats.events.append((start, end))
+        else:
+            self._stats.time_s += time.perf_counter() - start
 
     def pop_stats(self) -> dict[str, float]:
         """Statistics since the last call (see the class docstring); ``{}`` when nothing ran."""
         s, self._stats = self._stats, _Stats()
-        if s.calls == 0:
-            return {}
-        density = s.density / s.heads
-        out = {"density": density, "sparsity": 1.0 - density, "bucket": float(s.bucket)}
-        if self.report_cra:
-            out.update(cra=s.cra / s.heads, cra_min=s.cra_min)
-        if self.timing:
-            out["attn_time_s"] = s.time_s
-        return out
+        return s.summary(self.report_cra, self.timing)
 
 
 def bucket_table_tensor(table: BucketTable) -> torch.Tensor:

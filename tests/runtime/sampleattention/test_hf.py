@@ -214,3 +214,37 @@ def test_from_artifact_checks_payload_and_table_tensor(model, tmp_path) -> None:
     broken = {"buckets": {"edges": [128], "rows": [{"alpha_c": 0.5}]}}
     with pytest.raises(ArtifactError, match="malformed"):
         SampleAttentionPrefill.from_artifact(load_artifact(_artifact(tmp_path / "b", model, table, broken)), None)
+
+
+def test_statistics_read_the_device_once_per_pop(monkeypatch) -> None:
+    """Density and sampled CRA are summed where they are computed: the layers' calls read nothing back
+    (on a GPU a host read is a sync per layer), and a pop reads each sum once; the figures are those of
+    the per-call masks (the test above)."""
+    reads: list[str] = []
+    real_float, real_item = torch.Tensor.__float__, torch.Tensor.item
+    monkeypatch.setattr(torch.Tensor, "__float__", lambda t: reads.append("float") or real_float(t))
+    monkeypatch.setattr(torch.Tensor, "item", lambda t: reads.append("item") or real_item(t))
+    rt = SampleAttentionPrefill(SPARSE, blk=BLK)
+    for seed in (3, 4, 5):
+        q, k, v = _qkv(160, seed=seed)
+        rt.prefill(0, q, k, v, 0.25)
+    assert reads == []
+    stats = rt.pop_stats()
+    assert len(reads) == 3  # the density sum, the CRA sum, the CRA minimum
+    assert 0 < stats["cra_min"] <= stats["cra"] <= 1 and 0 < stats["sparsity"] < 1
+
+
+def test_dense_and_sparse_rows_average_together() -> None:
+    """A dense bucket's call counts density and CRA 1 for each of its heads beside a sparse call's measured
+    ones: the means are over every (call, head), the minimum CRA the sparse call's."""
+    table = BucketTable([100], [DENSE, SPARSE], blk=BLK)
+    rt = SampleAttentionPrefill(table, blk=BLK)
+    q, k, v = _qkv(160, seed=6)
+    rt.prefill(0, q[:, :, :90], k[:, :, :90], v[:, :, :90], 0.25)  # bucket 0: dense, 4 heads
+    rt.prefill(1, q, k, v, 0.25)  # bucket 1: sparse, 4 heads
+    mask = sampleattention_select(q, k, alpha_c=0.3, alpha_s=0.3, chunk_n=2, blk=BLK, scale=0.25)
+    cra = cumulative_residual_attention(q, k, mask, sampled_query_rows(160, 2, BLK), scale=0.25)
+    stats = rt.pop_stats()
+    assert stats["density"] == pytest.approx((4 + float(mask.density().sum())) / 8)
+    assert stats["cra"] == pytest.approx((4 + float(cra.sum())) / 8)
+    assert stats["cra_min"] == pytest.approx(float(cra.min())) and stats["bucket"] == 1.0

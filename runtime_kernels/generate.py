@@ -16,7 +16,7 @@ decode step of the whole (unmodified) model in a CUDA graph, gpt-fast style: a s
   own position. Rows of close lengths prefill in one call, the shorter ones padded after their last token
   (a causal prefill of a row never reads what follows it, and decoding overwrites the padding), each row's
   first token read at its own last position (:func:`ragged_runs`); with a prefill method attached, which
-  sees the whole sequence, each row prefills alone.
+  sees the whole sequence, each row prefills alone unless the method takes padded rows (``ragged_prefill``).
 * ``compile=True`` runs each step's model call through ``torch.compile`` (the norms, rotary and MLP
   kernels fused; attention and the cache update stay eager graph breaks), compiled at the first two
   view lengths only. Design notes: docs/notes/serving-loop.md.
@@ -374,7 +374,8 @@ class StaticGenerator:
             self.token.copy_(self._prefill_rows(ids.to(self.device), slice(None)))
         else:
             state = self._state()
-            alone = state is not None and state.prefill is not None
+            prefill = None if state is None else state.prefill
+            alone = prefill is not None and not getattr(prefill, "ragged_prefill", False)
             for run in ragged_runs(lengths, alone):
                 longest, part = max(lengths[run]), rows[run]
                 ids = torch.tensor([row + row[-1:] * (longest - len(row)) for row in part], dtype=torch.long)
@@ -394,6 +395,7 @@ class StaticGenerator:
         c.write_pos = torch.arange(t, device=self.device)
         if state is not None:
             state.static_rows = rows
+            state.static_lengths = None if last is None else [n + 1 for n in last]
         try:
             # no mask: an unpadded causal prefill from position 0, which transformers' mask creation turns
             # into SDPA's is_causal (and which the prefill methods require, hf._plain_prefill)
@@ -402,7 +404,7 @@ class StaticGenerator:
         finally:
             c.rows = slice(None)
             if state is not None:
-                state.static_rows = None
+                state.static_rows, state.static_lengths = None, None
         if last is None:
             return logits[:, -1].argmax(-1, keepdim=True)
         at = torch.tensor(last, device=logits.device) - (t - keep)

@@ -59,6 +59,7 @@ class AttentionCall:
     attention_mask: torch.Tensor | None
     cache_len: torch.Tensor | None = None  # [B] valid keys of a static-cache decode step (calib_attention_forward)
     rows: slice | None = None  # the batch rows a prefill call covers (a ragged batch's one-row prefill); None: all
+    lengths: list[int] | None = None  # each row's own token count in a padded prefill call (``ragged_prefill``)
 
 
 @dataclass
@@ -73,6 +74,7 @@ class CalibAttention:
     warned: set[str] = field(default_factory=set)
     static_len: torch.Tensor | None = None  # set by generate.StaticGenerator during its decode steps
     static_rows: slice | None = None  # set by generate.StaticGenerator during a one-row prefill
+    static_lengths: list[int] | None = None  # set by generate.StaticGenerator during a padded prefill of rows
     serve: str = "fastest"  # SERVE_MODES (module docstring)
     serve_dense: frozenset[int] = frozenset()  # layers the current static decode graph runs densely
     prefill_identity: str | None = None  # the prefill artifact's content hash: its timings' cache key
@@ -177,7 +179,10 @@ def attach(model: Any, *, prefill: Any | None = None, decode: Any | None = None,
     sampling in prefill and decode) and
 
     * prefill: ``prefill(layer, q, k, v, scale, ctx) -> out | None`` with ``q: [B, Hq, T, D]``,
-      ``k, v: [B, Hkv, T, D]`` (RoPE'd), returning ``[B, Hq, T, D]`` (``None`` = run dense);
+      ``k, v: [B, Hkv, T, D]`` (RoPE'd), returning ``[B, Hq, T, D]`` (``None`` = run dense). A runtime with
+      ``ragged_prefill = True`` also takes rows padded after their last token (``ctx.lengths``: each row's
+      own count), computing each row as it would alone and finite values in the padding; without it the
+      static loop prefills such rows one at a time;
     * decode: ``observe_prefill(layer, q, k, v, ctx)`` (build per-layer state from the prompt's cache) and
       ``decode(layer, q, k, v, scale, ctx) -> out | None`` with ``q: [B, Hq, 1, D]`` and the full cache;
     * optionally ``pop_stats() -> dict`` (method statistics since the last call, which ``calib eval``
@@ -280,7 +285,8 @@ def calib_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         raise RuntimeError("calib_sparse attention called on a module without calib state; use runtime_kernels.hf.apply")
     layer = int(module.layer_idx)
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
-    ctx = AttentionCall(module, kwargs.get("position_ids"), state.rotary_emb, attention_mask, rows=state.static_rows)
+    ctx = AttentionCall(module, kwargs.get("position_ids"), state.rotary_emb, attention_mask,
+                        rows=state.static_rows, lengths=state.static_lengths)
     q_len, k_len = query.shape[2], key.shape[2]
     out = None
     if q_len > 1:

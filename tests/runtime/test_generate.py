@@ -325,3 +325,30 @@ def test_santa_stats_count_in_the_static_loop(tiling):
     assert eager.pop_stats() == pytest.approx(
         _santa_stats_by_hand(schedule, 16, tiling, [[40 + j + 1] * 2 for j in range(5)]), rel=1e-12)
     hf.remove(model)
+
+
+def test_sampleattention_takes_a_padded_ragged_batch_and_answers_each_row_as_alone():
+    """SampleAttention declares ``ragged_prefill``: close lengths prefill in one padded call, its attention
+    runs each row on the row's own positions (its bucket, sampled rows and mask), so every row's tokens and
+    the mean block density are those of the rows run alone (float64)."""
+    from runtime_kernels.sampleattention.api import SampleAttentionPrefill
+    from runtime_kernels.sampleattention.buckets import BucketRow, BucketTable
+
+    model = _model().double()
+    rows = _ragged_rows([170, 160, 166])
+    table = BucketTable([164], [BucketRow(1.0, 1.0, 1), BucketRow(0.4, 0.4, 2)], blk=16)  # the 160 row: dense
+    seen = _prefill_calls(model)
+    rt = SampleAttentionPrefill(table, blk=16)
+    hf.attach(model, prefill=rt)
+    got = StaticGenerator(model, batch=3, max_len=200, graphs=False, bucket=16).generate(rows, 12)
+    batched = rt.pop_stats()
+    alone_density = []
+    for b, row in enumerate(rows):
+        hf.attach(model, prefill=rt)
+        want = StaticGenerator(model, batch=1, max_len=200, graphs=False, bucket=16).generate([row], 12)
+        alone_density.append(rt.pop_stats()["density"])
+        assert torch.equal(got[b], want[0]), b
+    hf.remove(model)
+    assert seen[0] == (3, 170) and all(r == 1 for r, _ in seen[1:])
+    assert batched["density"] == pytest.approx(sum(alone_density) / 3, rel=1e-12)
+    assert alone_density[1] == 1.0 and min(alone_density) < 1.0  # a dense row beside sparse ones

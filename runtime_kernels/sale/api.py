@@ -18,6 +18,7 @@ import torch
 from runtime_kernels.blocksparse import api as blocksparse_api
 from runtime_kernels.blocksparse.mask import BlockMask
 from runtime_kernels.errors import ArtifactError
+from runtime_kernels.ragged import padded_rows, rows_alone
 from runtime_kernels.sale import reference
 from runtime_kernels.sale.reference import SaleSelectionConfig
 
@@ -116,6 +117,7 @@ class SalePrefill:
 
     method = "sale"
     phase = "prefill"
+    ragged_prefill = True  # takes rows padded after their last token (``ctx.lengths``), each row as alone
 
     def __init__(self, tau: torch.Tensor, config: SaleSelectionConfig = SaleSelectionConfig(), *,
                  backend: Backend = "auto", stats: bool = True) -> None:
@@ -154,7 +156,9 @@ class SalePrefill:
     def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                 ctx: Any = None) -> torch.Tensor | None:
         """``q: [B, Hq, T, D]``, ``k, v: [B, Hkv, T, D]`` (RoPE'd) -> ``[B, Hq, T, Dv]``, or ``None``
-        (run the model's dense attention) when every threshold of ``layer`` is 0."""
+        (run the model's dense attention) when every threshold of ``layer`` is 0. With ``ctx.lengths``
+        (rows padded after their last token) each row runs alone (:mod:`runtime_kernels.ragged`), unless the
+        layer is dense, which the padding cannot change."""
         if layer >= self.tau.shape[0] or q.shape[1] != self.tau.shape[1]:
             raise ValueError(f"SALE thresholds are [{self.tau.shape[0]}, {self.tau.shape[1]}]; "
                              f"got layer {layer} with {q.shape[1]} query heads")
@@ -164,6 +168,9 @@ class SalePrefill:
                 self._dense_heads += heads
                 self._count += heads
             return None
+        lengths = padded_rows(ctx, q)
+        if lengths is not None:
+            return rows_alone(self.prefill, layer, q, k, v, scale, lengths)
         mask = sale_select(q, k, self._tau_row(layer, q.device), config=self.config, scale=scale,
                            backend=self.backend)
         if self.stats:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from runtime_kernels.blocksparse.api import Backend, block_sparse_attention
 from runtime_kernels.blocksparse.mask import BlockMask
 from runtime_kernels.errors import ArtifactError
+from runtime_kernels.ragged import padded_rows, rows_alone
 from runtime_kernels.sampleattention import reference
 from runtime_kernels.sampleattention.buckets import BucketRow, BucketTable
 from runtime_kernels.sampleattention.reference import cumulative_residual_attention, sampled_query_rows
@@ -249,10 +250,11 @@ class SampleAttentionPrefill:
     def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                 ctx: Any = None) -> torch.Tensor | None:
         """``q: [B, Hq, T, D]``, ``k, v: [B, Hkv, T, D]`` -> ``[B, Hq, T, D]``, or None (run dense).
-        With ``ctx.lengths`` (rows padded after their last token) each row runs alone (:meth:`_rows_alone`)."""
-        lengths = getattr(ctx, "lengths", None)
-        if lengths is not None and any(n != q.shape[2] for n in lengths):
-            return self._rows_alone(layer, q, k, v, scale, lengths)
+        With ``ctx.lengths`` (rows padded after their last token) each row runs alone
+        (:mod:`runtime_kernels.ragged`)."""
+        lengths = padded_rows(ctx, q)
+        if lengths is not None:
+            return rows_alone(self.prefill, layer, q, k, v, scale, lengths)
         length = k.shape[2]
         bucket = self.table.bucket_index(length)
         row = self.table.lookup(length)
@@ -286,20 +288,6 @@ class SampleAttentionPrefill:
             cra = (reference.sampled_cra(mask, rows, row_mass) if row_mass is not None
                    else cumulative_residual_attention(q, k, mask, rows, scale=scale))
         self._stats.add(b * hq, mask.density(), cra, bucket)
-        return out
-
-    def _rows_alone(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                    lengths: list[int]) -> torch.Tensor:
-        """A padded batch, each row on its own first ``lengths[b]`` positions as it would run alone (its
-        bucket, its sampled rows, its statistics; a dense row by SDPA), zeros in the padding. The model's
-        other layers run the batch at once: only attention loops over the rows."""
-        out = torch.zeros_like(q)
-        for b, n in enumerate(lengths):
-            qb, kb, vb = q[b:b + 1, :, :n], k[b:b + 1, :, :n], v[b:b + 1, :, :n]
-            row = self.prefill(layer, qb, kb, vb, scale)
-            if row is None:
-                row = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=True)
-            out[b:b + 1, :, :n] = row
         return out
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask, scale: float) -> torch.Tensor:

@@ -1,0 +1,37 @@
+"""A prefill method on a padded ragged batch: each row as it would run alone.
+
+The static loop (:mod:`runtime_kernels.generate`) prefills rows of close lengths in one call, the shorter rows
+padded after their last token. Dense causal attention is exact on such a batch; a sparse prefill method is not
+(its block selection would see the padding in a row's last query block, its statistics would count it), so a
+runtime that declares ``ragged_prefill = True`` runs its attention row by row on each row's own positions
+while the model's other layers run the batch at once.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+PrefillFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], "torch.Tensor | None"]
+
+
+def padded_rows(ctx: object, q: torch.Tensor) -> list[int] | None:
+    """Each row's own token count when ``ctx`` says the call's rows are padded (``ctx.lengths``), else None."""
+    lengths = getattr(ctx, "lengths", None)
+    return lengths if lengths is not None and any(n != q.shape[2] for n in lengths) else None
+
+
+def rows_alone(prefill: PrefillFn, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               lengths: Sequence[int]) -> torch.Tensor:
+    """``prefill(layer, q, k, v, scale)`` on each row's first ``lengths[b]`` positions (None from it: dense
+    causal attention), zeros in the padding: ``[B, Hq, T, Dv]``."""
+    out = q.new_zeros(*q.shape[:3], v.shape[-1])
+    for b, n in enumerate(lengths):
+        qb, kb, vb = q[b:b + 1, :, :n], k[b:b + 1, :, :n], v[b:b + 1, :, :n]
+        row = prefill(layer, qb, kb, vb, scale)
+        if row is None:
+            row = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=True)
+        out[b:b + 1, :, :n] = row
+    return out

@@ -14,8 +14,8 @@ All through :class:`runtime_kernels.generate.StaticGenerator` with ``hf.apply``'
   a method's row also times dense alternately in its own process, and its × dense is to that figure
 * second: from the first token to the second at ``--ttft-batches`` (the method's per-request set-up: SAAP's
   index build, the step's warm-up and graph capture), host wall time, the median of 3, paired likewise;
-* ragged: ``--ragged`` rows of lengths spread over [T/4, T], prefilled one by one and decoded together;
-  tokens/s of the whole generation (prefill included);
+* ragged: ``--ragged`` rows of lengths spread over [T/4, T], prefilled in runs of close lengths (a row alone
+  where none is close) and decoded together; tokens/s of the whole generation (prefill included);
 * beside every row: the KV-read floor (the dense K+V bytes of a step / the copy rate measured here),
   the ``no-attention`` step (everything but attention: the floor of any decode method), peak GPU memory,
   and the held-out accuracy of the same artifact given with ``--accuracy`` (a ``calib eval`` result JSON).

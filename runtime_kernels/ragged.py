@@ -3,8 +3,8 @@
 The static loop (:mod:`runtime_kernels.generate`) prefills rows of close lengths in one call, the shorter rows
 padded after their last token. Dense causal attention is exact on such a batch; a sparse prefill method is not
 (its block selection would see the padding in a row's last query block, its statistics would count it), so a
-runtime that declares ``ragged_prefill = True`` runs its attention row by row on each row's own positions
-while the model's other layers run the batch at once.
+runtime that declares ``ragged_prefill = True`` runs its attention on each row's own positions (rows of one
+length in one call) while the model's other layers run the batch at once.
 """
 
 from __future__ import annotations
@@ -26,12 +26,17 @@ def padded_rows(ctx: object, q: torch.Tensor) -> list[int] | None:
 def rows_alone(prefill: PrefillFn, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                lengths: Sequence[int]) -> torch.Tensor:
     """``prefill(layer, q, k, v, scale)`` on each row's first ``lengths[b]`` positions (None from it: dense
-    causal attention), zeros in the padding: ``[B, Hq, T, Dv]``."""
+    causal attention), zeros in the padding: ``[B, Hq, T, Dv]``. Rows of one length share a call (fewer
+    launches): both methods select blocks per (row, head), so a row's result is its own."""
     out = q.new_zeros(*q.shape[:3], v.shape[-1])
+    by_length: dict[int, list[int]] = {}
     for b, n in enumerate(lengths):
-        qb, kb, vb = q[b:b + 1, :, :n], k[b:b + 1, :, :n], v[b:b + 1, :, :n]
-        row = prefill(layer, qb, kb, vb, scale)
-        if row is None:
-            row = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=True)
-        out[b:b + 1, :, :n] = row
+        by_length.setdefault(int(n), []).append(b)
+    for n, rows in by_length.items():
+        idx = torch.tensor(rows, device=q.device)
+        qb, kb, vb = (t.index_select(0, idx)[:, :, :n] for t in (q, k, v))
+        got = prefill(layer, qb, kb, vb, scale)
+        if got is None:
+            got = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=True)
+        out[rows, :, :n] = got.to(out.dtype)
     return out

@@ -90,8 +90,9 @@ def calib_env(home: Path) -> dict[str, str]:
 
 def run_logged(cmd: list[str], env: dict[str, str], log_path: Path, timeout_s: float) -> dict:
     """Run ``cmd``, a calib command printing its result JSON as the last stdout line, stderr into
-    ``log_path``: ``exit_code``, ``wall_s``, ``peak_host_rss_gb`` (``wait4``'s ``ru_maxrss``), ``log`` and
-    either ``result`` (that JSON) or ``error`` (the timeout, or the log's last line)."""
+    ``log_path`` and stdout (Hydra's log lines: the recipes' INFO and warnings) into ``<log>.stdout.log``:
+    ``exit_code``, ``wall_s``, ``peak_host_rss_gb`` (``wait4``'s ``ru_maxrss``), ``log`` and either ``result``
+    (that JSON) or ``error`` (the timeout, or the log's last line)."""
     t0 = time.perf_counter()
     with open(log_path, "w") as log, tempfile.TemporaryFile("w+") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=log, text=True)
@@ -107,7 +108,9 @@ def run_logged(cmd: list[str], env: dict[str, str], log_path: Path, timeout_s: f
                 pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
         proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: tell Popen
         out.seek(0)
-        lines = out.read().strip().splitlines()
+        text = out.read()
+        log_path.with_suffix(".stdout.log").write_text(text)
+        lines = text.strip().splitlines()
     row = {"exit_code": proc.returncode, "wall_s": time.perf_counter() - t0,
            "peak_host_rss_gb": usage.ru_maxrss * 1024 / 1e9, "log": str(log_path)}
     if timed_out:

@@ -247,6 +247,7 @@ def test_run_logged_reads_the_last_json_line_the_error_and_the_timeout(script, t
     ok = script.run_logged([sys.executable, "-c", "print('progress'); print('{\"a\": 1}')"], env,
                            tmp_path / "ok.log", 30)
     assert ok["exit_code"] == 0 and ok["result"] == {"a": 1} and "error" not in ok
+    assert (tmp_path / "ok.stdout.log").read_text() == 'progress\n{"a": 1}\n'  # the recipe's log lines kept
     bad = script.run_logged([sys.executable, "-c", "import sys; sys.stderr.write('x\\nValueError: boom\\n'); "
                              "sys.exit(3)"], env, tmp_path / "bad.log", 30)
     assert (bad["exit_code"], bad["error"]) == (3, "ValueError: boom") and "result" not in bad

@@ -7,7 +7,8 @@
 Per method, in fresh processes: ``python -m calib run +method=<m> model=<model> <overrides>``, then ``python -m calib
 eval model=<model> artifact=<its dir> eval.num_prompts=<n>`` on the model's kept cells. A cell whose paired-bootstrap
 95 % lower bound of (sparse - dense) accuracy is below ``--bound`` is answered again on ``--confirm-prompts`` prompts
-(``eval.cells=[...]``, the method's ``confirm`` step), and that figure decides it. A method holds on a suite
+(``eval.cells=[...]``, the method's ``confirm`` step), and that figure decides it; so is every cell
+``--confirm-cells`` names. A method holds on a suite
 (books: the ``book_*`` cells; synthetic: the rest) when every kept cell does. ``--santa-sweep 1,2,4,8`` (for a model
 whose conf sets no ``rl.budget_per_layer``) first sweeps SANTA's uniform budgets and trains at a starved one.
 ``--gpus`` runs one lane per GPU named (``0,0,0``: three on one GPU), a queue when methods outnumber lanes. A lane's processes see only its GPU, get
@@ -140,6 +141,13 @@ def failing_cells(metrics: dict, bound: float) -> list[str]:
     return [c for c in cell_names(metrics) if not holds(metrics[c + CELL_LOW], bound)]
 
 
+def confirm_cells(metrics: dict, args: argparse.Namespace) -> list[str]:
+    """The kept cells to answer again: those below ``--bound``, and those ``--confirm-cells`` names (where an
+    earlier artifact lost on more prompts than a clean 100-prompt interval can show)."""
+    named = set(args.confirm_cells)
+    return [c for c in cell_names(metrics) if c in named or c in failing_cells(metrics, args.bound)]
+
+
 def suite_of(cell: str) -> str:
     return "books" if cell.split("@")[0].startswith("book_") else "synthetic"
 
@@ -213,7 +221,7 @@ def run_one(method: str, lane: Lane, args: argparse.Namespace, overrides: list[s
         row["eval"] = record.put(method, "eval", {**result, "prompts": args.eval_prompts})
         if "error" in row["eval"]:
             return
-    cells = failing_cells(row["eval"].get("metrics", {}), args.bound) if args.confirm_prompts else []
+    cells = confirm_cells(row["eval"].get("metrics", {}), args) if args.confirm_prompts else []
     wanted = {"cells": cells, "prompts": args.confirm_prompts}
     if cells and not (finished(row, "confirm") and {k: row["confirm"].get(k) for k in wanted} == wanted):
         progress(method, lane, f"calib eval of {len(cells)} cells on {args.confirm_prompts} prompts")
@@ -355,6 +363,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--eval-prompts", type=int, default=100, help="held-out prompts per kept cell")
     parser.add_argument("--confirm-prompts", type=int, default=1000,
                         help="prompts per cell of the confirmation of the cells below --bound (0: none)")
+    parser.add_argument("--confirm-cells", type=lambda v: [c for c in v.split(",") if c], default=[],
+                        metavar="CELLS", help="comma-separated task@length cells always confirmed, e.g. niah_single@8192")
     parser.add_argument("--bound", type=float, default=-0.02, help="least 95 %% lower bound of sparse - dense")
     parser.add_argument("--batch-tokens", type=int, default=65536, help="eval.batch_tokens")
     parser.add_argument("--santa-sweep", default="", help="SANTA's uniform sweep budgets per layer, e.g. 1,2,4,8 "

@@ -143,6 +143,17 @@ def test_confirm_reanswers_the_failing_cells_on_more_prompts(script, calib, tmp_
     assert "| sale | books | 1 | holds |" in summary
 
 
+def test_named_cells_are_confirmed_even_when_their_100_prompt_interval_holds(script, calib, tmp_path):
+    fake = calib({"niah_single@8192": 0.0, "niah_single@4096": -0.03, "niah_single@1024": 0.0},
+                 confirm_lows={"niah_single@8192": -0.025, "niah_single@4096": -0.01})
+    out = tmp_path / "m.json"
+    assert script.main(["--methods", "saap", "--home", str(tmp_path / "h"), "--out", str(out),
+                        "--confirm-cells", "niah_single@8192,book_needle@4096"]) == 0  # a cell not kept: ignored
+    assert fake.kinds() == ["run", "eval", "confirm"]
+    assert fake.calls[2][0][-1] == "eval.cells=[niah_single@4096,niah_single@8192]"
+    assert "| saap | synthetic | 3 | fails: niah_single@8192 |" in out.with_suffix(".md").read_text()
+
+
 def test_a_rerun_of_synthetic_cells_names_only_the_synthetic_suite(script):
     # a suite given eval.cells of none of its tasks answers its whole grid: the rerun must not name it
     args = script.parse_args(["--home", "h", "--out", "o.json", "--eval-set", "eval.suites=[books]"])

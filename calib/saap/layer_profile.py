@@ -12,9 +12,9 @@ candidate ``{layer: ℓ}`` settings: ℓ = ``top_l`` everywhere, then greedy gro
 at ℓ = C, then a ladder lowering the chosen groups' ℓ. If no setting passes within ``max_groups``
 groups, every sparse layer's ℓ is widened up the same ladder (the chosen groups stay at C), then bisected
 between the last failing rung and C, where every bucket is read: accuracy before selectivity, as a user
-deploying the artifact expects (at ℓ = C serving runs flash-decoding: the artifact costs nothing). If even
-ℓ = C misses dense's answers (a numerical tie broken differently), the best setting found is kept and the
-run warns; its metrics say it did not pass. Design notes: docs/notes/saap-recipe.md.
+deploying the artifact expects. A layer at ℓ = C runs dense attention, here as in serving
+(``SaapDecode.reads_every_key``), so ℓ = C everywhere answers as dense does and passes; such an artifact
+costs nothing and saves nothing (the run warns). Design notes: docs/notes/saap-recipe.md.
 """
 
 from __future__ import annotations

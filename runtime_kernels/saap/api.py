@@ -89,8 +89,10 @@ class SaapDecode:
 
     At prefill (``observe_prefill``) each non-dense layer de-RoPEs the prompt's keys with the model's
     rotary module and builds its :class:`BucketIndex`; at each decode step the new key is appended and
-    :func:`saap_decode_attention` runs. Dense layers (layer 0), a batch with a padding mask, or a layer
-    whose index does not match the cache (no prefill seen) return ``None``: the model's own attention.
+    :func:`saap_decode_attention` runs. Dense layers (layer 0), layers at ℓ >= C (they read every key:
+    dense attention is the same keys, exact and cheaper, so evaluation and serving both run it), a batch
+    with a padding mask, or a layer whose index does not match the cache (no prefill seen) return ``None``:
+    the model's own attention.
 
     Artifact layout (written by ``calib``'s SAAP recipe): hyper-parameters ``sink``, ``window``
     (= sink + recent), ``top_l``, ``dense_layers`` (list), ``bn_eps``; tensors
@@ -137,6 +139,24 @@ class SaapDecode:
         """ℓ of layer ``layer``: its ``top_l_layers`` entry, else ``top_l``."""
         return self.top_l_layers.get(layer, self.top_l)
 
+    def reads_every_key(self, layer: int) -> bool:
+        """True for a SAAP layer whose ℓ visits every bucket (ℓ >= C): it runs dense attention."""
+        p = self.layers[layer]
+        return not p.dense and p.w2 is not None and self.layer_top_l(layer) >= p.w2.shape[-1]
+
+    def _sums_on(self, device: torch.device) -> torch.Tensor:
+        """The statistics buffer (class docstring), made at the first step on ``device``."""
+        if self._sums is None:  # the first step: eager, or the static loop's uncaptured warm-up
+            with torch.inference_mode(False):  # a normal tensor: pop_stats zeroes it outside inference mode
+                self._sums = torch.zeros(3, dtype=torch.float64, device=device)
+        return self._sums
+
+    def _record_every_key(self, entries: int, device: torch.device) -> None:
+        """A step of a layer at ℓ >= C: ``entries`` (batch row, KV head) pairs read every key."""
+        sums = self._sums_on(device)
+        sums[:2].add_(float(entries))  # Python numbers: nothing to copy, nothing to sync
+        sums[2].add_(entries)
+
     def _record(self, layer: int, q_de: torch.Tensor, idx: BucketIndex, t: int | torch.Tensor) -> None:
         """Add this step's visited fractions for layer ``layer`` (``q_de [B, Hq, D]``) to the sums, in place.
 
@@ -153,11 +173,9 @@ class SaapDecode:
         sel = torch.where(candidates > 0, visited / candidates.clamp(min=1), torch.zeros_like(visited))
         valid = t.double()[:, None] if isinstance(t, torch.Tensor) else float(t)  # [B, 1] or a number
         with_window = (visited + (valid - candidates)) / valid  # [B, Hkv]
-        if self._sums is None:  # the first step: eager, or the static loop's uncaptured warm-up
-            with torch.inference_mode(False):  # a normal tensor: pop_stats zeroes it outside inference mode
-                self._sums = torch.zeros(3, dtype=torch.float64, device=q_de.device)
-        self._sums[:2].add_(torch.stack([sel.sum(), with_window.sum()]).to(self._sums.device))
-        self._sums[2].add_(sel.numel())  # a Python number: no host-to-device copy
+        sums = self._sums_on(q_de.device)
+        sums[:2].add_(torch.stack([sel.sum(), with_window.sum()]).to(sums.device))
+        sums[2].add_(sel.numel())  # a Python number: no host-to-device copy
 
     def pop_stats(self) -> dict[str, float]:
         """Mean selectivities since the last call (class docstring); ``{}`` when no SAAP step ran since.
@@ -236,7 +254,7 @@ class SaapDecode:
         """What a decode step of ``layer`` costs depends on (:mod:`runtime_kernels.serving_policy`); None
         for a layer that reads every key anyway (dense, or ℓ >= C), where flash-decoding is exact and cheaper."""
         p = self.layers[layer]
-        if p.dense or p.w1 is None or self.layer_top_l(layer) >= p.w2.shape[-1]:
+        if p.dense or p.w1 is None or self.reads_every_key(layer):
             return None
         return (f"saap|C{p.w2.shape[-1]}|l{self.layer_top_l(layer)}|hidden{p.w1.shape[-1]}|sink{p.sink}|"
                 f"recent{p.recent}|stats{int(self.stats)}|{self.impl}")
@@ -265,7 +283,8 @@ class SaapDecode:
         self.index.pop(layer, None)
         self._prefill_ctx = AttentionPositions(ctx.rotary_emb)
         p = self.layers[layer]
-        if p.dense or self._padded(ctx, k.shape[0]) or k.shape[2] != q.shape[2] or getattr(ctx, "rows", None) is not None:
+        if (p.dense or self.reads_every_key(layer) or self._padded(ctx, k.shape[0]) or k.shape[2] != q.shape[2]
+                or getattr(ctx, "rows", None) is not None):
             return
         self.build_index(layer, k, ctx)
 
@@ -312,7 +331,7 @@ class SaapDecode:
         ``valid`` is the shortest row's count in a ragged batch: one index length serves every row, and a
         longer row attends its keys past the index densely, with its window (``[searchable_hi, cache_len)``)."""
         for layer, p in enumerate(self.layers):
-            if p.dense or p.w1 is None or (layers is not None and layer not in layers):
+            if p.dense or p.w1 is None or self.reads_every_key(layer) or (layers is not None and layer not in layers):
                 self.index.pop(layer, None)
                 continue
             idx = self.index.get(layer)
@@ -328,6 +347,10 @@ class SaapDecode:
 
         With ``ctx.cache_len [B]`` (a static-cache step) ``k, v`` are views longer than the valid keys.
         ``stats``: the step's selectivity is added on the device, eager or static (:meth:`_record`)."""
+        if self.reads_every_key(layer):
+            if self.stats:
+                self._record_every_key(q.shape[0] * k.shape[1], q.device)
+            return None
         step = self.advance(layer, q, k, ctx)
         if step is None:
             return None

@@ -64,7 +64,8 @@ def needle_positions(input_ids: Sequence[int], answer_ids: Sequence[int]) -> lis
 
 class NeedleRecorder:
     """Wraps a :class:`runtime_kernels.saap.SaapDecode` (its ``decode`` and ``_record``) to log, per
-    decode step and layer, the needle keys read per KV head and the dense attention mass on them."""
+    decode step and layer, the needle keys read per KV head (all of them in a layer at ℓ >= C, which runs
+    dense attention) and the dense attention mass on them."""
 
     def __init__(self, runtime: Any) -> None:
         self.runtime, self.positions = runtime, torch.empty(0, dtype=torch.long)
@@ -77,6 +78,8 @@ class NeedleRecorder:
 
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, ctx: Any):
         out = self._decode(layer, q, k, v, scale, ctx)
+        if self.positions.numel() and self.runtime.reads_every_key(layer):  # ℓ >= C: dense attention, every key
+            self.rows.append({"layer": layer, "read": [1.0] * k.shape[1]})
         if self.positions.numel() and self.rows and self.rows[-1]["layer"] == layer and "mass" not in self.rows[-1]:
             group = q.shape[1] // k.shape[1]
             keys = k.float().repeat_interleave(group, 1)  # [B, Hq, T, D]

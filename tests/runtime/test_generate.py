@@ -15,6 +15,7 @@ from runtime_kernels.saap import SaapDecode, SaapLayerParams
 from runtime_kernels.santa.runtime import SantaDecode
 from runtime_kernels.santa.draws import keyed_uniforms
 from tests.runtime.saap.test_saap_reference import _params
+from tests.runtime.saap.through_buckets import SaapThroughBuckets
 
 transformers = pytest.importorskip("transformers")
 
@@ -95,17 +96,40 @@ def test_static_loop_refuses_a_prompt_that_does_not_fit():
 
 
 def test_saap_static_loop_equals_eager_with_every_bucket():
-    """ℓ = C: SAAP attends every key, whether the index is kept up to date each step (eager) or only
-    at each new view length with the keys in between attended with the window (static)."""
+    """ℓ = C through the buckets: SAAP attends every key, whether the index is kept up to date each step
+    (eager) or only at each new view length with the keys in between attended with the window (static)."""
     model, ids = _model(), _prompt(2, 60)
     dense = eager_generate(model, ids, 24)
-    hf.attach(model, decode=_saap(top_l=C))
+    layers = _saap(top_l=C).layers
+    hf.attach(model, decode=SaapThroughBuckets(layers, top_l=C, stats=False))
     eager = eager_generate(model, ids, 24)
-    rt = _saap(top_l=C)
+    rt = SaapThroughBuckets(layers, top_l=C, stats=False)
     hf.attach(model, decode=rt)
     static = StaticGenerator(model, batch=2, max_len=90, graphs=False, bucket=8).generate(ids, 24)
     assert torch.equal(eager, dense) and torch.equal(static, dense)
     assert rt.index[1].length >= 60 + 16  # the index absorbed decoded keys at view changes
+
+
+@pytest.mark.parametrize("loop", ["eager", "static"])
+def test_a_layer_at_every_bucket_runs_dense_attention_and_counts_every_key(loop):
+    """ℓ >= C in a layer: dense attention there (no index built), whatever the loop, with the tokens and
+    statistics of SAAP's own path through every bucket (float64): its steps count as reading every key."""
+    model, ids = _model().double(), _prompt(2, 60)
+    rt = _saap(top_l=1, top_l_layers={2: C}, stats=True)
+    through = SaapThroughBuckets(rt.layers, top_l=1, top_l_layers={2: C}, stats=True)
+    got = {}
+    for name, runtime in (("dense at C", rt), ("buckets", through)):
+        hf.attach(model, decode=runtime)
+        got[name] = (eager_generate(model, ids, 12) if loop == "eager" else
+                     StaticGenerator(model, batch=2, max_len=90, graphs=False, bucket=8).generate(ids, 12))
+    hf.remove(model)
+    assert torch.equal(got["dense at C"], got["buckets"])
+    assert 2 not in rt.index and 1 in rt.index and rt.cost_signature(2) is None
+    assert rt.reads_every_key(2) and not rt.reads_every_key(1) and not rt.reads_every_key(0)  # 0: dense layer
+    # layer 2 counts 1 per (row, KV head, step), as SAAP's own path visiting every bucket counts it
+    mixed, buckets = rt.pop_stats(), through.pop_stats()
+    assert mixed == pytest.approx(buckets, rel=1e-12)
+    assert 0.5 < mixed["selectivity"] < 1.0  # half the entries at 1, layer 1's at ℓ = 1 of C = 4 below it
 
 
 def test_saap_static_step_matches_eager_step_with_one_bucket():

@@ -18,6 +18,7 @@ import torch
 from runtime_kernels import hf
 from runtime_kernels.generate import FlashDecode, StaticGenerator, eager_generate
 from runtime_kernels.santa.runtime import SantaDecode
+from tests.runtime.saap.through_buckets import SaapThroughBuckets
 from tests.runtime.test_generate import C, LAYERS, _model, _prompt, _saap
 
 transformers = pytest.importorskip("transformers")
@@ -113,8 +114,8 @@ def _eager_ops_per_step(gen: StaticGenerator) -> collections.Counter:
 
 
 def _runtime(name: str):
-    if name == "saap":  # ℓ = C: every bucket, the same keys as the eager path
-        return _saap(top_l=C)
+    if name == "saap":  # ℓ = C through every bucket: the same keys as the eager path
+        return SaapThroughBuckets(_saap(top_l=C).layers, top_l=C, stats=False)
     if name == "santa":
         return SantaDecode([3, 2, 5], tiling="flash", tile=16, seed=7, backend="reference")
     return None

@@ -145,16 +145,26 @@ def test_apply_visiting_every_bucket_equals_dense(result, loaded):
     from runtime_kernels import hf
     from runtime_kernels.artifact import load_artifact
     from runtime_kernels.saap.api import SaapDecode
+    from tests.runtime.saap.through_buckets import SaapThroughBuckets
 
     model = loaded.model
     ids = torch.randint(20, 200, (1, 150), generator=torch.Generator().manual_seed(0))
     forced = [5, 17, 42, 99]
     dense = _decode_logits(model, ids, forced)
     state = hf.apply(model, result["artifact_dir"])
-    try:
+    try:  # ℓ = C: the runtime serves dense attention, no index
         assert isinstance(state.decode, SaapDecode) and state.decode.top_l == TOP_L
+        served = _decode_logits(model, ids, forced)
+        assert not state.decode.index and state.decode.reads_every_key(1)
+    finally:
+        hf.remove(model)
+    torch.testing.assert_close(served, dense, atol=1e-6, rtol=1e-6)
+    # the artifact's index and kernel, through every bucket, give dense attention too
+    through = SaapThroughBuckets.from_artifact(load_artifact(result["artifact_dir"], method="saap"), model)
+    hf.attach(model, decode=through)
+    try:
         sparse = _decode_logits(model, ids, forced)
-        assert 1 in state.decode.index and state.decode.index[1].length == 150 + len(forced)
+        assert 1 in through.index and through.index[1].length == 150 + len(forced)
     finally:
         hf.remove(model)
     torch.testing.assert_close(sparse, dense, atol=2e-4, rtol=1e-4)

@@ -9,6 +9,7 @@ from runtime_kernels import hf
 from runtime_kernels.errors import ArtifactError
 from runtime_kernels.saap import SaapDecode, SaapLayerParams, derope
 from tests.runtime.saap.test_saap_reference import _params
+from tests.runtime.saap.through_buckets import SaapThroughBuckets
 
 transformers = pytest.importorskip("transformers")
 
@@ -47,7 +48,7 @@ def test_all_buckets_equal_dense_model():
     model = _model()
     ids = torch.randint(96, (2, 50), generator=torch.Generator().manual_seed(0))
     dense = _decode_logits(model, ids)
-    rt = SaapDecode(_layers(recent=8), top_l=C)
+    rt = SaapThroughBuckets(_layers(recent=8), top_l=C)  # the runtime itself runs dense at ℓ = C
     hf.attach(model, decode=rt)
     sparse = _decode_logits(model, ids)
     assert set(rt.index) == {1, 2} and rt.index[1].length == 50 + 4

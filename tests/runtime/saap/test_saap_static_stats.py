@@ -16,14 +16,16 @@ import torch
 from runtime_kernels import hf
 from runtime_kernels.generate import StaticGenerator, round_up
 from runtime_kernels.saap import SaapDecode, SaapLayerParams
+from tests.runtime.saap.through_buckets import SaapThroughBuckets
 from tests.runtime.test_generate import C, HKV, LAYERS, _model, _prompt, _saap
 
 RECENT, BUCKET = 8, 8
 
 
 def _counting_saap(top_l: int) -> SaapDecode:
-    """Statistics on and SAAP at every static step, as ``calib eval`` sets them."""
-    return _saap(top_l, recent=RECENT, stats=True)
+    """Statistics on and SAAP at every static step, as ``calib eval`` sets them, through the buckets even at
+    ℓ = C (where the runtime itself runs dense attention and counts 1)."""
+    return SaapThroughBuckets(_saap(top_l, recent=RECENT).layers, top_l=top_l, stats=True)
 
 
 def _probs64(q_de: torch.Tensor, p: SaapLayerParams) -> torch.Tensor:

@@ -232,7 +232,8 @@ def test_saap_reading_every_bucket_equals_dense_at_8k_tokens():
     from calib.perplexity import real_text_path, text_chunks
     from runtime_kernels import hf
     from runtime_kernels.generate import cache_argument, output_cache
-    from runtime_kernels.saap import SaapDecode, SaapLayerParams
+    from runtime_kernels.saap import SaapLayerParams
+    from tests.runtime.saap.through_buckets import SaapThroughBuckets
 
     cfg = compose(["model=smollm2", "device=cpu"])
     arch = cfg.model.arch
@@ -263,7 +264,7 @@ def test_saap_reading_every_bucket_equals_dense_at_8k_tokens():
     dense = decode_logits()
     outs = {}
     for top_l in (c, 16):
-        runtime = SaapDecode(layers, top_l=top_l)
+        runtime = SaapThroughBuckets(layers, top_l=top_l)  # SAAP's own path even at ℓ = C
         hf.attach(loaded.model, decode=runtime)
         outs[top_l] = decode_logits()
         assert runtime.index[1].length == ids.shape[1] + 4  # SAAP indexed the prompt and every decoded key

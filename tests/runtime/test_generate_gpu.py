@@ -33,7 +33,9 @@ def _prompt(b: int, t: int, vocab: int) -> torch.Tensor:
 
 
 def _saap(model, top_l: int, **options):
-    from runtime_kernels.saap import SaapDecode, SaapLayerParams
+    """SAAP through its buckets even at ℓ = C = 16 (the runtime serves such layers densely): its kernel under test."""
+    from runtime_kernels.saap import SaapLayerParams
+    from tests.runtime.saap.through_buckets import SaapThroughBuckets
 
     cfg = model.config
     hq, hkv, d, c, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, 16, 64
@@ -44,7 +46,7 @@ def _saap(model, top_l: int, **options):
                         bn_mean=r(hq, hd) * 0.1, bn_var=torch.rand(hq, hd, generator=g) + 0.5, bn_weight=r(hq, hd),
                         bn_bias=r(hq, hd) * 0.1, w2=r(hq, hd, c) * 0.3, b2=r(hq, c) * 0.1)
         for _ in range(1, cfg.num_hidden_layers)]
-    return SaapDecode(layers, top_l=top_l, **{"stats": False, **options})
+    return SaapThroughBuckets(layers, top_l=top_l, **{"stats": False, **options})
 
 
 def _runtimes(model, name: str):

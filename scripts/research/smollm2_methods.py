@@ -144,8 +144,8 @@ def failing_cells(metrics: dict, bound: float) -> list[str]:
 def confirm_cells(metrics: dict, args: argparse.Namespace) -> list[str]:
     """The kept cells to answer again: those below ``--bound``, and those ``--confirm-cells`` names (where an
     earlier artifact lost on more prompts than a clean 100-prompt interval can show)."""
-    named = set(args.confirm_cells)
-    return [c for c in cell_names(metrics) if c in named or c in failing_cells(metrics, args.bound)]
+    chosen = set(args.confirm_cells) | set(failing_cells(metrics, args.bound))
+    return [c for c in cell_names(metrics) if c in chosen]
 
 
 def suite_of(cell: str) -> str:

@@ -64,7 +64,8 @@ class SantaDecode:
     """S²ANTA with a per-layer sample budget, the runtime of ``hf.apply(model, santa_artifact)``.
 
     Decode: layer ``l`` runs :func:`santa_decode_attention` with ``S = max(1, schedule[l])`` (``tiling``
-    prop / flash / none, ``tile`` keys per tile, ``estimator`` inside tiles = sys). With ``"prefill"``
+    prop / flash / none, ``tile`` keys per tile, ``estimator`` inside tiles = sys), or dense attention
+    where S covers the keys (:meth:`reads_every_key`). With ``"prefill"``
     in ``phases`` (the paper's GSM8K runs) ``phase`` is ``"both"`` and every prefill query row is
     sampled too with :func:`santa_attention` (causal) at the same S. Decode offsets are a function of
     (``seed``, layer, query position, row, head, tile) (:mod:`runtime_kernels.santa.draws`): the same
@@ -143,6 +144,12 @@ class SantaDecode:
             raise ValueError(f"the SANTA schedule has {len(self.schedule)} layers; got layer {layer}")
         return max(1, self.schedule[layer])
 
+    def reads_every_key(self, layer: int, keys: int) -> bool:
+        """True when layer ``layer`` draws at least as many samples as a query may read ``keys``: S²ANTA
+        would gather every value row (or more) and still only estimate, so it runs dense attention, which
+        reads no more and is exact. ``keys`` is the longest row's (a static view's length bounds them all)."""
+        return self.budget(layer) >= keys
+
     @staticmethod
     def _padded(ctx: Any, batch: int) -> bool:
         return batch > 1 and getattr(ctx, "attention_mask", None) is not None
@@ -152,22 +159,27 @@ class SantaDecode:
         self._stats[1] += min(1.0, drawn / max(keys, 1.0))
         self._stats[2] += 1
 
-    def _record_static(self, s: int, cache_len: torch.Tensor) -> None:
+    def _record_static(self, s: int, cache_len: torch.Tensor, every_key: bool = False) -> None:
         """:meth:`_record` of a static-cache decode call, on the device (no host sync, so a CUDA graph
-        captures it): the fraction is averaged over the rows, each with its own valid length."""
-        keys = cache_len.double()  # [B]
-        if self.tiling == "flash":
-            tiles = torch.ceil(keys / self.tile)
-            drawn = tiles * torch.clamp(torch.floor(s / tiles + 0.5), min=1.0)
-        else:
-            drawn = torch.full_like(keys, float(s))
-        fraction = torch.clamp(drawn / keys.clamp(min=1.0), max=1.0).mean()
+        captures it): the fraction is averaged over the rows, each with its own valid length (1 for a
+        step run dense by :meth:`reads_every_key`)."""
+        fraction = 1.0 if every_key else self._drawn_fraction(s, cache_len)
         if self._sums is None:  # the first static step: the loop's uncaptured warm-up
             with torch.inference_mode(False):  # a normal tensor: pop_stats zeroes it outside inference mode
                 self._sums = torch.zeros(3, dtype=torch.float64, device=cache_len.device)
         self._sums[0].add_(float(s))  # Python numbers: no host-to-device copy
         self._sums[1].add_(fraction)
         self._sums[2].add_(1.0)
+
+    def _drawn_fraction(self, s: int, cache_len: torch.Tensor) -> torch.Tensor:
+        """Samples drawn per key a row may read, capped at 1, averaged over the rows (on the device)."""
+        keys = cache_len.double()  # [B]
+        if self.tiling == "flash":
+            tiles = torch.ceil(keys / self.tile)
+            drawn = tiles * torch.clamp(torch.floor(s / tiles + 0.5), min=1.0)
+        else:
+            drawn = torch.full_like(keys, float(s))
+        return torch.clamp(drawn / keys.clamp(min=1.0), max=1.0).mean()
 
     def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                 ctx: Any = None) -> torch.Tensor | None:
@@ -176,6 +188,10 @@ class SantaDecode:
         if "prefill" not in self.phases:
             return None
         s = self.budget(layer)
+        if self.reads_every_key(layer, k.shape[2]):
+            if self.stats:
+                self._record(s, s, k.shape[2])
+            return None
         # one per batch row with per-row seeds (those of ctx.rows when a ragged batch prefills row by row)
         gens = self._seeds.generators(q.device, q.shape[0], rows=getattr(ctx, "rows", None))
 
@@ -209,6 +225,10 @@ class SantaDecode:
             return None
         s = self.budget(layer)
         eager = cache_len is None
+        if self.reads_every_key(layer, tk):
+            if self.stats:
+                self._record(s, s, tk) if eager else self._record_static(s, cache_len, every_key=True)
+            return None
         pos = int_vector(tk - 1, b, q.device) if eager else cache_len - 1
         draws = self.offsets(layer, pos, q.shape[1], tk, s, host_position=tk - 1 if eager else None)
         fn = backend_function("santa_decode_forward", q.device, self.backend)

@@ -226,9 +226,14 @@ def _widen(layers: Sequence[int], chosen: list[list[int]], top_l: int, clusters:
         passing = trial if trial.correct >= need else None
     if passing is not None:
         result.top_l_layers, result.passed = dict(passing.top_l_layers), True
-        if all(v >= clusters for v in passing.top_l_layers.values()):
+        widest = min(passing.top_l_layers.values())
+        if widest >= clusters:
             log.warning("SAAP layer profile: only ℓ = C (every bucket) in every sparse layer kept dense's answers: "
                         "the artifact reads every key, and serving runs flash-decoding")
+        else:
+            log.warning("SAAP layer profile: dense's answers needed ℓ >= %d of C = %d in every sparse layer, "
+                        "reading %.0f %% of the keys: SAAP saves little on this model", widest, clusters,
+                        100 * passing.selectivity)
         return result
     top = max(result.trials, key=lambda t: (t.correct, -t.selectivity))
     result.top_l_layers = dict(top.top_l_layers)

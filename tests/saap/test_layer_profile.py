@@ -91,14 +91,21 @@ def test_no_rung_passes_so_widening_bisects_up_to_every_bucket(caplog):
 
 
 @pytest.mark.parametrize("need", [65, 72, 73, 100, 120, 121])
-def test_widening_finds_the_smallest_passing_l_above_the_ladder(need):
+def test_widening_finds_the_smallest_passing_l_above_the_ladder(need, caplog):
     """Layers 2, 6 and 10 each need ℓ >= ``need`` (one answer each, groups raise one of them): the smallest
     passing value of 72, 80, ..., 128 is the first multiple of 8 above 64 that reaches ``need``, found by
-    bisection within the cost bound, and the trials never answer a setting twice."""
+    bisection within the cost bound, and the trials never answer a setting twice. The run says how many
+    keys that reads."""
     model = HandModel(10, need={2: need, 6: need, 10: need}, loss={2: 1, 6: 1, 10: 1})
-    res = search(LAYERS, TOP_L, C, settings(max_drop=0.0, max_groups=1), 10, 10, model)
+    with caplog.at_level(logging.WARNING, logger="calib.saap.layer_profile"):
+        res = search(LAYERS, TOP_L, C, settings(max_drop=0.0, max_groups=1), 10, 10, model)
     smallest = next(v for v in range(72, C + 1, 8) if v >= need)  # the linear scan bisection must agree with
     assert res.passed and res.top_l_layers == {**{l: smallest for l in LAYERS}, **{l: C for l in (1, 2, 3, 4)}}
+    if smallest < C:
+        read = round(100 * (8 * smallest + 4 * C) / 12 / C)  # layers 5-12 at the widened ℓ, the raised group at C
+        assert f"needed ℓ >= {smallest} of C = {C} in every sparse layer, reading {read} % of the keys" in caplog.text
+    else:
+        assert "only ℓ = C (every bucket)" in caplog.text
     assert len(res.trials) <= max_trials(len(LAYERS), settings(max_drop=0.0, max_groups=1), TOP_L, C)
     assert len({tuple(sorted(c.items())) for c in model.calls}) == len(model.calls)
 

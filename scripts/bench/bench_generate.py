@@ -303,12 +303,15 @@ def run_cell(method: str, t: int, b: int, compiled: bool, args: argparse.Namespa
 
 
 class NoAttention:
-    """Decode attention that reads no key or value (it returns the query): what a decode step costs
-    outside attention (weights, norms, MLP, LM head, the cache write), the floor below which no
-    attention method can take a step. A measuring device, never a runtime."""
+    """Attention that reads no key or value (it returns the query): what a decode step or a prefill costs
+    outside attention (weights, norms, MLP, LM head, the cache write), the floor below which no attention
+    method can take it. A measuring device, never a runtime."""
 
     method = "none"
-    phase = "decode"
+    phase = "both"
+
+    def prefill(self, layer, q, k, v, scale, ctx):
+        return q.clone()
 
     def observe_prefill(self, layer, q, k, v, ctx) -> None:
         """Nothing to build."""

@@ -17,7 +17,7 @@ All through :class:`runtime_kernels.generate.StaticGenerator` with ``hf.apply``'
 * ragged: ``--ragged`` rows of lengths spread over [T/4, T], prefilled in runs of close lengths (a row alone
   where none is close) and decoded together; tokens/s of the whole generation (prefill included);
 * beside every row: the KV-read floor (the dense K+V bytes of a step / the copy rate measured here),
-  the ``no-attention`` step (everything but attention: the floor of any decode method), peak GPU memory,
+  the ``no-attention`` step or prefill (everything but attention: the floor of any method), peak GPU memory,
   and the held-out accuracy of the same artifact given with ``--accuracy`` (a ``calib eval`` result JSON).
 
 Methods: ``dense`` (the loop's default: flash-decoding on the valid length), ``sdpa`` (transformers' SDPA on
@@ -121,8 +121,9 @@ def attach(model, method: str, setup: Setup) -> None:
     hf.remove(model)
     if method in setup.artifacts:
         hf.apply(model, setup.artifacts[method])
-    elif method == "no-attention":
-        hf.attach(model, decode=NoAttention())
+    elif method == "no-attention":  # the floor of a decode step and of a prefill
+        floor = NoAttention()
+        hf.attach(model, prefill=floor, decode=floor)
     elif method != "dense" and method != "sdpa":
         raise SystemExit(f"unknown method {method!r}: give its artifact with --artifact {method}=DIR")
 
@@ -291,7 +292,7 @@ def run_config(method: str, compiled: bool, setup: Setup) -> list[Row]:
         if decodes:
             for b in setup.batches:
                 guarded(decode_row, model, tok, method, t, b, compiled, setup)
-        if not compiled and method not in ("santa", "no-attention"):  # SANTA's prefill is dense
+        if not compiled and method != "santa":  # SANTA's prefill is dense; no-attention's is the TTFT floor
             for b in setup.ttft_batches:
                 guarded(ttft_row, model, tok, method, t, b, setup)
         if not compiled and decodes and method != "no-attention":  # SAAP's index build lands here
@@ -324,7 +325,7 @@ def accuracy_line(path: str) -> str:
 
 def print_tables(rows: list[Row], accuracy: dict[str, str]) -> None:
     dense = {(r.kind, r.length, r.batch, r.compiled): r for r in rows if r.method == "dense"}
-    floor = {(r.length, r.batch, r.compiled): r for r in rows if r.method == "no-attention"}
+    floor = {(r.kind, r.length, r.batch, r.compiled): r for r in rows if r.method == "no-attention"}
     print("| kind | T | B | method | compiled | ms | x dense | tokens/s | KV floor ms | no-attention ms "
           "| dense layers | peak GB | held-out accuracy (sparse - dense) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -332,7 +333,7 @@ def print_tables(rows: list[Row], accuracy: dict[str, str]) -> None:
         d = dense.get((r.kind, r.length, r.batch, r.compiled))
         reference = r.dense_ms or (d.ms if d else None)  # a TTFT's in-process dense, else the dense row's
         ratio = reference / r.ms if reference and r.ms else None
-        none = floor.get((r.length, r.batch, r.compiled)) if r.kind == "decode" else None
+        none = floor.get((r.kind, r.length, r.batch, r.compiled))
         print(f"| {r.kind} | {r.length} | {r.batch} | {r.method}{f' ({r.note})' if r.note else ''} "
               f"| {'yes' if r.compiled else 'no'} | {_f(r.ms)} | {_f(ratio)} | {_f(r.tokens_per_s, '.0f')} "
               f"| {_f(r.kv_floor_ms)} | {_f(none.ms if none else None)} | {_f(r.dense_layers, 'd')} "

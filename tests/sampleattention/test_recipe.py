@@ -143,7 +143,7 @@ def test_default_report_tunes_the_same_rows_without_table3(run, model_dir: Path,
 
 def test_chosen_point_is_feasible_and_the_sparsest_feasible(run) -> None:
     for bucket in run["tuning"]["buckets"]:
-        assert bucket["num_prompts"] == 2 and bucket["threshold"] == pytest.approx(bucket["dense_score"])
+        assert bucket["num_prompts"] == 2 and bucket["threshold"] == 1.0  # min_relative_score, per task
         evaluated = bucket["evaluated"]
         assert len(evaluated) + len(bucket["skipped"]) == bucket["grid_points"]
         for e in evaluated:  # feasibility is the score rule; an early stop is always infeasible
@@ -308,7 +308,7 @@ def test_early_stop_reports_an_upper_bound_below_the_threshold_and_full_rescores
         return PromptScore(next(values), False, {"sparsity": 0.5})
 
     monkeypatch.setattr(ev, "_score_prompt", fake)
-    ev.threshold = 0.9
+    ev.dense_by_task, ev.threshold = {"": 1.0}, 0.9  # one task, dense 1: relative score = mean
     point = GridPoint(0.5, 0.5, 1)
     stopped = ev.evaluate(point)  # after 0.9, 0.3: (1.2 + 2) / 4 = 0.8 < 0.9 -> failing whatever follows
     assert calls == [0, 1] and not stopped.complete and stopped.score == pytest.approx(0.8)
@@ -318,27 +318,63 @@ def test_early_stop_reports_an_upper_bound_below_the_threshold_and_full_rescores
     assert full.score == pytest.approx((0.9 + 0.3 + 0.95 + 0.97) / 4) and full.sparsity == 0.5
 
 
+def _task_prompt(task: str) -> Any:
+    return type("P", (), {"text": "a", "answer": "b", "input_ids": [1, 2], "task": task})()
+
+
 def test_early_stop_decides_every_point_as_scoring_every_prompt_would(loaded) -> None:
-    """On random per-prompt scores and thresholds, the early-stopped evaluation is feasible exactly when
-    the mean over every prompt reaches the threshold (computed here directly), and a stopped score is an
-    upper bound of that mean."""
+    """On random per-prompt scores, tasks, dense scores and thresholds, the early-stopped evaluation is
+    feasible exactly when every task's mean over its dense mean reaches the threshold (computed here
+    directly), and a stopped score is an upper bound of the worst task's."""
     rng = np.random.default_rng(0)
     stopped_any = False
     for case in range(300):
         n = int(rng.integers(1, 9))
         scores = rng.integers(0, 9, n) / 8  # eighths: sums are exact, and ties with the threshold occur
-        threshold = float(rng.integers(0, 9) / 8)
-        prompts = [type("P", (), {"text": "a", "answer": "b", "input_ids": [1, 2]})() for _ in range(n)]
-        ev = BucketEvaluator(loaded, prompts, blk=32)
-        ev._score_prompt = lambda index, rt, scores=scores: PromptScore(float(scores[index]), False, {})
+        dense = rng.integers(0, 9, n) / 8
+        tasks = [str(t) for t in rng.integers(0, 3, n)]
+        threshold = float(rng.integers(1, 9) / 8)
+        ev = BucketEvaluator(loaded, [_task_prompt(t) for t in tasks], blk=32)
+        ev._score_prompt = lambda index, rt, values=dense: PromptScore(float(values[index]), False, {})
+        ev.dense()  # reorders the prompts (dense-failures first): map each back to its own sparse score
+        order = sorted(range(n), key=lambda i: dense[i])
+        ev._score_prompt = lambda index, rt, o=order: PromptScore(float(scores[o[index]]), False, {})
         ev.threshold = threshold
         got = ev.evaluate(GridPoint(0.5, 0.5, 1))
-        mean = float(scores.sum()) / n
-        assert (got.score >= threshold) == (mean >= threshold), (case, scores, threshold)
-        if not got.complete:
+        ratios = [scores[[t == task for t in tasks]].mean() / dense[[t == task for t in tasks]].mean()
+                  for task in set(tasks) if dense[[t == task for t in tasks]].mean() > 0]
+        worst = min(ratios, default=1.0)
+        assert (got.score >= threshold - 1e-12) == (worst >= threshold - 1e-12), (case, scores, dense, tasks)
+        if got.complete:
+            assert got.score == pytest.approx(worst)
+        else:
             stopped_any = True
-            assert mean <= got.score + 1e-12 < threshold
+            assert worst <= got.score + 1e-12 < threshold
     assert stopped_any
+
+
+def test_a_gain_on_one_task_does_not_hide_a_loss_on_another(loaded) -> None:
+    """Hand-worked: task a keeps 3 of 4 (dense 2 of 4), task b 2 of 4 (dense 3 of 4). The mean (5/8)
+    beats dense's (5/8 >= 0.99 x 5/8), but b keeps 2/3 of its dense score: the point fails at 0.99."""
+    tasks = ["a"] * 4 + ["b"] * 4
+    dense = [1, 1, 0, 0, 1, 1, 1, 0]
+    sparse = [1, 1, 1, 0, 1, 1, 0, 0]
+    ev = BucketEvaluator(loaded, [_task_prompt(t) for t in tasks], blk=32)
+    ev._score_prompt = lambda index, rt: PromptScore(float(dense[index]), False, {})
+    ev.dense()
+    assert ev.dense_by_task == {"a": 0.5, "b": 0.75}
+    order = sorted(range(8), key=lambda i: dense[i])  # dense() put the prompts in this order (answer_prob)
+    ev._score_prompt = lambda index, rt: PromptScore(float(sparse[order[index]]), False, {})
+    got = ev.full(GridPoint(0.5, 0.5, 1))
+    assert got.mean == pytest.approx(5 / 8) and got.score == pytest.approx((2 / 4) / 0.75)
+    ev.threshold = 0.99
+    assert ev(0.6, 0.6, 1).score < 0.99
+
+
+def test_points_need_the_dense_reference_first(loaded) -> None:
+    ev = BucketEvaluator(loaded, [_task_prompt("a")], blk=32)
+    with pytest.raises(RuntimeError, match="dense"):
+        ev.evaluate(GridPoint(0.5, 0.5, 1))
 
 
 def test_static_exact_match_answers_in_batches_what_eager_answers_one_by_one(loaded, model_dir: Path,
@@ -384,7 +420,7 @@ def test_static_exact_match_stops_early_after_a_batch(loaded, monkeypatch) -> No
         return [(v, v == 1.0) for v in (next(values) for _ in batch)]
 
     monkeypatch.setattr(ev, "_answer", fake)
-    ev.threshold = 0.7
+    ev.dense_by_task, ev.threshold = {"": 1.0}, 0.7  # one task, dense 1: relative score = mean
     point = GridPoint(0.5, 0.5, 1)
     stopped = ev.evaluate(point)  # after 1, 0 the bound is 5/6 >= 0.7; after 0, 1 it is 4/6 < 0.7: stop
     assert batches == [2, 2] and not stopped.complete and stopped.score == pytest.approx(4 / 6)

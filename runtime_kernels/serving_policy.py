@@ -166,7 +166,20 @@ class PrefillChooser:
 
     :meth:`run` answers a prefill call. A decided shape runs the faster path; an undecided one runs the
     method and dense once each (warm-up: Triton compiles and autotunes on first use), then times each
-    :data:`PREFILL_REPEATS` times on the same inputs (CUDA events, the median) and records the result."""
+    :data:`PREFILL_REPEATS` times on the same inputs (CUDA events, the median) and records the result.
+    Decisions are also kept per chooser under a tuple key: a layer's prefill call of a small model lasts
+    tens of microseconds of host time, so a decided shape builds no string and takes no lock.
+
+    ``method_calls`` / ``dense_calls`` count the calls each path served (a benchmark reads how many layers
+    of a prefill ran the method; :meth:`reset_counts` zeroes them)."""
+
+    def __init__(self) -> None:
+        self._decided: dict[tuple[str, int, int, int], bool] = {}
+        self.method_calls = 0
+        self.dense_calls = 0
+
+    def reset_counts(self) -> None:
+        self.method_calls = self.dense_calls = 0
 
     def run(self, signature: str | None, q: torch.Tensor, k: torch.Tensor,
             method: Callable[[], torch.Tensor | None], dense: Callable[[], torch.Tensor]) -> torch.Tensor | None:
@@ -174,19 +187,40 @@ class PrefillChooser:
         ``[B, Hq, T, D]``.
         ``signature`` None: always the method (no GPU, or a runtime that gives none)."""
         if signature is None or not q.is_cuda:
-            return method()
-        key = (f"prefill|{device_key(q.device)}|{signature}|B{q.shape[0]}|T{length_bucket(q.shape[2])}"
-               f"|Tk{length_bucket(k.shape[2])}")
-        costs = measured(key)
-        if costs is not None:
-            return method() if costs[0] < costs[1] else None
-        if method() is None:  # warm-up; None: the method does not take this call
-            return None
+            return self._served(method())
+        shape = (signature, int(q.shape[0]), length_bucket(q.shape[2]), length_bucket(k.shape[2]))
+        wins = self._decided.get(shape)
+        if wins is None:
+            key = f"prefill|{device_key(q.device)}|{signature}|B{shape[1]}|T{shape[2]}|Tk{shape[3]}"
+            costs = measured(key)
+            if costs is None:
+                return self._decide(key, shape, method, dense)
+            wins = self._decided[shape] = costs[0] < costs[1]
+        return self._served(method() if wins else None)
+
+    def _served(self, out: torch.Tensor | None) -> torch.Tensor | None:
+        """Count ``out`` as a call the method served (None: dense) and pass it on."""
+        if out is None:
+            self.dense_calls += 1
+        else:
+            self.method_calls += 1
+        return out
+
+    def _decide(self, key: str, shape: tuple[str, int, int, int], method: Callable[[], torch.Tensor | None],
+                dense: Callable[[], torch.Tensor]) -> torch.Tensor | None:
+        """Time an undecided shape, record it, and return the faster path's output."""
+        if method() is None:  # warm-up; None: the method does not take calls of this shape
+            self._decided[shape] = False
+            return self._served(None)
         dense()  # warm-up: the first call selects and loads its kernel
         method_ms, out = _median_ms(method)
         dense_ms, dense_out = _median_ms(dense)
         record(key, method_ms, dense_ms)
-        return out if method_ms < dense_ms else dense_out
+        self._decided[shape] = method_ms < dense_ms
+        if method_ms < dense_ms:
+            return self._served(out)
+        self.dense_calls += 1
+        return dense_out
 
 
 def _median_ms(fn: Callable[[], Any], repeats: int = PREFILL_REPEATS) -> tuple[float, Any]:

@@ -59,6 +59,7 @@ from runtime_kernels.generate import StaticGenerator, StepTimes  # noqa: E402
 PREFILL_METHODS = ("sale", "sampleattention")
 TTFT_REPEATS = 7  # timed prefills per TTFT point and path (the medians are reported)
 SECOND_REPEATS = 3  # timed first-to-second-token intervals per point and path (each with a prefill before it)
+RAGGED_REPEATS = 3  # timed generations of the ragged batch (host-heavy: a graph capture per new view length)
 
 
 @dataclass
@@ -74,7 +75,7 @@ class Row:
     tokens_per_s: float | None = None
     kv_floor_ms: float | None = None
     peak_gb: float | None = None
-    dense_layers: int | None = None  # decode: layers the serving policy ran densely at the last view
+    dense_layers: int | None = None  # decode: at the last view; ttft: in one prefill (layers not running the method)
     note: str = ""
     dense_ms: float | None = None  # ttft / second of a method: dense's, timed alternately in the same process
 
@@ -221,7 +222,18 @@ def ttft_row(model, tok, method: str, t: int, b: int, setup: Setup) -> Row:
     ms, dense_ms = _paired_ms(model, lambda: _event_ms(lambda: gen.prefill(prompts), cuda), method != "dense",
                               TTFT_REPEATS)
     return Row(method, "ttft", t, b, False, ms=ms, tokens_per_s=b * t / ms * 1e3, peak_gb=_peak_gb(cuda),
-               dense_ms=dense_ms)
+               dense_layers=prefill_dense_layers(model, lambda: gen.prefill(prompts)), dense_ms=dense_ms)
+
+
+def prefill_dense_layers(model, prefill) -> int | None:
+    """Layers of one more ``prefill()`` that did not run the attached prefill method (the serving policy's
+    choice, or a dense layer of the artifact); None without a prefill method."""
+    state = getattr(model, "calib_attention", None)
+    if state is None or state.prefill is None or state.serve != "fastest":
+        return None
+    state.prefill_chooser.reset_counts()
+    prefill()
+    return int(model.config.num_hidden_layers) - state.prefill_chooser.method_calls
 
 
 def _wall_ms(fn, cuda: bool) -> float:
@@ -261,7 +273,7 @@ def ragged_row(model, tok, method: str, t: int, b: int, compiled: bool, setup: S
     gen = generator(model, b, t + setup.steps + 8, compiled, method, cuda)
     try:
         gen.generate(rows, setup.steps)  # warm-up
-        ms = _event_ms(lambda: gen.generate(rows, setup.steps), cuda)
+        ms = statistics.median(_event_ms(lambda: gen.generate(rows, setup.steps), cuda) for _ in range(RAGGED_REPEATS))
     except ValueError as exc:  # a runtime that keeps one length per batch (SAAP)
         return Row(method, "ragged", t, b, compiled, note=str(exc).split(";")[0])
     return Row(method, "ragged", t, b, compiled, ms=ms, tokens_per_s=b * setup.steps / ms * 1e3, peak_gb=_peak_gb(cuda))

@@ -107,3 +107,40 @@ def test_prefill_choice_takes_the_median_of_several_timings_and_is_remembered(mo
     assert sp.measured(key) == [5.0, 3.0] and "B1|T104|Tk104" in key
     calls.clear()
     assert chooser.run("sig", q, q, lambda: calls.append("m"), lambda: calls.append("d")) is None and calls == []
+
+
+def test_a_decided_prefill_shape_is_answered_from_the_chooser_and_counted(monkeypatch):
+    """After the first call decides, calls of the same (signature, B, length buckets) neither consult the
+    shared cache nor time anything; a length in another bucket is a new decision. The counters say how
+    many calls each path served."""
+    from types import SimpleNamespace
+
+    readings = iter([1.0, 1.0, 1.0, 2.0, 2.0, 2.0])  # the method wins: 1 ms against 2 ms
+    monkeypatch.setattr(sp, "_event_ms", lambda fn: (next(readings), fn()))
+    q = SimpleNamespace(is_cuda=True, shape=(2, 2, 100, 4), device=torch.device("cpu"))
+    chooser = sp.PrefillChooser()
+    assert chooser.run("win", q, q, lambda: "m", lambda: "d") == "m"
+    asked = []
+    monkeypatch.setattr(sp, "measured", lambda key: asked.append(key))
+    longer = SimpleNamespace(is_cuda=True, shape=(2, 2, 103, 4), device=torch.device("cpu"))  # same bucket, 104
+    assert [chooser.run("win", x, x, lambda: "m", lambda: "d") for x in (q, longer)] == ["m", "m"] and asked == []
+    other = SimpleNamespace(is_cuda=True, shape=(2, 2, 105, 4), device=torch.device("cpu"))  # bucket 112
+    monkeypatch.setattr(sp, "_event_ms", lambda fn: (3.0 if fn() == "m" else 2.0, fn()))
+    assert chooser.run("win", other, other, lambda: "m", lambda: "d") == "d" and len(asked) == 1
+    assert (chooser.method_calls, chooser.dense_calls) == (3, 1)
+    chooser.reset_counts()
+    assert (chooser.method_calls, chooser.dense_calls) == (0, 0)
+
+
+def test_a_method_that_declines_a_shape_is_not_asked_again(monkeypatch):
+    """``None`` from the method's warm-up (a dense layer, a dense bucket) settles the shape as dense: no
+    timing, and later calls skip the method."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(sp, "_event_ms", lambda fn: pytest.fail("nothing to time"))
+    q = SimpleNamespace(is_cuda=True, shape=(1, 2, 64, 4), device=torch.device("cpu"))
+    calls = []
+    chooser = sp.PrefillChooser()
+    for _ in range(3):
+        assert chooser.run("declines", q, q, lambda: calls.append("m"), lambda: calls.append("d")) is None
+    assert calls == ["m"] and chooser.dense_calls == 3

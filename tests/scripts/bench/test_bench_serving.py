@@ -87,3 +87,23 @@ def test_smoke_run_on_the_cpu_prints_every_kind_of_row():
              if line.startswith("| ") and "---" not in line]
     assert {"decode", "ttft", "second", "ragged"} <= {c[0] for c in cells if c[3] == "dense"}
     assert {"decode", "ttft"} == {c[0] for c in cells if c[3] == "no-attention"}  # the step's and the prefill's floor
+
+
+def test_a_ttft_row_counts_the_prefill_layers_that_did_not_run_the_method():
+    """Four layers: the method declines layer 1 and runs the others (the chooser's path without a GPU);
+    counts from earlier prefills are not carried over; no prefill method or another serve mode: None."""
+    from runtime_kernels.serving_policy import PrefillChooser
+
+    q = torch.zeros(1, 2, 8, 4)
+    state = SimpleNamespace(prefill=object(), serve="fastest", prefill_chooser=PrefillChooser())
+    model = SimpleNamespace(calib_attention=state, config=SimpleNamespace(num_hidden_layers=4))
+
+    def prefill():
+        for layer in range(4):
+            state.prefill_chooser.run("sig", q, q, lambda layer=layer: None if layer == 1 else q, lambda: q)
+
+    prefill()  # an earlier prefill's calls
+    assert bench.prefill_dense_layers(model, prefill) == 1
+    state.serve = "method"
+    assert bench.prefill_dense_layers(model, prefill) is None
+    assert bench.prefill_dense_layers(SimpleNamespace(calib_attention=None), prefill) is None

@@ -6,7 +6,8 @@ buffer under a mask, and a method's per-step work is tens of small kernels per l
 decode step of the whole (unmodified) model in a CUDA graph, gpt-fast style: a step costs one replay.
 
 * Views: the layers see ``cache[:, :, :view]``, ``view`` the valid length rounded up to
-  :attr:`StaticGenerator.bucket`; one graph per view length reached. The valid length lives on the
+  :attr:`StaticGenerator.bucket`; one graph per view length reached, kept across requests when no decode
+  method is attached (a later request replays it instead of capturing). The valid length lives on the
   device (``StaticKVCache.length``, ``AttentionCall.cache_len``): no host sync per step.
 * Dense decode steps run flash-decoding on the valid length (the calib attention function is attached
   when nothing is); before each capture the serving policy picks the layers a method runs in
@@ -222,6 +223,8 @@ class StaticGenerator:
         self.pos = torch.zeros(batch, dtype=torch.long, device=self.device)  # each row's position
         self._graph: torch.cuda.CUDAGraph | None = None
         self._graph_view = -1
+        self._kept: dict[int, torch.cuda.CUDAGraph] = {}  # view -> dense step graph, kept across requests
+        self._kept_state: Any = None  # the calib state the kept graphs were captured under
         # one memory pool for every graph of this generator: a graph replaced at a new view length
         # returns its memory to the pool once the next one is captured
         self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
@@ -342,6 +345,32 @@ class StaticGenerator:
         # the previous graph goes only now: a pool whose last graph is gone cannot take a new capture
         self._graph, self._graph_view = graph, view
 
+    def _kept_graphs(self) -> dict[int, torch.cuda.CUDAGraph] | None:
+        """The step graphs kept per view across requests, or None where a graph must be captured anew.
+
+        A dense step reads only the loop's own buffers (cache, token, positions, lengths) and the weights,
+        so its graph at a view serves every later request that reaches that view: a new request replays
+        instead of warming up and capturing. A decode method's state moves with each prompt (SAAP's index is
+        rebuilt before a capture), so with one attached nothing is kept; a new attachment drops the kept graphs."""
+        state = self._state()
+        if state is None or state.decode is not None:
+            return None
+        if state is not self._kept_state:
+            self._kept, self._kept_state = {}, state
+        return self._kept
+
+    def _graph_at(self, view: int, times: StepTimes | None) -> None:
+        """Make the step graph for ``view`` current: a kept one, else a new capture (kept where allowed)."""
+        kept = self._kept_graphs()
+        graph = kept.get(view) if kept is not None else None
+        if graph is None:
+            self._new_graph(view, times)
+            if kept is not None:
+                kept[view] = self._graph
+            return
+        self.cache.view = view  # all a dense step needs of _before_view
+        self._graph, self._graph_view = graph, view
+
     def _new_graph(self, view: int, times: StepTimes | None) -> None:
         """Bring the cache and methods to ``view`` keys, warm up and capture the step's graph."""
         self._before_view(view)
@@ -427,7 +456,7 @@ class StaticGenerator:
             out[:, i:i + 1].copy_(self.token)
             if self.graphs:
                 if view != self._graph_view:
-                    self._new_graph(view, times)
+                    self._graph_at(view, times)
                 self._replay(times)
                 continue
             first_at_view = view != self.cache.view

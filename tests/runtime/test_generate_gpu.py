@@ -134,6 +134,28 @@ def test_compiled_graphed_static_loop_generates_the_eager_tokens(tiny, name: str
     assert torch.equal(got, want)
 
 
+def test_later_requests_replay_the_kept_dense_graphs_and_generate_the_eager_tokens(tiny):
+    """Dense decoding keeps each view's step graph across requests: a second prompt of the same length
+    captures nothing, a longer one only its new views, and every request gets its eager tokens. Attaching
+    a decode method drops them (its state moves with each prompt)."""
+    vocab = tiny.config.vocab_size
+    prompts = [_prompt(2, 520, vocab), _prompt(2, 520, vocab).flip(1), _prompt(2, 540, vocab)]
+    try:
+        want = [eager_generate(tiny, ids, 40) for ids in prompts]
+        gen = StaticGenerator(tiny, batch=2, max_len=640, bucket=16)
+        times = [StepTimes() for _ in prompts]
+        got = [gen.generate(ids, 40, t) for ids, t in zip(prompts, times)]
+        # views (valid length rounded up to 16) 528, 544, 560 for 520 + 40; 544 … 592 for 540 + 40: 576, 592 new
+        assert [t.captures for t in times] == [3, 0, 2]
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+        hf.attach(tiny, decode=_runtimes(tiny, "santa-prop")[1])
+        again = StepTimes()
+        gen.generate(prompts[0], 40, again)
+        assert again.captures == 3
+    finally:
+        hf.remove(tiny)
+
+
 @pytest.mark.parametrize("tiling", ["prop", "flash"])
 def test_ragged_batch_under_graphs_equals_each_prompt_alone(tiny, tiling):
     """A batch of three prompt lengths far enough apart that each row prefills alone (one graph capture,

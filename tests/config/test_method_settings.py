@@ -37,10 +37,11 @@ SAAP_BOOKS = {"method.layer_profile.tasks": ["book_needle"]}
 # SampleAttention on a real model profiles on the books mixture (conf/data/sampleattention/books.yaml): 3k
 # prompts at a length give book_needle, niah_single and niah_multikey k each (the larger models 4 at every
 # length, as many as each task had before; smollm2 a count per length, more where prompts are short and
-# cheap, without the CRA log), and smollm2 no longer narrows the tasks to the synthetic ones.
+# cheap — each task must keep its dense score, so 1k and 2k get 80 and 40 per task — without the CRA log), and
+# smollm2 no longer narrows the tasks to the synthetic ones.
 SAMPLEATTENTION_BOOKS = {
     "smollm2": {"method.profiling.tasks": None,
-                "method.profiling.prompts_per_length": {"1024": 120, "2048": 60, "4096": 30, "8192": 30},
+                "method.profiling.prompts_per_length": {"1024": 240, "2048": 120, "4096": 30, "8192": 30},
                 "method.profiling.report_cra": False},
     "llama31": {"method.profiling.prompts_per_length": 12},
     "qwen25_7b": {"method.profiling.prompts_per_length": 12},

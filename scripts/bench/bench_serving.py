@@ -20,6 +20,9 @@ All through :class:`runtime_kernels.generate.StaticGenerator` with ``hf.apply``'
   the ``no-attention`` step or prefill (everything but attention: the floor of any method), peak GPU memory,
   and the held-out accuracy of the same artifact given with ``--accuracy`` (a ``calib eval`` result JSON).
 
+``--profile DIR`` also writes, per TTFT point, ``torch.profiler`` tables of one prefill with the method and
+one with its prefill switched off: where the host and the device spend a launch-bound prefill.
+
 Methods: ``dense`` (the loop's default: flash-decoding on the valid length), ``sdpa`` (transformers' SDPA on
 the masked cache view), ``no-attention``, and each ``--artifact``. Results: docs/results/serving.md.
 """
@@ -93,6 +96,7 @@ class Setup:
     steps: int
     gguf: str | None
     smoke: bool
+    profile: Path | None = None
     copy_tbps: float | None = None
     rows: list[Row] = field(default_factory=list)
 
@@ -221,8 +225,34 @@ def ttft_row(model, tok, method: str, t: int, b: int, setup: Setup) -> Row:
     gen = generator(model, b, t + 8, False, method, cuda)
     ms, dense_ms = _paired_ms(model, lambda: _event_ms(lambda: gen.prefill(prompts), cuda), method != "dense",
                               TTFT_REPEATS)
+    if setup.profile is not None:
+        profile_prefill(model, lambda: gen.prefill(prompts), setup.profile / f"ttft_{method}_T{t}_B{b}.txt")
     return Row(method, "ttft", t, b, False, ms=ms, tokens_per_s=b * t / ms * 1e3, peak_gb=_peak_gb(cuda),
                dense_layers=prefill_dense_layers(model, lambda: gen.prefill(prompts)), dense_ms=dense_ms)
+
+
+def profile_prefill(model, prefill, path: Path) -> None:
+    """Where a prefill's time goes: ``torch.profiler`` tables (ops by host time and by device time) of one
+    ``prefill()`` with the attached method and, for a method, one with its prefill switched off
+    (:func:`dense_prefill`), each after a warm-up, written to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    paths = {"method": contextlib.nullcontext}
+    if getattr(getattr(model, "calib_attention", None), "prefill", None) is not None:
+        paths["dense in this process"] = lambda: dense_prefill(model)
+    parts = []
+    for name, context in paths.items():
+        with context():
+            prefill()
+            with profile(activities=activities) as prof:
+                wall = _wall_ms(prefill, torch.cuda.is_available())
+        table = prof.key_averages()
+        parts.append(f"## {name}: {wall:.2f} ms host wall time\n\n"
+                     f"{table.table(sort_by='self_cpu_time_total', row_limit=25)}\n"
+                     + (f"{table.table(sort_by='self_cuda_time_total', row_limit=15)}\n" if len(activities) > 1 else ""))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(parts))
 
 
 def prefill_dense_layers(model, prefill) -> int | None:
@@ -368,6 +398,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--config-timeout", type=float, default=900.0,
                     help="seconds one configuration may run; past it its stacks are printed and it is a failed row")
     ap.add_argument("--json", type=Path, default=None, help="write every row here (after each configuration)")
+    ap.add_argument("--profile", type=Path, default=None,
+                    help="write torch.profiler tables of one prefill per TTFT point here (method and in-process dense)")
     ap.add_argument("--table", type=Path, nargs="+", default=None, help="print the tables of saved --json files")
     ap.add_argument("--smoke", action="store_true", help="CPU, the tiny model, short prompts: checks the script")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # METHOD:compiled in this process
@@ -382,7 +414,7 @@ def setup_of(args: argparse.Namespace) -> Setup:
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     artifacts = dict(a.split("=", 1) for a in args.artifact)
     return Setup(args.model, artifacts, ints(args.lengths), ints(args.batches), ints(args.ttft_batches),
-                 args.ragged, args.steps, args.gguf, args.smoke)
+                 args.ragged, args.steps, args.gguf, args.smoke, args.profile)
 
 
 def run_child(method: str, compiled: bool, argv: list[str], timeout: float) -> list[Row]:

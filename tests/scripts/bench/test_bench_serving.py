@@ -107,3 +107,22 @@ def test_a_ttft_row_counts_the_prefill_layers_that_did_not_run_the_method():
     state.serve = "method"
     assert bench.prefill_dense_layers(model, prefill) is None
     assert bench.prefill_dense_layers(SimpleNamespace(calib_attention=None), prefill) is None
+
+
+def test_profile_writes_the_method_and_the_in_process_dense_tables(tmp_path):
+    """One profiled prefill each way: the method's path, then the same with its prefill switched off (the
+    runtime really off during the second, back on after); without a method, one table."""
+    seen = []
+    state = SimpleNamespace(prefill="sale", decode=None)
+    model = SimpleNamespace(calib_attention=state)
+
+    def prefill():
+        seen.append(state.prefill)
+        torch.ones(64, 64) @ torch.ones(64, 64)
+
+    bench.profile_prefill(model, prefill, tmp_path / "p" / "ttft.txt")
+    text = (tmp_path / "p" / "ttft.txt").read_text()
+    assert text.startswith("## method: ") and "## dense in this process: " in text and "aten::mm" in text
+    assert seen == ["sale", "sale", None, None] and state.prefill == "sale"
+    bench.profile_prefill(SimpleNamespace(calib_attention=None), prefill, tmp_path / "plain.txt")
+    assert "dense in this process" not in (tmp_path / "plain.txt").read_text()

@@ -37,7 +37,7 @@ from transformers.cache_utils import Cache as _HFCache  # so `isinstance(cache, 
 from transformers.cache_utils import DynamicCache
 
 from runtime_kernels import hf
-from runtime_kernels.serving_policy import choose_dense_layers, graph_ms
+from runtime_kernels.serving_policy import choose_dense_layers, device_key, graph_ms, length_bucket
 
 DEFAULT_BUCKET = 256  # positions per view length; SANTA's tile, so a view never splits a tile
 RAGGED_PAD_SHARE = 16  # a ragged prefill call pads its rows by at most 1/16 of its longest row
@@ -425,11 +425,22 @@ class StaticGenerator:
         if state is not None:
             state.static_rows = rows
             state.static_lengths = None if last is None else [n + 1 for n in last]
-        try:
+
+        def forward(method_on: bool) -> torch.Tensor:
             # no mask: an unpadded causal prefill from position 0, which transformers' mask creation turns
             # into SDPA's is_causal (and which the prefill methods require, hf._plain_prefill)
-            logits = self.model(input_ids=input_ids, position_ids=c.write_pos[None].expand(b, t), use_cache=True,
-                                logits_to_keep=keep, **{self._cache_arg: c}).logits
+            method = None if method_on else state.prefill  # off: only asked of a state with a prefill method
+            if not method_on:
+                state.prefill = None
+            try:
+                return self.model(input_ids=input_ids, position_ids=c.write_pos[None].expand(b, t), use_cache=True,
+                                  logits_to_keep=keep, **{self._cache_arg: c}).logits
+            finally:
+                if not method_on:
+                    state.prefill = method
+
+        try:
+            logits = self._guarded_prefill(state, b, t, forward)
         finally:
             c.rows = slice(None)
             if state is not None:
@@ -438,6 +449,17 @@ class StaticGenerator:
             return logits[:, -1].argmax(-1, keepdim=True)
         at = torch.tensor(last, device=logits.device) - (t - keep)
         return logits[torch.arange(b, device=logits.device), at].argmax(-1, keepdim=True)
+
+    def _guarded_prefill(self, state: Any, b: int, t: int, forward: Callable[[bool], torch.Tensor]) -> torch.Tensor:
+        """``forward(True)``, or under ``serve="fastest"`` on CUDA with a prefill method whichever of
+        ``forward(True)`` / ``forward(False)`` (method off) the whole prefill measured faster at this shape
+        (:class:`runtime_kernels.serving_policy.PrefillGuard`)."""
+        if (state is None or state.prefill is None or state.serve != "fastest" or state.prefill_identity is None
+                or self.device.type != "cuda"):
+            return forward(True)
+        key = (f"prefill-model|{device_key(self.device)}|{state.prefill.method}|{state.prefill_identity}"
+               f"|B{b}|T{length_bucket(t)}")
+        return state.prefill_guard.run(key, forward)
 
     @torch.inference_mode()
     def decode(self, steps: int, times: StepTimes | None = None) -> torch.Tensor:

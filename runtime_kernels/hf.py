@@ -30,7 +30,7 @@ import torch
 from runtime_kernels.artifact import load_artifact
 from runtime_kernels.errors import ArtifactError
 from runtime_kernels.manifest import Artifact, check_model_facts, facts_from_hf_config
-from runtime_kernels.serving_policy import PrefillChooser
+from runtime_kernels.serving_policy import PrefillChooser, PrefillGuard
 
 # Imported where used: transformers' attention registry (its modeling_utils takes seconds to import, and a
 # caller holding a model has it loaded already) and runtime_kernels.generate (it imports this module).
@@ -79,6 +79,7 @@ class CalibAttention:
     serve_dense: frozenset[int] = frozenset()  # layers the current static decode graph runs densely
     prefill_identity: str | None = None  # the prefill artifact's content hash: its timings' cache key
     prefill_chooser: PrefillChooser = field(default_factory=PrefillChooser)
+    prefill_guard: PrefillGuard = field(default_factory=PrefillGuard)  # whole prefills (the static loop)
 
     def warn_once(self, key: str, message: str) -> None:
         if key not in self.warned:

@@ -10,7 +10,10 @@ a shape and keeps the faster:
   means the layer never beats dense); for one layer of each group the method's decode attention and
   flash-decoding are each captured in a small CUDA graph on the real cache view and replayed;
 * prefill (:class:`PrefillChooser`, called by ``runtime_kernels.hf``): the first call of a layer at a
-  length bucket warms both paths up, then times each a few times with CUDA events on the real inputs.
+  length bucket warms both paths up, then times each a few times with CUDA events on the real inputs;
+* whole prefills (:class:`PrefillGuard`, called by the static loop): a layer timed alone can win where the
+  model's prefill, host-bound at small shapes, loses; the first prefill of a shape is repeated with the
+  method on and off and the faster kept.
 
 Decisions are cached per GPU, signature and shape in memory and in one JSON file
 (``$CALIB_RUNTIME_CACHE`` or ``~/.cache/calib-runtime``), so a process pays each timing once per machine.
@@ -21,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -28,6 +32,7 @@ import torch
 
 REPLAYS = 20  # graph replays per timed decode candidate
 PREFILL_REPEATS = 3  # timed calls per prefill candidate (the median decides)
+PREFILL_GUARD_MS = 250.0  # a whole prefill is repeated to check the layers' choices only below this time
 _LOCK = threading.Lock()
 _MEMORY: dict[str, list[float]] = {}  # key -> [method_ms, dense_ms]
 _LOADED = False
@@ -240,3 +245,53 @@ def _event_ms(fn: Callable[[], Any]) -> tuple[float, Any]:
     end.record()
     end.synchronize()
     return start.elapsed_time(end), out
+
+
+class PrefillGuard:
+    """Per (prefill artifact, batch, length bucket): is the model's whole prefill faster with the prefill
+    method on (in the layers :class:`PrefillChooser` picked) than with it off?
+
+    The chooser times one layer's attention alone, from an idle GPU. A short prefill of a small model is
+    host-bound: there a method's extra launches cost their host time in full, while dense attention's
+    device time hides behind the next layers' launches, so layers that win alone can lose together. The
+    first prefill of a shape is run with the method (its layers decide), then, when that took under
+    :data:`PREFILL_GUARD_MS` (repeating it is cheap), timed twice more each way, alternated (host wall
+    time, synchronized), and the faster kept. Longer prefills are device-bound, which the chooser's
+    timings predict: they are recorded as not compared (equal times) and keep the method's layers.
+    ``prefill(method_on)`` runs the prefill and returns its result; the guard's last call is always the
+    chosen path, so the caller's cache holds that path's keys and values."""
+
+    def __init__(self) -> None:
+        self._decided: dict[str, bool] = {}
+
+    def run(self, key: str, prefill: Callable[[bool], Any]) -> Any:
+        """``prefill(True)`` or ``prefill(False)``, decided for ``key`` (a shape's ``prefill-model|…`` key)."""
+        wins = self._decided.get(key)
+        if wins is None:
+            costs = measured(key)
+            if costs is not None:
+                wins = self._decided[key] = costs[0] <= costs[1]
+        if wins is not None:
+            return prefill(wins)
+        prefill(True)  # the layers' choices, warm-ups and compiles happen here
+        method_ms, out = _wall_ms(lambda: prefill(True))
+        if method_ms >= PREFILL_GUARD_MS:
+            record(key, method_ms, method_ms)
+            self._decided[key] = True
+            return out
+        dense_ms, _ = _wall_ms(lambda: prefill(False))
+        again_ms, _ = _wall_ms(lambda: prefill(True))
+        dense_again_ms, out = _wall_ms(lambda: prefill(False))
+        method_ms, dense_ms = min(method_ms, again_ms), min(dense_ms, dense_again_ms)
+        record(key, method_ms, dense_ms)
+        self._decided[key] = method_ms <= dense_ms
+        return prefill(True) if method_ms <= dense_ms else out
+
+
+def _wall_ms(fn: Callable[[], Any]) -> tuple[float, Any]:
+    """Host wall time of ``fn`` from an idle device to its work done (host-bound work counts)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3, out

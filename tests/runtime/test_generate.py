@@ -389,3 +389,27 @@ def test_a_ragged_prefill_method_takes_a_padded_batch_and_answers_each_row_as_al
     assert seen[0] == (4, 170) and all(r == 1 for r, _ in seen[1:])
     assert batched["density"] == pytest.approx(sum(alone_density) / 4, rel=1e-12)
     assert min(alone_density) < 1.0  # the method did skip blocks
+
+
+def test_the_prefill_guards_dense_run_switches_the_method_off_and_back_on(monkeypatch):
+    """The whole-prefill guard's run with the method off (``forward(False)``): the prefill method sees no
+    call (its statistics stay empty), the tokens are the dense model's, and the method is attached again
+    afterwards. (On CUDA the guard decides which run stands: tests/runtime/test_generate_gpu.py.)"""
+    model = _model().double()
+    ids = _prompt(2, 150)
+    want = StaticGenerator(model, batch=2, max_len=200, graphs=False, bucket=16).generate(ids, 8)
+    rt = _sale()
+    hf.attach(model, prefill=rt)
+    gen = StaticGenerator(model, batch=2, max_len=200, graphs=False, bucket=16)
+    seen = []
+
+    def method_off(state, b, t, forward):
+        seen.append(state.prefill)
+        out = forward(False)
+        seen.append(state.prefill)
+        return out
+
+    monkeypatch.setattr(gen, "_guarded_prefill", method_off)
+    got = gen.generate(ids, 8)
+    hf.remove(model)
+    assert torch.equal(got, want) and seen == [rt, rt] and rt.pop_stats() == {}

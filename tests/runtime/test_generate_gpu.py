@@ -156,6 +156,38 @@ def test_later_requests_replay_the_kept_dense_graphs_and_generate_the_eager_toke
         hf.remove(tiny)
 
 
+def test_the_prefill_guard_keeps_the_path_it_measured_faster(tiny, tmp_path, monkeypatch):
+    """Under serve="fastest" the first prefill of a shape is timed with the prefill method on and off; the
+    tokens are those of the path recorded as faster (the last run stands in the cache), and a second
+    request reuses the decision without timing."""
+    from runtime_kernels import serving_policy
+
+    monkeypatch.setenv("CALIB_RUNTIME_CACHE", str(tmp_path))
+    serving_policy.forget_all()
+    # every layer runs the method when it is on (the layers' own choice is another test's): the guard alone
+    monkeypatch.setattr(serving_policy.PrefillChooser, "run", lambda self, sig, q, k, method, dense: method())
+    ids = _prompt(2, 520, tiny.config.vocab_size)
+    paths = {}
+    for serve, on in (("method", True), (None, False)):
+        if on:
+            hf.attach(tiny, prefill=_runtimes(tiny, "sale")[0], serve=serve)
+        try:
+            paths[on] = StaticGenerator(tiny, batch=2, max_len=600, bucket=16).generate(ids, 16)
+        finally:
+            hf.remove(tiny)
+    hf.attach(tiny, prefill=_runtimes(tiny, "sale")[0], serve="fastest", prefill_identity="test-sale")
+    try:
+        gen = StaticGenerator(tiny, batch=2, max_len=600, bucket=16)
+        got = gen.generate(ids, 16)
+        key = next(k for k in serving_policy._MEMORY if k.startswith("prefill-model|") and "test-sale" in k)
+        method_ms, dense_ms = serving_policy.measured(key)
+        monkeypatch.setattr(serving_policy, "_wall_ms", lambda fn: pytest.fail("decided: nothing to time"))
+        again = gen.generate(ids, 16)
+    finally:
+        hf.remove(tiny)
+    assert torch.equal(got, paths[method_ms <= dense_ms]) and torch.equal(again, got)
+
+
 @pytest.mark.parametrize("tiling", ["prop", "flash"])
 def test_ragged_batch_under_graphs_equals_each_prompt_alone(tiny, tiling):
     """A batch of three prompt lengths far enough apart that each row prefills alone (one graph capture,

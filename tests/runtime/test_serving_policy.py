@@ -144,3 +144,44 @@ def test_a_method_that_declines_a_shape_is_not_asked_again(monkeypatch):
     for _ in range(3):
         assert chooser.run("declines", q, q, lambda: calls.append("m"), lambda: calls.append("d")) is None
     assert calls == ["m"] and chooser.dense_calls == 3
+
+
+def _scripted_wall(monkeypatch, times):
+    """``_wall_ms`` that runs its function and reports the next of ``times``."""
+    readings = iter(times)
+    monkeypatch.setattr(sp, "_wall_ms", lambda fn: (next(readings), fn()))
+
+
+def test_the_guard_keeps_dense_when_the_whole_prefill_is_faster_without_the_method(monkeypatch):
+    """First meeting: an untimed run with the method, then method / dense alternated twice; dense's best
+    (9) beats the method's (10), so the last run, dense, is what the caller keeps; the next prefill of
+    the shape runs dense at once, and so does a new guard (the costs are on disk)."""
+    _scripted_wall(monkeypatch, [12.0, 9.5, 10.0, 9.0])
+    calls = []
+    guard = sp.PrefillGuard()
+    out = guard.run("prefill-model|k", lambda on: calls.append(on) or ("m" if on else f"d{len(calls)}"))
+    assert calls == [True, True, False, True, False] and out == "d5"
+    assert sp.measured("prefill-model|k") == [10.0, 9.0]
+    calls.clear()
+    assert guard.run("prefill-model|k", lambda on: calls.append(on) or on) is False and calls == [False]
+    assert sp.PrefillGuard().run("prefill-model|k", lambda on: on) is False
+
+
+def test_the_guard_ends_on_the_method_when_it_wins(monkeypatch):
+    _scripted_wall(monkeypatch, [8.0, 9.0, 7.0, 9.5])
+    calls = []
+    out = sp.PrefillGuard().run("prefill-model|win", lambda on: calls.append(on) or ("m" if on else "d"))
+    assert calls == [True, True, False, True, False, True] and out == "m"  # one more run: the chosen path last
+    assert sp.measured("prefill-model|win") == [7.0, 9.0]
+
+
+def test_the_guard_does_not_repeat_a_long_prefill(monkeypatch):
+    """A prefill as long as the limit is device-bound: recorded as not compared (equal times), the
+    method's layers stand, nothing run with the method off."""
+    _scripted_wall(monkeypatch, [sp.PREFILL_GUARD_MS])
+    calls = []
+    out = sp.PrefillGuard().run("prefill-model|long", lambda on: calls.append(on) or "m")
+    assert calls == [True, True] and out == "m"
+    assert sp.measured("prefill-model|long") == [sp.PREFILL_GUARD_MS, sp.PREFILL_GUARD_MS]
+    monkeypatch.setattr(sp, "_wall_ms", lambda fn: pytest.fail("decided: nothing to time"))
+    assert sp.PrefillGuard().run("prefill-model|long", lambda on: on) is True

@@ -221,11 +221,9 @@ class PrefillChooser:
         method_ms, out = _median_ms(method)
         dense_ms, dense_out = _median_ms(dense)
         record(key, method_ms, dense_ms)
-        self._decided[shape] = method_ms < dense_ms
-        if method_ms < dense_ms:
-            return self._served(out)
-        self.dense_calls += 1
-        return dense_out
+        wins = self._decided[shape] = method_ms < dense_ms
+        self._served(out if wins else None)
+        return out if wins else dense_out
 
 
 def _median_ms(fn: Callable[[], Any], repeats: int = PREFILL_REPEATS) -> tuple[float, Any]:

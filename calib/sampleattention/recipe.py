@@ -5,8 +5,9 @@ Steps (docs/methods.md, SampleAttention; Zhu et al., arXiv:2406.15486, §4.2.6; 
 1. ``load`` / ``data``: the model; profiling prompts (``data.seed``, ``method.profiling``) grouped by the
    bucket that holds their token count (``bucket_edges``; the lookup the runtime makes).
 2. ``dense``: each bucket's dense score per task (:mod:`calib.sampleattention.scoring`, ``method.score``);
-   a point is feasible when every task keeps ``min_relative_score`` x its dense score (the paper's
-   multi-task tuning: a gain on one task must not hide a loss on another).
+   a point is feasible when every task keeps ``min_relative_score`` x its dense score, a prompt counting
+   at most dense's score on it (the paper's multi-task tuning: a gain, on another task or another prompt,
+   must not hide a loss).
 3. ``tune``: per bucket :func:`calib.sampleattention.tuning.tune_length_bucket` over the grid
    ``alphas_c x alphas_s x chunk_ns``: maximize sparsity subject to the threshold; ties
    (:data:`SPARSITY_TIE_TOL`) go to the smaller chunk_n, then (GPU, ``measure_time``) to the shorter

@@ -15,9 +15,12 @@ task scores (``method.score``), both in ``[0, 1]`` per prompt and averaged over 
   ``loop="static"`` (the recipe's choice on CUDA) prompts are answered ``batch_tokens`` at a time
   through the serving loop (``calib.generation.static_greedy_generate``, as in ``calib eval``).
 
-A point's score is relative and per task (:meth:`BucketEvaluator.relative_score`): the worst task's mean
-score over that task's dense mean. The paper tunes on several tasks at once (§4.2.6, "multi-task tuning"):
-a point must keep each of them, not their average, where a gain on one task would hide a loss on another.
+A point's score is relative and per task (:meth:`BucketEvaluator.relative_score`): the worst task's
+retention of its dense score, each prompt counting at most what dense scored on it. The paper tunes on
+several tasks at once (§4.2.6, "multi-task tuning"): a point must keep each of them, not their average,
+where a gain on one task would hide a loss on another; and within a task a sparse path that answers one
+prompt dense missed and misses one dense answered has lost an answer, not broken even (such flips are the
+approximation's noise, and on text it was not tuned on they fall on the losing side).
 :class:`BucketEvaluator` stops a point early once it cannot reach the feasibility threshold.
 """
 
@@ -133,13 +136,13 @@ def teacher_forced_score(model: Any, prompt_ids: Sequence[int], answer_ids: Sequ
 class BucketEvaluator:
     """Scores grid points on one bucket's prompts; callable as the tuner's ``evaluate``.
 
-    ``prompts`` are :class:`calib.data.Prompt` (grouped by ``task``); :meth:`dense` must run first (it sets
-    each task's dense mean, the reference of :meth:`relative_score`); ``threshold`` (a relative score, e.g.
+    ``prompts`` are :class:`calib.data.Prompt` (grouped by ``task``); :meth:`dense` must run first (it scores
+    every prompt densely, the reference of :meth:`relative_score`); ``threshold`` (a relative score, e.g.
     ``min_relative_score``) enables the early stop. Evaluations are cached per point; :meth:`full` re-runs
     a point stopped early.
 
     Early stop: prompts are scored one at a time (a batch at a time in the static loop); once even
-    perfect scores (1.0) on the remaining prompts could not lift some task's mean to the threshold, the
+    keeping dense's score on every remaining prompt could not lift some task's retention to the threshold, the
     point is failing whatever the rest give, and the evaluator stops and reports that upper bound as its
     score (so the decision is the one a full evaluation makes; sparsity and time are then means over the
     prompts scored). :meth:`dense` orders the prompts so that likely failures come first: ascending
@@ -245,22 +248,25 @@ class BucketEvaluator:
         return str(getattr(self.prompts[index], "task", ""))
 
     def _require_dense(self) -> None:
-        if not self.dense_by_task:
+        if len(self.dense_scores) != len(self.prompts):
             raise RuntimeError("BucketEvaluator.dense() must run before points are scored")
 
     def relative_score(self, scores: Sequence[PromptScore]) -> float:
-        """The worst task's mean score over its dense mean, ``scores`` being the first ``len(scores)``
-        prompts' (in scoring order) and every prompt not yet scored counting 1.0: the exact figure once
-        every prompt is scored, an upper bound before. A task whose dense mean is 0 has nothing to lose
-        and is left out (1.0 when no task is left)."""
+        """The worst task's retention of its dense score: per task ``sum_i min(s_i, d_i) / sum_i d_i`` over
+        its prompts (``s_i`` this point's score, ``d_i`` dense's), ``scores`` being the first
+        ``len(scores)`` prompts' (in scoring order) and every prompt not yet scored keeping all of ``d_i``:
+        the exact figure once every prompt is scored, an upper bound before. A prompt the sparse path
+        answers better than dense adds nothing, so a gain cannot hide a loss, across tasks or within one
+        (with exact match: the share of dense's correct answers the point keeps). A task whose dense
+        scores are all 0 has nothing to lose and is left out (1.0 when no task is left)."""
         self._require_dense()
-        sums: dict[str, float] = {}
-        counts: dict[str, int] = {}
-        for i in range(len(self.prompts)):
+        kept: dict[str, float] = {}
+        total: dict[str, float] = {}
+        for i, dense in enumerate(self.dense_scores):
             task = self._task(i)
-            sums[task] = sums.get(task, 0.0) + (scores[i].score if i < len(scores) else 1.0)
-            counts[task] = counts.get(task, 0) + 1
-        return min((sums[t] / counts[t] / ref for t, ref in self.dense_by_task.items() if ref > 0), default=1.0)
+            kept[task] = kept.get(task, 0.0) + (min(scores[i].score, dense.score) if i < len(scores) else dense.score)
+            total[task] = total.get(task, 0.0) + dense.score
+        return min((kept[t] / total[t] for t in total if total[t] > 0), default=1.0)
 
     def evaluate(self, point: GridPoint, *, allow_stop: bool = True) -> PointEval:
         """Score ``point`` on the bucket's prompts (cached; a cached early stop is redone if not allowed)."""

@@ -308,7 +308,7 @@ def test_early_stop_reports_an_upper_bound_below_the_threshold_and_full_rescores
         return PromptScore(next(values), False, {"sparsity": 0.5})
 
     monkeypatch.setattr(ev, "_score_prompt", fake)
-    ev.dense_by_task, ev.threshold = {"": 1.0}, 0.9  # one task, dense 1: relative score = mean
+    ev.dense_scores, ev.threshold = [PromptScore(1.0, True, {})] * 4, 0.9  # one task, dense 1: score = mean
     point = GridPoint(0.5, 0.5, 1)
     stopped = ev.evaluate(point)  # after 0.9, 0.3: (1.2 + 2) / 4 = 0.8 < 0.9 -> failing whatever follows
     assert calls == [0, 1] and not stopped.complete and stopped.score == pytest.approx(0.8)
@@ -324,8 +324,8 @@ def _task_prompt(task: str) -> Any:
 
 def test_early_stop_decides_every_point_as_scoring_every_prompt_would(loaded) -> None:
     """On random per-prompt scores, tasks, dense scores and thresholds, the early-stopped evaluation is
-    feasible exactly when every task's mean over its dense mean reaches the threshold (computed here
-    directly), and a stopped score is an upper bound of the worst task's."""
+    feasible exactly when every task's retention (sum of min(sparse, dense) over sum of dense, computed
+    here directly) reaches the threshold, and a stopped score is an upper bound of the worst task's."""
     rng = np.random.default_rng(0)
     stopped_any = False
     for case in range(300):
@@ -341,8 +341,8 @@ def test_early_stop_decides_every_point_as_scoring_every_prompt_would(loaded) ->
         ev._score_prompt = lambda index, rt, o=order: PromptScore(float(scores[o[index]]), False, {})
         ev.threshold = threshold
         got = ev.evaluate(GridPoint(0.5, 0.5, 1))
-        ratios = [scores[[t == task for t in tasks]].mean() / dense[[t == task for t in tasks]].mean()
-                  for task in set(tasks) if dense[[t == task for t in tasks]].mean() > 0]
+        mine = {task: np.array([t == task for t in tasks]) for task in set(tasks)}
+        ratios = [np.minimum(scores, dense)[m].sum() / dense[m].sum() for m in mine.values() if dense[m].sum() > 0]
         worst = min(ratios, default=1.0)
         assert (got.score >= threshold - 1e-12) == (worst >= threshold - 1e-12), (case, scores, dense, tasks)
         if got.complete:
@@ -369,6 +369,23 @@ def test_a_gain_on_one_task_does_not_hide_a_loss_on_another(loaded) -> None:
     assert got.mean == pytest.approx(5 / 8) and got.score == pytest.approx((2 / 4) / 0.75)
     ev.threshold = 0.99
     assert ev(0.6, 0.6, 1).score < 0.99
+
+
+def test_a_gain_on_one_prompt_does_not_hide_a_loss_on_another_of_the_same_task(loaded) -> None:
+    """Hand-worked, exact match on one task: dense answers prompts 0-2 of 4, the point answers 0, 1 and 3.
+    Both means are 3/4, but the point kept 2 of dense's 3 answers: its score is 2/3 and it fails at 0.99;
+    a point answering 0-3 keeps all 3 (score 1, its extra answer counts nothing)."""
+    dense, flipped, extra = [1, 1, 1, 0], [1, 1, 0, 1], [1, 1, 1, 1]
+    ev = BucketEvaluator(loaded, [_task_prompt("a") for _ in range(4)], blk=32, score="exact_match")
+    ev._score_chunk = lambda chunk, rt: [PromptScore(float(dense[i]), bool(dense[i]), {}) for i in chunk]
+    ev.dense()  # exact match: dense-correct prompts first, a stable sort: the order is unchanged
+    assert [s.score for s in ev.dense_scores] == [1.0, 1.0, 1.0, 0.0]
+    for point, sparse, expected in ((GridPoint(0.5, 0.5, 1), flipped, 2 / 3), (GridPoint(0.6, 0.6, 1), extra, 1.0)):
+        ev._score_chunk = lambda chunk, rt, v=sparse: [PromptScore(float(v[i]), bool(v[i]), {}) for i in chunk]
+        got = ev.full(point)
+        assert got.mean == pytest.approx(sum(sparse) / 4) and got.score == pytest.approx(expected)
+    ev.threshold = 0.99
+    assert ev(0.5, 0.5, 1).score < 0.99 <= ev(0.6, 0.6, 1).score
 
 
 def test_points_need_the_dense_reference_first(loaded) -> None:
@@ -420,7 +437,7 @@ def test_static_exact_match_stops_early_after_a_batch(loaded, monkeypatch) -> No
         return [(v, v == 1.0) for v in (next(values) for _ in batch)]
 
     monkeypatch.setattr(ev, "_answer", fake)
-    ev.dense_by_task, ev.threshold = {"": 1.0}, 0.7  # one task, dense 1: relative score = mean
+    ev.dense_scores, ev.threshold = [PromptScore(1.0, True, {})] * 6, 0.7  # one task, dense 1: score = mean
     point = GridPoint(0.5, 0.5, 1)
     stopped = ev.evaluate(point)  # after 1, 0 the bound is 5/6 >= 0.7; after 0, 1 it is 4/6 < 0.7: stop
     assert batches == [2, 2] and not stopped.complete and stopped.score == pytest.approx(4 / 6)

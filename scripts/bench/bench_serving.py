@@ -10,8 +10,9 @@ All through :class:`runtime_kernels.generate.StaticGenerator` with ``hf.apply``'
 (``serve="fastest"``: a method runs only in the layers and shapes where it times faster than dense):
 
 * decode: median device ms of ``--steps`` graph replays at each ``B x T``; tokens/s = B / that;
-* TTFT: the prompt's forward pass and first token at ``--ttft-batches``: the median of 7 after one untimed;
-  a method's row also times dense alternately in its own process, and its × dense is to that figure
+* TTFT: the prompt's forward pass and first token at ``--ttft-batches``: the median of 15 after one untimed,
+  the garbage collector off; every row also times dense alternately in its own process, and its × dense is
+  to that figure: for the ``dense`` row that is dense against itself, the noise of a ratio at that point
 * second: from the first token to the second at ``--ttft-batches`` (the method's per-request set-up: SAAP's
   index build, the step's warm-up and graph capture), host wall time, the median of 3, paired likewise;
 * ragged: ``--ragged`` rows of lengths spread over [T/4, T], prefilled in runs of close lengths (a row alone
@@ -33,6 +34,7 @@ import argparse
 import contextlib
 import datetime
 import faulthandler
+import gc
 import json
 import os
 import statistics
@@ -60,7 +62,7 @@ from runtime_kernels import hf  # noqa: E402
 from runtime_kernels.generate import StaticGenerator, StepTimes  # noqa: E402
 
 PREFILL_METHODS = ("sale", "sampleattention")
-TTFT_REPEATS = 7  # timed prefills per TTFT point and path (the medians are reported)
+TTFT_REPEATS = 15  # timed prefills per TTFT point and path (the medians are reported)
 SECOND_REPEATS = 3  # timed first-to-second-token intervals per point and path (each with a prefill before it)
 RAGGED_REPEATS = 3  # timed generations of the ragged batch (host-heavy: a graph capture per new view length)
 
@@ -80,7 +82,7 @@ class Row:
     peak_gb: float | None = None
     dense_layers: int | None = None  # decode: at the last view; ttft: in one prefill (layers not running the method)
     note: str = ""
-    dense_ms: float | None = None  # ttft / second of a method: dense's, timed alternately in the same process
+    dense_ms: float | None = None  # ttft / second: dense's, timed alternately in the same process (dense: itself)
 
 
 @dataclass
@@ -201,20 +203,25 @@ def dense_prefill(model) -> Iterator[None]:
         state.prefill, state.decode = saved
 
 
-def _paired_ms(model, timed, paired: bool, repeats: int) -> tuple[float, float | None]:
-    """Medians of ``repeats`` calls of ``timed()`` (ms) and, with ``paired``, of the same under
-    :func:`dense_prefill`, alternated, each path warmed up once first."""
+def _paired_ms(model, timed, repeats: int) -> tuple[float, float]:
+    """Medians of ``repeats`` calls of ``timed()`` (ms) and of the same under :func:`dense_prefill`
+    (for dense itself: the same path twice, an A/A pair whose ratio is the measurement's noise),
+    alternated, each path warmed up once first, with the garbage collector off (a host-bound prefill
+    would otherwise pay a collection in some repeats)."""
     timed()
-    if paired:
-        with dense_prefill(model):
-            timed()
+    with dense_prefill(model):
+        timed()
     method_ms, dense_ms = [], []
-    for _ in range(repeats):
-        method_ms.append(timed())
-        if paired:
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(repeats):
+            method_ms.append(timed())
             with dense_prefill(model):
                 dense_ms.append(timed())
-    return statistics.median(method_ms), statistics.median(dense_ms) if dense_ms else None
+    finally:
+        gc.enable()
+    return statistics.median(method_ms), statistics.median(dense_ms)
 
 
 def ttft_row(model, tok, method: str, t: int, b: int, setup: Setup) -> Row:
@@ -223,8 +230,7 @@ def ttft_row(model, tok, method: str, t: int, b: int, setup: Setup) -> Row:
     cuda = not setup.smoke
     prompts = text_rows(tok, b, t, seed=1).to(model.device)
     gen = generator(model, b, t + 8, False, method, cuda)
-    ms, dense_ms = _paired_ms(model, lambda: _event_ms(lambda: gen.prefill(prompts), cuda), method != "dense",
-                              TTFT_REPEATS)
+    ms, dense_ms = _paired_ms(model, lambda: _event_ms(lambda: gen.prefill(prompts), cuda), TTFT_REPEATS)
     if setup.profile is not None:
         profile_prefill(model, lambda: gen.prefill(prompts), setup.profile / f"ttft_{method}_T{t}_B{b}.txt")
     return Row(method, "ttft", t, b, False, ms=ms, tokens_per_s=b * t / ms * 1e3, peak_gb=_peak_gb(cuda),
@@ -291,7 +297,7 @@ def second_row(model, tok, method: str, t: int, b: int, setup: Setup) -> Row:
         gen.prefill(prompts)
         return _wall_ms(lambda: gen.decode(1), cuda)
 
-    ms, dense_ms = _paired_ms(model, second, method != "dense", SECOND_REPEATS)
+    ms, dense_ms = _paired_ms(model, second, SECOND_REPEATS)
     return Row(method, "second", t, b, False, ms=ms, peak_gb=_peak_gb(cuda), dense_ms=dense_ms)
 
 
@@ -373,7 +379,7 @@ def print_tables(rows: list[Row], accuracy: dict[str, str]) -> None:
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in sorted(rows, key=lambda r: (r.kind, r.length, r.batch, r.compiled, r.method)):
         d = dense.get((r.kind, r.length, r.batch, r.compiled))
-        reference = r.dense_ms or (d.ms if d else None)  # a TTFT's in-process dense, else the dense row's
+        reference = r.dense_ms or (d.ms if d else None)  # in-process dense (TTFT, second; dense: A/A), else the dense row
         ratio = reference / r.ms if reference and r.ms else None
         none = floor.get((r.kind, r.length, r.batch, r.compiled))
         print(f"| {r.kind} | {r.length} | {r.batch} | {r.method}{f' ({r.note})' if r.note else ''} "

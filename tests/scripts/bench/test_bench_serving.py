@@ -77,6 +77,25 @@ def test_dense_prefill_switches_the_method_off_and_always_back_on():
         pass
 
 
+def test_paired_timing_alternates_the_two_paths_with_the_collector_off():
+    """A method's calls and dense's alternate after one warm-up each; each median is its own path's; the
+    garbage collector is off while timing and on again after; with nothing attached the pair is A/A."""
+    import gc
+
+    state = SimpleNamespace(prefill="sale", decode=None)
+    seen: list[tuple[str | None, bool]] = []
+    times = {"sale": iter([9.0, 1.0, 2.0, 30.0]), None: iter([9.0, 5.0, 7.0, 6.0])}
+
+    def timed() -> float:
+        seen.append((state.prefill, gc.isenabled()))
+        return next(times[state.prefill])
+
+    assert bench._paired_ms(SimpleNamespace(calib_attention=state), timed, 3) == (2.0, 6.0)
+    assert seen == [("sale", True), (None, True)] + [("sale", False), (None, False)] * 3 and gc.isenabled()
+    calls = iter([4.0, 4.0, 3.0, 5.0, 3.0, 4.0])
+    assert bench._paired_ms(object(), lambda: next(calls), 2) == (3.0, 4.5)  # dense against itself
+
+
 @pytest.mark.slow
 def test_smoke_run_on_the_cpu_prints_every_kind_of_row():
     script = ROOT / "scripts" / "bench" / "bench_serving.py"

@@ -459,7 +459,7 @@ class StaticGenerator:
             return forward(True)
         key = (f"prefill-model|{device_key(self.device)}|{state.prefill.method}|{state.prefill_identity}"
                f"|B{b}|T{length_bucket(t)}")
-        return state.prefill_guard.run(key, forward)
+        return state.prefill_guard.run(key, forward, state.prefill_chooser)
 
     @torch.inference_mode()
     def decode(self, steps: int, times: StepTimes | None = None) -> torch.Tensor:

@@ -256,13 +256,16 @@ class PrefillGuard:
     :data:`PREFILL_GUARD_MS` (repeating it is cheap), timed twice more each way, alternated (host wall
     time, synchronized), and the faster kept. Longer prefills are device-bound, which the chooser's
     timings predict: they are recorded as not compared (equal times) and keep the method's layers.
+    When the first run's layers (``chooser``, the model's :class:`PrefillChooser`) all chose dense, the
+    method-off path is that same work without the layers' lookups: it is kept without timing (in memory
+    only: the layers' decisions are on disk, and lead here again).
     ``prefill(method_on)`` runs the prefill and returns its result; the guard's last call is always the
     chosen path, so the caller's cache holds that path's keys and values."""
 
     def __init__(self) -> None:
         self._decided: dict[str, bool] = {}
 
-    def run(self, key: str, prefill: Callable[[bool], Any]) -> Any:
+    def run(self, key: str, prefill: Callable[[bool], Any], chooser: PrefillChooser | None = None) -> Any:
         """``prefill(True)`` or ``prefill(False)``, decided for ``key`` (a shape's ``prefill-model|…`` key)."""
         wins = self._decided.get(key)
         if wins is None:
@@ -271,7 +274,12 @@ class PrefillGuard:
                 wins = self._decided[key] = costs[0] <= costs[1]
         if wins is not None:
             return prefill(wins)
-        prefill(True)  # the layers' choices, warm-ups and compiles happen here
+        if chooser is not None:
+            chooser.reset_counts()
+        out = prefill(True)  # the layers' choices, warm-ups and compiles happen here
+        if chooser is not None and chooser.method_calls == 0:
+            self._decided[key] = False
+            return out  # every layer ran dense: the cache holds the method-off path's keys and values
         method_ms, out = _wall_ms(lambda: prefill(True))
         if method_ms >= PREFILL_GUARD_MS:
             record(key, method_ms, method_ms)

@@ -165,7 +165,8 @@ def test_the_prefill_guard_keeps_the_path_it_measured_faster(tiny, tmp_path, mon
     monkeypatch.setenv("CALIB_RUNTIME_CACHE", str(tmp_path))
     serving_policy.forget_all()
     # every layer runs the method when it is on (the layers' own choice is another test's): the guard alone
-    monkeypatch.setattr(serving_policy.PrefillChooser, "run", lambda self, sig, q, k, method, dense: method())
+    monkeypatch.setattr(serving_policy.PrefillChooser, "run",
+                        lambda self, sig, q, k, method, dense: self._served(method()))
     ids = _prompt(2, 520, tiny.config.vocab_size)
     paths = {}
     for serve, on in (("method", True), (None, False)):

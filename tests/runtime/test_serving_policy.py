@@ -175,6 +175,34 @@ def test_the_guard_ends_on_the_method_when_it_wins(monkeypatch):
     assert sp.measured("prefill-model|win") == [7.0, 9.0]
 
 
+def test_the_guard_keeps_the_method_off_path_untimed_when_every_layer_chose_dense(monkeypatch):
+    """The first run's layers all served dense (the chooser counted no method call): that run's cache is
+    the method-off path's, nothing is timed or written to disk, and later prefills run with the method off.
+    A layer that ran the method leads to the timed comparison instead."""
+    monkeypatch.setattr(sp, "_wall_ms", lambda fn: pytest.fail("nothing to time"))
+    chooser = sp.PrefillChooser()
+    chooser.method_calls = 5  # an earlier prefill's count: not this run's
+    calls = []
+
+    def prefill(on: bool) -> str:
+        calls.append(on)
+        chooser.dense_calls += 1
+        return "all dense" if on else "off"
+
+    guard = sp.PrefillGuard()
+    assert guard.run("prefill-model|dense", prefill, chooser) == "all dense" and calls == [True]
+    assert guard.run("prefill-model|dense", prefill, chooser) == "off" and calls == [True, False]
+    assert sp.measured("prefill-model|dense") is None
+    _scripted_wall(monkeypatch, [8.0, 9.0, 7.0, 9.5])
+
+    def one_layer_runs_it(on: bool) -> str:
+        chooser.method_calls += on
+        return "m" if on else "d"
+
+    assert sp.PrefillGuard().run("prefill-model|mixed", one_layer_runs_it, chooser) == "m"
+    assert sp.measured("prefill-model|mixed") == [7.0, 9.0]
+
+
 def test_the_guard_does_not_repeat_a_long_prefill(monkeypatch):
     """A prefill as long as the limit is device-bound: recorded as not compared (equal times), the
     method's layers stand, nothing run with the method off."""

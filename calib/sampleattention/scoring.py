@@ -162,7 +162,6 @@ class BucketEvaluator:
     threshold: float | None = None
     cache: dict[GridPoint, PointEval] = field(default_factory=dict)
     dense_scores: list[PromptScore] = field(default_factory=list)
-    dense_by_task: dict[str, float] = field(default_factory=dict)  # each task's dense mean (set by dense())
 
     def __post_init__(self) -> None:
         if self.score not in SCORES:
@@ -238,10 +237,6 @@ class BucketEvaluator:
         self.prompts = [self.prompts[i] for i in order]
         self._answers = [self._answers[i] for i in order]
         self.dense_scores = [scores[i] for i in order]
-        by_task: dict[str, list[float]] = {}
-        for i, s in enumerate(self.dense_scores):
-            by_task.setdefault(self._task(i), []).append(s.score)
-        self.dense_by_task = {task: sum(v) / len(v) for task, v in by_task.items()}
         return float(sum(s.score for s in scores) / len(scores))
 
     def _task(self, index: int) -> str:

@@ -225,8 +225,8 @@ def _paired_ms(model, timed, repeats: int) -> tuple[float, float]:
 
 
 def ttft_row(model, tok, method: str, t: int, b: int, setup: Setup) -> Row:
-    """TTFT of ``method``; for a method also dense's, timed alternately in this process (a prefill of a
-    small model is launch-bound, and its time moves more between processes than between the two paths)."""
+    """TTFT of ``method`` and dense's, timed alternately in this process (for dense: an A/A pair; a prefill
+    of a small model is launch-bound, and its time moves more between processes than between the two paths)."""
     cuda = not setup.smoke
     prompts = text_rows(tok, b, t, seed=1).to(model.device)
     gen = generator(model, b, t + 8, False, method, cuda)

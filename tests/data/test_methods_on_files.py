@@ -16,7 +16,7 @@ from tests.recipe_support import run_recipe
 
 pytestmark = pytest.mark.slow
 
-COMMON = ["device=cpu", "model.lengths=[640]", "eval.max_new_tokens=8", "eval.bootstrap=50"]
+COMMON = ["device=cpu", "model.lengths=[640]", "eval.max_new_tokens=8", "eval.bootstrap=100"]
 METHODS = {
     "sale": ["+method=sale", "method.num_samples=2", "method.sparsity_prompts=1", "method.ablation_prompts=1"],
     "saap": ["+method=saap", "method.clusters=16", "method.prompts=4", "method.classifier.hidden=32",

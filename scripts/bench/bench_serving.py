@@ -16,7 +16,8 @@ All through :class:`runtime_kernels.generate.StaticGenerator` with ``hf.apply``'
 * second: from the first token to the second at ``--ttft-batches`` (the method's per-request set-up: SAAP's
   index build, the step's warm-up and graph capture), host wall time, the median of 3, paired likewise;
 * ragged: ``--ragged`` rows of lengths spread over [T/4, T], prefilled in runs of close lengths (a row alone
-  where none is close) and decoded together; tokens/s of the whole generation (prefill included);
+  where none is close) and decoded together; tokens/s of the whole generation (prefill included), the median
+  of 3, paired likewise;
 * beside every row: the KV-read floor (the dense K+V bytes of a step / the copy rate measured here),
   the ``no-attention`` step or prefill (everything but attention: the floor of any method), peak GPU memory,
   and the held-out accuracy of the same artifact given with ``--accuracy`` (a ``calib eval`` result JSON).
@@ -64,7 +65,7 @@ from runtime_kernels.generate import StaticGenerator, StepTimes  # noqa: E402
 PREFILL_METHODS = ("sale", "sampleattention")
 TTFT_REPEATS = 15  # timed prefills per TTFT point and path (the medians are reported)
 SECOND_REPEATS = 3  # timed first-to-second-token intervals per point and path (each with a prefill before it)
-RAGGED_REPEATS = 3  # timed generations of the ragged batch (host-heavy: a graph capture per new view length)
+RAGGED_REPEATS = 3  # timed generations of the ragged batch per path (host-heavy: graph captures as views grow)
 
 
 @dataclass
@@ -82,7 +83,7 @@ class Row:
     peak_gb: float | None = None
     dense_layers: int | None = None  # decode: at the last view; ttft: in one prefill (layers not running the method)
     note: str = ""
-    dense_ms: float | None = None  # ttft / second: dense's, timed alternately in the same process (dense: itself)
+    dense_ms: float | None = None  # ttft / second / ragged: dense's, timed alternately in this process (dense: itself)
 
 
 @dataclass
@@ -308,11 +309,12 @@ def ragged_row(model, tok, method: str, t: int, b: int, compiled: bool, setup: S
     rows = [text_rows(tok, 1, n, seed=3 + i)[0].tolist() for i, n in enumerate(lengths)]
     gen = generator(model, b, t + setup.steps + 8, compiled, method, cuda)
     try:
-        gen.generate(rows, setup.steps)  # warm-up
-        ms = statistics.median(_event_ms(lambda: gen.generate(rows, setup.steps), cuda) for _ in range(RAGGED_REPEATS))
+        ms, dense_ms = _paired_ms(model, lambda: _event_ms(lambda: gen.generate(rows, setup.steps), cuda),
+                                  RAGGED_REPEATS)
     except ValueError as exc:  # a runtime that keeps one length per batch (SAAP)
         return Row(method, "ragged", t, b, compiled, note=str(exc).split(";")[0])
-    return Row(method, "ragged", t, b, compiled, ms=ms, tokens_per_s=b * setup.steps / ms * 1e3, peak_gb=_peak_gb(cuda))
+    return Row(method, "ragged", t, b, compiled, ms=ms, tokens_per_s=b * setup.steps / ms * 1e3, peak_gb=_peak_gb(cuda),
+               dense_ms=dense_ms)
 
 
 def run_config(method: str, compiled: bool, setup: Setup) -> list[Row]:
@@ -379,7 +381,7 @@ def print_tables(rows: list[Row], accuracy: dict[str, str]) -> None:
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in sorted(rows, key=lambda r: (r.kind, r.length, r.batch, r.compiled, r.method)):
         d = dense.get((r.kind, r.length, r.batch, r.compiled))
-        reference = r.dense_ms or (d.ms if d else None)  # in-process dense (TTFT, second; dense: A/A), else the dense row
+        reference = r.dense_ms or (d.ms if d else None)  # in-process dense (dense itself: A/A), else the dense row's
         ratio = reference / r.ms if reference and r.ms else None
         none = floor.get((r.kind, r.length, r.batch, r.compiled))
         print(f"| {r.kind} | {r.length} | {r.batch} | {r.method}{f' ({r.note})' if r.note else ''} "

@@ -239,7 +239,8 @@ class BucketEvaluator:
         self.dense_scores = [scores[i] for i in order]
         return float(sum(s.score for s in scores) / len(scores))
 
-    def _task(self, index: int) -> str:
+    def task(self, index: int) -> str:
+        """The task of the prompt at ``index`` in scoring order."""
         return str(getattr(self.prompts[index], "task", ""))
 
     def _require_dense(self) -> None:
@@ -258,7 +259,7 @@ class BucketEvaluator:
         kept: dict[str, float] = {}
         total: dict[str, float] = {}
         for i, dense in enumerate(self.dense_scores):
-            task = self._task(i)
+            task = self.task(i)
             kept[task] = kept.get(task, 0.0) + (min(scores[i].score, dense.score) if i < len(scores) else dense.score)
             total[task] = total.get(task, 0.0) + dense.score
         return min((kept[t] / total[t] for t in total if total[t] > 0), default=1.0)

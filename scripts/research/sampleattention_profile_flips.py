@@ -38,7 +38,7 @@ def per_task(evaluator: BucketEvaluator, sparse: list[float]) -> dict[str, dict[
     """Counts and both rules' ratios per task (dense and sparse scores in the evaluator's prompt order)."""
     out: dict[str, dict[str, float]] = {}
     for i, dense in enumerate(evaluator.dense_scores):
-        row = out.setdefault(evaluator._task(i), {"prompts": 0, "dense": 0.0, "sparse": 0.0, "lost": 0, "gained": 0})
+        row = out.setdefault(evaluator.task(i), {"prompts": 0, "dense": 0.0, "sparse": 0.0, "lost": 0, "gained": 0})
         row["prompts"] += 1
         row["dense"] += dense.score
         row["sparse"] += sparse[i]

@@ -16,7 +16,7 @@ def test_counts_lost_and_gained_answers_and_both_rules_per_task():
     tasks = ["a", "a", "a", "a", "b", "b"]
     dense = [1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
     sparse = [1.0, 1.0, 0.0, 1.0, 1.0, 0.0]
-    evaluator = SimpleNamespace(dense_scores=[SimpleNamespace(score=d) for d in dense], _task=lambda i: tasks[i])
+    evaluator = SimpleNamespace(dense_scores=[SimpleNamespace(score=d) for d in dense], task=lambda i: tasks[i])
     got = flips.per_task(evaluator, sparse)
     assert got["a"] == {"prompts": 4, "dense": 3.0, "sparse": 3.0, "lost": 1, "gained": 1, "mean_rule": 1.0,
                         "retention": pytest.approx(2 / 3)}

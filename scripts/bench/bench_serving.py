@@ -60,7 +60,7 @@ from benchutil import measured_copy_tbps  # noqa: E402
 from calib.models import load_model  # noqa: E402
 from calib.perplexity import real_text_path  # noqa: E402
 from runtime_kernels import hf  # noqa: E402
-from runtime_kernels.generate import StaticGenerator, StepTimes  # noqa: E402
+from runtime_kernels.generate import StaticGenerator, StepTimes, ragged_runs  # noqa: E402
 
 PREFILL_METHODS = ("sale", "sampleattention")
 TTFT_REPEATS = 15  # timed prefills per TTFT point and path (the medians are reported)
@@ -273,6 +273,23 @@ def prefill_dense_layers(model, prefill) -> int | None:
     return int(model.config.num_hidden_layers) - state.prefill_chooser.method_calls
 
 
+def ragged_prefill_layers(model, generate, lengths: list[int]) -> str:
+    """Where the prefill layers of one more ``generate()`` of a ragged batch of ``lengths`` went: ran the
+    method, went dense (the layer's timing or the artifact), or never asked (the whole-prefill check switched
+    the method off); '' without a prefill method."""
+    state = getattr(model, "calib_attention", None)
+    if state is None or state.prefill is None or state.serve != "fastest":
+        return ""
+    alone = not getattr(state.prefill, "ragged_prefill", False)
+    calls = len(ragged_runs(lengths, alone)) if len(set(lengths)) > 1 else 1
+    chooser = state.prefill_chooser
+    chooser.reset_counts()
+    generate()
+    layers = int(model.config.num_hidden_layers) * calls
+    return (f"prefill layers of {calls} calls: {chooser.method_calls} method, {chooser.dense_calls} dense, "
+            f"{layers - chooser.method_calls - chooser.dense_calls} method off")
+
+
 def _wall_ms(fn, cuda: bool) -> float:
     """Host wall time of ``fn`` from an idle device to its work done (host-side work such as a graph
     capture counts)."""
@@ -308,13 +325,15 @@ def ragged_row(model, tok, method: str, t: int, b: int, compiled: bool, setup: S
     lengths = torch.randint(t // 4, t + 1, (b,), generator=gen_lengths).tolist()
     rows = [text_rows(tok, 1, n, seed=3 + i)[0].tolist() for i, n in enumerate(lengths)]
     gen = generator(model, b, t + setup.steps + 8, compiled, method, cuda)
+    generate = lambda: gen.generate(rows, setup.steps)  # noqa: E731
     try:
-        ms, dense_ms = _paired_ms(model, lambda: _event_ms(lambda: gen.generate(rows, setup.steps), cuda),
-                                  RAGGED_REPEATS)
+        ms, dense_ms = _paired_ms(model, lambda: _event_ms(generate, cuda), RAGGED_REPEATS)
     except ValueError as exc:  # a runtime that keeps one length per batch (SAAP)
         return Row(method, "ragged", t, b, compiled, note=str(exc).split(";")[0])
+    if setup.profile is not None:
+        profile_prefill(model, generate, setup.profile / f"ragged_{method}_T{t}_B{b}.txt")
     return Row(method, "ragged", t, b, compiled, ms=ms, tokens_per_s=b * setup.steps / ms * 1e3, peak_gb=_peak_gb(cuda),
-               dense_ms=dense_ms)
+               dense_ms=dense_ms, note=ragged_prefill_layers(model, generate, lengths))
 
 
 def run_config(method: str, compiled: bool, setup: Setup) -> list[Row]:

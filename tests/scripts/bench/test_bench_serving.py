@@ -128,6 +128,31 @@ def test_a_ttft_row_counts_the_prefill_layers_that_did_not_run_the_method():
     assert bench.prefill_dense_layers(SimpleNamespace(calib_attention=None), prefill) is None
 
 
+def test_a_ragged_row_says_where_its_prefill_layers_went():
+    """Two layers; lengths 100, 101, 40 make two prefill calls (100 and 101 padded together) for a runtime
+    that takes padded rows, three for one that does not. The stub's four layer calls: three ran the method,
+    one went dense; the rest of the calls' layers never reached the chooser (the method switched off)."""
+    from runtime_kernels.serving_policy import PrefillChooser
+
+    q = torch.zeros(1, 2, 8, 4)
+    runtime = SimpleNamespace(ragged_prefill=True)
+    state = SimpleNamespace(prefill=runtime, serve="fastest", prefill_chooser=PrefillChooser())
+    model = SimpleNamespace(calib_attention=state, config=SimpleNamespace(num_hidden_layers=2))
+
+    def generate():  # call 1: both layers ran the method; call 2: layer 1 dense; call 3: method off
+        for layer in range(2):
+            state.prefill_chooser.run("sig", q, q, lambda: q, lambda: q)
+        state.prefill_chooser.run("sig", q, q, lambda: q, lambda: q)
+        state.prefill_chooser.run("sig", q, q, lambda: None, lambda: q)
+
+    note = bench.ragged_prefill_layers(model, generate, [100, 101, 40])
+    assert note == "prefill layers of 2 calls: 3 method, 1 dense, 0 method off"
+    runtime.ragged_prefill = False  # each row alone: three calls, two layers of one ran with the method off
+    assert bench.ragged_prefill_layers(model, generate, [100, 101, 40]) == \
+        "prefill layers of 3 calls: 3 method, 1 dense, 2 method off"
+    assert bench.ragged_prefill_layers(SimpleNamespace(calib_attention=None), generate, [1, 2]) == ""
+
+
 def test_profile_writes_the_method_and_the_in_process_dense_tables(tmp_path):
     """One profiled prefill each way: the method's path, then the same with its prefill switched off (the
     runtime really off during the second, back on after); without a method, one table."""

@@ -22,8 +22,8 @@ All through :class:`runtime_kernels.generate.StaticGenerator` with ``hf.apply``'
   the ``no-attention`` step or prefill (everything but attention: the floor of any method), peak GPU memory,
   and the held-out accuracy of the same artifact given with ``--accuracy`` (a ``calib eval`` result JSON).
 
-``--profile DIR`` also writes, per TTFT point, ``torch.profiler`` tables of one prefill with the method and
-one with its prefill switched off: where the host and the device spend a launch-bound prefill.
+``--profile DIR`` also writes, per TTFT point and ragged row, ``torch.profiler`` tables of one prefill (one
+generation) with the method and one with its prefill switched off: where the host and the device spend the time.
 
 Methods: ``dense`` (the loop's default: flash-decoding on the valid length), ``sdpa`` (transformers' SDPA on
 the masked cache view), ``no-attention``, and each ``--artifact``. Results: docs/results/serving.md.
@@ -426,7 +426,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="seconds one configuration may run; past it its stacks are printed and it is a failed row")
     ap.add_argument("--json", type=Path, default=None, help="write every row here (after each configuration)")
     ap.add_argument("--profile", type=Path, default=None,
-                    help="write torch.profiler tables of one prefill per TTFT point here (method and in-process dense)")
+                    help="write torch.profiler tables of one prefill per TTFT point and one generation per ragged row here "
+                         "(method and in-process dense)")
     ap.add_argument("--table", type=Path, nargs="+", default=None, help="print the tables of saved --json files")
     ap.add_argument("--smoke", action="store_true", help="CPU, the tiny model, short prompts: checks the script")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # METHOD:compiled in this process

@@ -37,7 +37,7 @@ from transformers.cache_utils import Cache as _HFCache  # so `isinstance(cache, 
 from transformers.cache_utils import DynamicCache
 
 from runtime_kernels import hf
-from runtime_kernels.serving_policy import choose_dense_layers, device_key, graph_ms, length_bucket
+from runtime_kernels.serving_policy import can_time, choose_dense_layers, device_key, graph_ms, length_bucket
 
 DEFAULT_BUCKET = 256  # positions per view length; SANTA's tile, so a view never splits a tile
 RAGGED_PAD_SHARE = 16  # a ragged prefill call pads its rows by at most 1/16 of its longest row
@@ -455,7 +455,7 @@ class StaticGenerator:
         ``forward(True)`` / ``forward(False)`` (method off) the whole prefill measured faster at this shape
         (:class:`runtime_kernels.serving_policy.PrefillGuard`)."""
         if (state is None or state.prefill is None or state.serve != "fastest" or state.prefill_identity is None
-                or self.device.type != "cuda"):
+                or not can_time(self.device)):
             return forward(True)
         key = (f"prefill-model|{device_key(self.device)}|{state.prefill.method}|{state.prefill_identity}"
                f"|B{b}|T{length_bucket(t)}")

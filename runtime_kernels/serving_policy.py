@@ -93,6 +93,12 @@ def forget_all() -> None:
         _LOADED = True
 
 
+def can_time(device: torch.device) -> bool:
+    """Whether costs can be measured on ``device`` (CUDA events and graphs); elsewhere the method runs
+    wherever the artifact says, unmeasured."""
+    return device.type == "cuda"
+
+
 def device_key(device: torch.device) -> str:
     """The GPU model and software a timing holds for."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
@@ -191,7 +197,7 @@ class PrefillChooser:
         """The prefill output of ``method()`` or ``dense()`` (``None``: the caller's dense path), both
         ``[B, Hq, T, D]``.
         ``signature`` None: always the method (no GPU, or a runtime that gives none)."""
-        if signature is None or not q.is_cuda:
+        if signature is None or not can_time(q.device):
             return self._served(method())
         shape = (signature, int(q.shape[0]), length_bucket(q.shape[2]), length_bucket(k.shape[2]))
         wins = self._decided.get(shape)

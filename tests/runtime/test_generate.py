@@ -413,3 +413,58 @@ def test_the_prefill_guards_dense_run_switches_the_method_off_and_back_on(monkey
     got = gen.generate(ids, 8)
     hf.remove(model)
     assert torch.equal(got, want) and seen == [rt, rt] and rt.pop_stats() == {}
+
+
+def _scripted_policy(monkeypatch, tmp_path, layer_ms: tuple[float, float], prefill_ms: tuple[float, float]) -> dict:
+    """The serving policy on the CPU with scripted costs: every layer timing reads ``layer_ms`` (method,
+    dense), every whole-prefill timing ``prefill_ms`` (the guard alternates method on / off); returns the
+    count of timings taken."""
+    from runtime_kernels import generate, serving_policy as sp
+
+    monkeypatch.setenv("CALIB_RUNTIME_CACHE", str(tmp_path))
+    sp.forget_all()
+    for module in (sp, generate):
+        monkeypatch.setattr(module, "can_time", lambda device: True)
+    taken = {"layer": 0, "prefill": 0}
+
+    def median_ms(fn, repeats=sp.PREFILL_REPEATS):  # the chooser times the method, then dense
+        taken["layer"] += 1
+        return layer_ms[(taken["layer"] - 1) % 2], fn()
+
+    def wall_ms(fn):  # the guard times method on, off, on, off
+        taken["prefill"] += 1
+        return prefill_ms[(taken["prefill"] - 1) % 2], fn()
+
+    monkeypatch.setattr(sp, "_median_ms", median_ms)
+    monkeypatch.setattr(sp, "_wall_ms", wall_ms)
+    return taken
+
+
+@pytest.mark.parametrize("method_wins", [False, True])
+def test_a_warm_ragged_generation_times_nothing_and_runs_the_path_that_won(method_wins, tmp_path, monkeypatch):
+    """A ragged batch (lengths 150 and 152 in one padded call, 90 and 120 alone: three prefill shapes) under
+    ``serve="fastest"`` with SALE attached, the policy's timings scripted. The first generation decides each
+    shape; the second times nothing and runs what won: with dense faster in every layer, no layer call
+    reaches the method (it is switched off for the whole prefill) and the tokens are the dense model's; with
+    the method faster in its layers and in the whole prefill, it runs in every layer it covers (layers 1 and
+    2; layer 0's thresholds are all 0, dense) in each of the three calls, and the tokens are those of
+    ``serve="method"``."""
+    model = _model()
+    rows = [_prompt(1, n, seed=n)[0].tolist() for n in (150, 152, 90, 120)]
+    want = StaticGenerator(model, batch=4, max_len=200, graphs=False, bucket=16).generate(rows, 6)
+    if method_wins:
+        hf.attach(model, prefill=_sale(), serve="method")
+        want = StaticGenerator(model, batch=4, max_len=200, graphs=False, bucket=16).generate(rows, 6)
+    taken = _scripted_policy(monkeypatch, tmp_path, (1.0, 2.0) if method_wins else (2.0, 1.0), (5.0, 9.0))
+    state = hf.attach(model, prefill=_sale(), serve="fastest", prefill_identity="sale-test")
+    gen = StaticGenerator(model, batch=4, max_len=200, graphs=False, bucket=16)
+    gen.generate(rows, 6)
+    assert taken["layer"] > 0 and taken["prefill"] == (12 if method_wins else 0)  # 3 shapes x 4 guard runs
+    taken.update(layer=0, prefill=0)
+    state.prefill_chooser.reset_counts()
+    got = gen.generate(rows, 6)
+    hf.remove(model)
+    assert taken == {"layer": 0, "prefill": 0}
+    chooser = state.prefill_chooser
+    assert (chooser.method_calls, chooser.dense_calls) == ((2 * 3, 1 * 3) if method_wins else (0, 0))
+    assert torch.equal(got, want)

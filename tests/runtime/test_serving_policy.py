@@ -90,15 +90,22 @@ def test_prefill_without_a_gpu_always_runs_the_method():
     assert out is q and calls == ["m"]
 
 
+def _timeable(monkeypatch) -> None:
+    """Costs measurable on the CPU (the timings themselves are stubbed by each test)."""
+    monkeypatch.setattr(sp, "can_time", lambda device: True)
+
+
 def test_prefill_choice_takes_the_median_of_several_timings_and_is_remembered(monkeypatch):
     """A GPU-shaped call (timings stubbed): the method's median 5 ms against dense's 3 ms loses, so the
     first call returns dense's output, records both medians, and the next call of that shape asks the
     caller for dense (None) without timing or running the method again."""
     from types import SimpleNamespace
 
+    _timeable(monkeypatch)
+
     readings = iter([5.0, 1.0, 9.0, 3.0, 3.0, 3.0])  # method x3, then dense x3
     monkeypatch.setattr(sp, "_event_ms", lambda fn: (next(readings), fn()))
-    q = SimpleNamespace(is_cuda=True, shape=(1, 2, 100, 4), device=torch.device("cpu"))
+    q = SimpleNamespace(shape=(1, 2, 100, 4), device=torch.device("cpu"))
     calls = []
     chooser = sp.PrefillChooser()
     out = chooser.run("sig", q, q, lambda: calls.append("m") or "method-out", lambda: calls.append("d") or "dense-out")
@@ -115,16 +122,18 @@ def test_a_decided_prefill_shape_is_answered_from_the_chooser_and_counted(monkey
     many calls each path served."""
     from types import SimpleNamespace
 
+    _timeable(monkeypatch)
+
     readings = iter([1.0, 1.0, 1.0, 2.0, 2.0, 2.0])  # the method wins: 1 ms against 2 ms
     monkeypatch.setattr(sp, "_event_ms", lambda fn: (next(readings), fn()))
-    q = SimpleNamespace(is_cuda=True, shape=(2, 2, 100, 4), device=torch.device("cpu"))
+    q = SimpleNamespace(shape=(2, 2, 100, 4), device=torch.device("cpu"))
     chooser = sp.PrefillChooser()
     assert chooser.run("win", q, q, lambda: "m", lambda: "d") == "m"
     asked = []
     monkeypatch.setattr(sp, "measured", lambda key: asked.append(key))
-    longer = SimpleNamespace(is_cuda=True, shape=(2, 2, 103, 4), device=torch.device("cpu"))  # same bucket, 104
+    longer = SimpleNamespace(shape=(2, 2, 103, 4), device=torch.device("cpu"))  # same bucket, 104
     assert [chooser.run("win", x, x, lambda: "m", lambda: "d") for x in (q, longer)] == ["m", "m"] and asked == []
-    other = SimpleNamespace(is_cuda=True, shape=(2, 2, 105, 4), device=torch.device("cpu"))  # bucket 112
+    other = SimpleNamespace(shape=(2, 2, 105, 4), device=torch.device("cpu"))  # bucket 112
     monkeypatch.setattr(sp, "_event_ms", lambda fn: (3.0 if fn() == "m" else 2.0, fn()))
     assert chooser.run("win", other, other, lambda: "m", lambda: "d") == "d" and len(asked) == 1
     assert (chooser.method_calls, chooser.dense_calls) == (3, 1)
@@ -137,8 +146,10 @@ def test_a_method_that_declines_a_shape_is_not_asked_again(monkeypatch):
     timing, and later calls skip the method."""
     from types import SimpleNamespace
 
+    _timeable(monkeypatch)
+
     monkeypatch.setattr(sp, "_event_ms", lambda fn: pytest.fail("nothing to time"))
-    q = SimpleNamespace(is_cuda=True, shape=(1, 2, 64, 4), device=torch.device("cpu"))
+    q = SimpleNamespace(shape=(1, 2, 64, 4), device=torch.device("cpu"))
     calls = []
     chooser = sp.PrefillChooser()
     for _ in range(3):

@@ -14,10 +14,11 @@ decode step of the whole (unmodified) model in a CUDA graph, gpt-fast style: a s
   (:mod:`runtime_kernels.serving_policy`); method state that moves with the view (SAAP's index) is
   updated by ``before_graph`` outside the graph.
 * Prefill runs eagerly; prompts of different lengths (a ragged batch) decode together, each row at its
-  own position. Rows of close lengths prefill in one call, the shorter ones padded after their last token
-  (a causal prefill of a row never reads what follows it, and decoding overwrites the padding), each row's
-  first token read at its own last position (:func:`ragged_runs`); with a prefill method attached, which
-  sees the whole sequence, each row prefills alone unless the method takes padded rows (``ragged_prefill``).
+  own position. Rows of close lengths, wherever they sit in the batch, prefill in one call, the shorter ones
+  padded after their last token (a causal prefill of a row never reads what follows it, and decoding
+  overwrites the padding), each row's first token read at its own last position (:func:`ragged_runs`); with
+  a prefill method attached, which sees the whole sequence, each row prefills alone unless the method takes
+  padded rows (``ragged_prefill``).
 * ``compile=True`` runs each step's model call through ``torch.compile`` (the norms, rotary and MLP
   kernels fused; attention and the cache update stay eager graph breaks), compiled at the first two
   view lengths only. Design notes: docs/notes/serving-loop.md.
@@ -55,8 +56,9 @@ class StaticKVCache(_HFCache):
     views ``[:, :, :view]`` (``view`` a host int set by the generator: static within a CUDA graph).
     ``length [B]`` is the number of valid keys once this step's keys are written.
 
-    :attr:`rows` (a slice) restricts writes and views to some batch rows: a ragged batch's prefill runs
-    a run of rows (or one row) at a time. During decode steps :attr:`step_pos` ``[B]`` holds each row's write position
+    :attr:`rows` restricts writes and views to some batch rows: a ragged batch's prefill runs a run of
+    rows (or one row) at a time; a slice, or (a run of rows that are not adjacent) a tensor of row indices,
+    which a prefill call writes and then attends as written. During decode steps :attr:`step_pos` ``[B]`` holds each row's write position
     (one key per row, each at its own position).
 
     Only the few transformers ``Cache`` members a decoder-only model calls are provided (``update``,
@@ -81,7 +83,7 @@ class StaticKVCache(_HFCache):
         self.view = 0
         self.write_pos = torch.zeros(1, dtype=torch.long, device=device)  # prefill: the positions written
         self.step_pos: torch.Tensor | None = None  # decode: [B] each row's position (set by the generator)
-        self.rows = slice(None)  # the batch rows a call writes and sees
+        self.rows: slice | torch.Tensor = slice(None)  # the batch rows a call writes and sees
         self.length = torch.zeros(batch, dtype=torch.long, device=device)
         self.layers: list[Any] = []  # transformers' mask helpers iterate per-layer kinds through these lists
 
@@ -102,6 +104,11 @@ class StaticKVCache(_HFCache):
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``key_states, value_states [b, Hkv, n, D]`` of :attr:`rows` at :attr:`write_pos` (a decode
         step: one key per row at :attr:`step_pos`); return the views ``[b, Hkv, view, D]``."""
+        if not isinstance(self.rows, slice):  # a prefill of scattered rows from position 0: the view is what it writes
+            n = key_states.shape[2]
+            for buf, new in ((self.keys[layer_idx], key_states), (self.values[layer_idx], value_states)):
+                buf[:, :, :n].index_copy_(0, self.rows, new.to(buf.dtype))
+            return key_states.to(self.keys[layer_idx].dtype), value_states.to(self.values[layer_idx].dtype)
         k_buf, v_buf = self.keys[layer_idx][self.rows], self.values[layer_idx][self.rows]
         if self.step_pos is not None:
             at = self.step_pos.view(-1, 1, 1, 1).expand_as(key_states)
@@ -179,17 +186,22 @@ def _layer_index_unspecialized() -> contextlib.AbstractContextManager[Any]:
     return config.patch(allow_unspec_int_on_nn_module=True)
 
 
-def ragged_runs(lengths: Sequence[int], alone: bool = False) -> list[slice]:
-    """The prefill calls of a ragged batch: runs of consecutive rows whose lengths differ by at most
-    1/:data:`RAGGED_PAD_SHARE` of the run's longest (its shorter rows padded to it), or one row each
-    (``alone``)."""
-    runs, start = [], 0
-    for end in range(1, len(lengths) + 1):
-        part = lengths[start:end + 1]
-        if alone or end == len(lengths) or max(part) - min(part) > max(part) // RAGGED_PAD_SHARE:
-            runs.append(slice(start, end))
-            start = end
+def ragged_runs(lengths: Sequence[int], alone: bool = False) -> list[list[int]]:
+    """The prefill calls of a ragged batch, each a list of row indices: rows taken shortest first, a run
+    growing while its longest row is at most 1/:data:`RAGGED_PAD_SHARE` longer than its shortest (the
+    shorter rows padded to it), or one row each (``alone``)."""
+    runs: list[list[int]] = []
+    for row in sorted(range(len(lengths)), key=lambda i: (lengths[i], i)):
+        if runs and not alone and lengths[row] - lengths[runs[-1][0]] <= lengths[row] // RAGGED_PAD_SHARE:
+            runs[-1].append(row)
+        else:
+            runs.append([row])
     return runs
+
+
+def _batch_rows(run: list[int]) -> slice | list[int]:
+    """``run`` as a slice where its rows are adjacent and ascending (the cache's views), else the list."""
+    return slice(run[0], run[-1] + 1) if run == list(range(run[0], run[-1] + 1)) else run
 
 
 class StaticGenerator:
@@ -406,21 +418,24 @@ class StaticGenerator:
             prefill = None if state is None else state.prefill
             alone = prefill is not None and not getattr(prefill, "ragged_prefill", False)
             for run in ragged_runs(lengths, alone):
-                longest, part = max(lengths[run]), rows[run]
+                part = [rows[i] for i in run]
+                longest = max(len(row) for row in part)
                 ids = torch.tensor([row + row[-1:] * (longest - len(row)) for row in part], dtype=torch.long)
-                self.token[run].copy_(self._prefill_rows(ids.to(self.device), run, [len(row) - 1 for row in part]))
+                first = self._prefill_rows(ids.to(self.device), _batch_rows(run), [len(row) - 1 for row in part])
+                self.token.index_copy_(0, torch.tensor(run, device=self.device), first)
         self.cache.length.copy_(torch.tensor(lengths))
         self.pos.copy_(self.cache.length)
         self._graph_view = -1  # the graph itself goes at the next capture: its pool must outlive it
         return self.token.clone()
 
-    def _prefill_rows(self, input_ids: torch.Tensor, rows: slice, last: list[int] | None = None) -> torch.Tensor:
+    def _prefill_rows(self, input_ids: torch.Tensor, rows: slice | list[int], last: list[int] | None = None
+                      ) -> torch.Tensor:
         """One causal prefill call of ``input_ids [b, T]`` into cache ``rows``; the next token ``[b, 1]``,
         predicted at position ``T - 1`` or, with ``last``, at each row's ``last[i]`` (rows padded after it)."""
         c, state = self.cache, self._state()
         b, t = input_ids.shape
         keep = 1 if last is None else t - min(last)  # logits of positions t - keep .. t - 1
-        c.view, c.rows = t, rows
+        c.view, c.rows = t, rows if isinstance(rows, slice) else torch.tensor(rows, device=self.device)
         c.write_pos = torch.arange(t, device=self.device)
         if state is not None:
             state.static_rows = rows

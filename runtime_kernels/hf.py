@@ -58,7 +58,7 @@ class AttentionCall:
     rotary_emb: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None
     attention_mask: torch.Tensor | None
     cache_len: torch.Tensor | None = None  # [B] valid keys of a static-cache decode step (calib_attention_forward)
-    rows: slice | None = None  # the batch rows a prefill call covers (a ragged batch's one-row prefill); None: all
+    rows: slice | list[int] | None = None  # the batch rows a prefill call covers (a ragged batch's run of rows); None: all
     lengths: list[int] | None = None  # each row's own token count in a padded prefill call (``ragged_prefill``)
 
 
@@ -73,7 +73,7 @@ class CalibAttention:
     rotary_emb: Any | None
     warned: set[str] = field(default_factory=set)
     static_len: torch.Tensor | None = None  # set by generate.StaticGenerator during its decode steps
-    static_rows: slice | None = None  # set by generate.StaticGenerator during a one-row prefill
+    static_rows: slice | list[int] | None = None  # set by generate.StaticGenerator during a ragged batch's prefill
     static_lengths: list[int] | None = None  # set by generate.StaticGenerator during a padded prefill of rows
     serve: str = "fastest"  # SERVE_MODES (module docstring)
     serve_dense: frozenset[int] = frozenset()  # layers the current static decode graph runs densely

@@ -110,19 +110,20 @@ class SamplingSeeds:
             self._tensors[where] = torch.tensor(self.rows, dtype=torch.int64, device=device)
         return self._tensors[where]
 
-    def generators(self, device: torch.device, batch: int, rows: slice | None = None) -> list[torch.Generator]:
+    def generators(self, device: torch.device, batch: int, rows: slice | list[int] | None = None
+                   ) -> list[torch.Generator]:
         """Prefill generators on ``device``: one for the batch, or one per row; each continues its stream
         from call to call (layer after layer). ``rows``: the call covers only these rows of the batch
-        (a ragged batch prefills one row at a time), so per-row seeds give those rows' generators."""
+        (a ragged batch prefills a run of rows at a time), so per-row seeds give those rows' generators."""
         where = str(device)
         if where not in self._generators:
             seeds = (self.value,) if self.rows is None else self.rows
             self._generators[where] = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
         gens = self._generators[where]
         if rows is not None and self.rows is not None:
-            picked = gens[rows]
+            picked = gens[rows] if isinstance(rows, slice) else [gens[i] for i in rows]
             if len(picked) != batch:
-                raise ValueError(f"{len(self.rows)} per-row seeds; rows {rows.start}:{rows.stop} of them do not "
+                raise ValueError(f"{len(self.rows)} per-row seeds; rows {rows} of them do not "
                                  f"cover a call of {batch} rows")
             return picked
         self._check(batch)

@@ -192,7 +192,7 @@ class SantaDecode:
             if self.stats:
                 self._record(s, s, k.shape[2])
             return None
-        # one per batch row with per-row seeds (those of ctx.rows when a ragged batch prefills row by row)
+        # one per batch row with per-row seeds (those of ctx.rows when a ragged batch prefills a run of rows)
         gens = self._seeds.generators(q.device, q.shape[0], rows=getattr(ctx, "rows", None))
 
         def sampled(rows: slice, gen: torch.Generator) -> torch.Tensor:

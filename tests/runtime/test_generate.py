@@ -185,19 +185,21 @@ def _prefill_calls(model) -> list[tuple[int, int]]:
     return calls
 
 
-def test_ragged_runs_pad_by_at_most_a_sixteenth_of_the_longest_row():
-    # 1000, 1010, 1063: spread 63 <= 1063 // 16 = 66; adding 990 makes 73 > 66; 990 and 500 differ too much;
-    # 500, 510: 10 <= 31
-    assert ragged_runs([1000, 1010, 1063, 990, 500, 510]) == [slice(0, 3), slice(3, 4), slice(4, 6)]
-    assert ragged_runs([7, 7, 7], alone=True) == [slice(0, 1), slice(1, 2), slice(2, 3)]
-    assert ragged_runs([5]) == [slice(0, 1)]
+def test_ragged_runs_group_rows_by_length_padding_by_at_most_a_sixteenth_of_the_longest():
+    # shortest first: 500, 510 (rows 4, 5): 10 <= 510 // 16 = 31; 990 is far from 500; 990, 1000, 1010
+    # (rows 3, 0, 1): 20 <= 1010 // 16 = 63; 1063 - 990 = 73 > 1063 // 16 = 66 starts a run of its own
+    assert ragged_runs([1000, 1010, 1063, 990, 500, 510]) == [[4, 5], [3, 0, 1], [2]]
+    assert ragged_runs([100, 300, 101, 301]) == [[0, 2], [1, 3]]  # close lengths need not be adjacent rows
+    assert ragged_runs([7, 7, 7], alone=True) == [[0], [1], [2]]
+    assert ragged_runs([5]) == [[0]]
 
 
-@pytest.mark.parametrize("lengths, calls", [([37, 45, 40], [(1, 37), (1, 45), (1, 40)]),
-                                            ([160, 150, 157], [(3, 160)])])
+@pytest.mark.parametrize("lengths, calls", [([37, 45, 40], [(1, 37), (1, 40), (1, 45)]),
+                                            ([160, 150, 157], [(3, 160)]),
+                                            ([100, 60, 98], [(1, 60), (2, 100)])])  # rows 2 and 0 together
 def test_dense_ragged_batch_equals_each_prompt_alone(lengths, calls):
     """Prompts of three lengths in one batch, several view lengths: far apart each row prefills alone into its
-    cache row, close ones in one call padded after their last token; decoded each at its own position, a
+    cache row, close ones (adjacent or not) in one call padded after their last token; decoded each at its own position, a
     row gives the tokens it gets alone (float64: exact)."""
     model = _model().double()
     rows = _ragged_rows(lengths)

@@ -38,10 +38,10 @@ from transformers.cache_utils import Cache as _HFCache  # so `isinstance(cache, 
 from transformers.cache_utils import DynamicCache
 
 from runtime_kernels import hf
+from runtime_kernels.ragged import batch_rows, ragged_runs
 from runtime_kernels.serving_policy import can_time, choose_dense_layers, device_key, graph_ms, length_bucket
 
 DEFAULT_BUCKET = 256  # positions per view length; SANTA's tile, so a view never splits a tile
-RAGGED_PAD_SHARE = 16  # a ragged prefill call pads its rows by at most 1/16 of its longest row
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -184,24 +184,6 @@ def _layer_index_unspecialized() -> contextlib.AbstractContextManager[Any]:
     if not hasattr(config, "allow_unspec_int_on_nn_module"):  # pragma: no cover - torch 2.11-2.13 have it
         return contextlib.nullcontext()
     return config.patch(allow_unspec_int_on_nn_module=True)
-
-
-def ragged_runs(lengths: Sequence[int], alone: bool = False) -> list[list[int]]:
-    """The prefill calls of a ragged batch, each a list of row indices: rows taken shortest first, a run
-    growing while its longest row is at most 1/:data:`RAGGED_PAD_SHARE` longer than its shortest (the
-    shorter rows padded to it), or one row each (``alone``)."""
-    runs: list[list[int]] = []
-    for row in sorted(range(len(lengths)), key=lambda i: (lengths[i], i)):
-        if runs and not alone and lengths[row] - lengths[runs[-1][0]] <= lengths[row] // RAGGED_PAD_SHARE:
-            runs[-1].append(row)
-        else:
-            runs.append([row])
-    return runs
-
-
-def _batch_rows(run: list[int]) -> slice | list[int]:
-    """``run`` as a slice where its rows are adjacent and ascending (the cache's views), else the list."""
-    return slice(run[0], run[-1] + 1) if run == list(range(run[0], run[-1] + 1)) else run
 
 
 class StaticGenerator:
@@ -421,7 +403,7 @@ class StaticGenerator:
                 part = [rows[i] for i in run]
                 longest = max(len(row) for row in part)
                 ids = torch.tensor([row + row[-1:] * (longest - len(row)) for row in part], dtype=torch.long)
-                first = self._prefill_rows(ids.to(self.device), _batch_rows(run), [len(row) - 1 for row in part])
+                first = self._prefill_rows(ids.to(self.device), batch_rows(run), [len(row) - 1 for row in part])
                 self.token.index_copy_(0, torch.tensor(run, device=self.device), first)
         self.cache.length.copy_(torch.tensor(lengths))
         self.pos.copy_(self.cache.length)

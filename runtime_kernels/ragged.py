@@ -1,7 +1,7 @@
-"""A prefill method on a padded ragged batch: each row as it would run alone.
+"""Ragged batches: which rows prefill together, and a prefill method on a padded call, each row as alone.
 
-The static loop (:mod:`runtime_kernels.generate`) prefills rows of close lengths in one call, the shorter rows
-padded after their last token. Dense causal attention is exact on such a batch; a sparse prefill method is not
+The static loop (:mod:`runtime_kernels.generate`) prefills rows of close lengths in one call
+(:func:`ragged_runs`), the shorter rows padded after their last token. Dense causal attention is exact on such a batch; a sparse prefill method is not
 (its block selection would see the padding in a row's last query block, its statistics would count it), so a
 runtime that declares ``ragged_prefill = True`` runs its attention on each row's own positions (rows of one
 length in one call) while the model's other layers run the batch at once.
@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+RAGGED_PAD_SHARE = 16  # a ragged prefill call pads its rows by at most 1/16 of its longest row
 PrefillFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], "torch.Tensor | None"]
 
 
@@ -40,3 +41,21 @@ def rows_alone(prefill: PrefillFn, layer: int, q: torch.Tensor, k: torch.Tensor,
             got = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=True)
         out[rows, :, :n] = got.to(out.dtype)
     return out
+
+
+def ragged_runs(lengths: Sequence[int], alone: bool = False) -> list[list[int]]:
+    """The prefill calls of a ragged batch, each a list of row indices: rows taken shortest first, a run
+    growing while its longest row is at most 1/:data:`RAGGED_PAD_SHARE` longer than its shortest (the
+    shorter rows padded to it), or one row each (``alone``)."""
+    runs: list[list[int]] = []
+    for row in sorted(range(len(lengths)), key=lambda i: (lengths[i], i)):
+        if runs and not alone and lengths[row] - lengths[runs[-1][0]] <= lengths[row] // RAGGED_PAD_SHARE:
+            runs[-1].append(row)
+        else:
+            runs.append([row])
+    return runs
+
+
+def batch_rows(run: list[int]) -> slice | list[int]:
+    """``run`` as a slice where its rows are adjacent and ascending (the cache's views), else the list."""
+    return slice(run[0], run[-1] + 1) if run == list(range(run[0], run[-1] + 1)) else run

@@ -60,7 +60,8 @@ from benchutil import measured_copy_tbps  # noqa: E402
 from calib.models import load_model  # noqa: E402
 from calib.perplexity import real_text_path  # noqa: E402
 from runtime_kernels import hf  # noqa: E402
-from runtime_kernels.generate import StaticGenerator, StepTimes, ragged_runs  # noqa: E402
+from runtime_kernels.generate import StaticGenerator, StepTimes  # noqa: E402
+from runtime_kernels.ragged import ragged_runs  # noqa: E402
 
 PREFILL_METHODS = ("sale", "sampleattention")
 TTFT_REPEATS = 15  # timed prefills per TTFT point and path (the medians are reported)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from runtime_kernels import hf
-from runtime_kernels.generate import StaticGenerator, StaticKVCache, eager_generate, ragged_runs, round_up
+from runtime_kernels.generate import StaticGenerator, StaticKVCache, eager_generate, round_up
 from runtime_kernels.saap import SaapDecode, SaapLayerParams
 from runtime_kernels.santa.runtime import SantaDecode
 from runtime_kernels.santa.draws import keyed_uniforms
@@ -183,15 +183,6 @@ def _prefill_calls(model) -> list[tuple[int, int]]:
     model.register_forward_pre_hook(lambda m, args, kw: calls.append(tuple(kw["input_ids"].shape))
                                     if kw["input_ids"].shape[1] > 1 else None, with_kwargs=True)
     return calls
-
-
-def test_ragged_runs_group_rows_by_length_padding_by_at_most_a_sixteenth_of_the_longest():
-    # shortest first: 500, 510 (rows 4, 5): 10 <= 510 // 16 = 31; 990 is far from 500; 990, 1000, 1010
-    # (rows 3, 0, 1): 20 <= 1010 // 16 = 63; 1063 - 990 = 73 > 1063 // 16 = 66 starts a run of its own
-    assert ragged_runs([1000, 1010, 1063, 990, 500, 510]) == [[4, 5], [3, 0, 1], [2]]
-    assert ragged_runs([100, 300, 101, 301]) == [[0, 2], [1, 3]]  # close lengths need not be adjacent rows
-    assert ragged_runs([7, 7, 7], alone=True) == [[0], [1], [2]]
-    assert ragged_runs([5]) == [[0]]
 
 
 @pytest.mark.parametrize("lengths, calls", [([37, 45, 40], [(1, 37), (1, 40), (1, 45)]),

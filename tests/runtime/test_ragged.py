@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from runtime_kernels.ragged import padded_rows, rows_alone
+from runtime_kernels.ragged import batch_rows, padded_rows, ragged_runs, rows_alone
 
 
 def _qkv(b: int = 5, hq: int = 4, hkv: int = 2, t: int = 12, d: int = 8):
@@ -52,3 +52,17 @@ def test_padded_rows_only_when_some_row_is_shorter_than_the_call():
     Ctx.lengths = [10, 8]
     assert padded_rows(Ctx(), q) == [10, 8]
     assert padded_rows(object(), q) is None
+
+
+def test_ragged_runs_group_rows_by_length_padding_by_at_most_a_sixteenth_of_the_longest():
+    # shortest first: 500, 510 (rows 4, 5): 10 <= 510 // 16 = 31; 990 is far from 500; 990, 1000, 1010
+    # (rows 3, 0, 1): 20 <= 1010 // 16 = 63; 1063 - 990 = 73 > 1063 // 16 = 66 starts a run of its own
+    assert ragged_runs([1000, 1010, 1063, 990, 500, 510]) == [[4, 5], [3, 0, 1], [2]]
+    assert ragged_runs([100, 300, 101, 301]) == [[0, 2], [1, 3]]  # close lengths need not be adjacent rows
+    assert ragged_runs([7, 7, 7], alone=True) == [[0], [1], [2]]
+    assert ragged_runs([5]) == [[0]]
+
+
+def test_a_run_is_a_slice_only_where_its_rows_are_adjacent_and_ascending():
+    assert batch_rows([3, 4, 5]) == slice(3, 6) and batch_rows([2]) == slice(2, 3)
+    assert batch_rows([2, 0]) == [2, 0] and batch_rows([0, 2]) == [0, 2]

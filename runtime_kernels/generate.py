@@ -58,8 +58,8 @@ class StaticKVCache(_HFCache):
 
     :attr:`rows` restricts writes and views to some batch rows: a ragged batch's prefill runs a run of
     rows (or one row) at a time; a slice, or (a run of rows that are not adjacent) a tensor of row indices,
-    which a prefill call writes and then attends as written. During decode steps :attr:`step_pos` ``[B]`` holds each row's write position
-    (one key per row, each at its own position).
+    which a prefill call writes and then attends as written. During decode steps :attr:`step_pos` ``[B]``
+    holds each row's write position (one key per row, each at its own position).
 
     Only the few transformers ``Cache`` members a decoder-only model calls are provided (``update``,
     ``get_seq_length``, ``is_compileable`` and the layer-kind lists mask helpers read); the generator
@@ -104,7 +104,7 @@ class StaticKVCache(_HFCache):
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``key_states, value_states [b, Hkv, n, D]`` of :attr:`rows` at :attr:`write_pos` (a decode
         step: one key per row at :attr:`step_pos`); return the views ``[b, Hkv, view, D]``."""
-        if not isinstance(self.rows, slice):  # a prefill of scattered rows from position 0: the view is what it writes
+        if not isinstance(self.rows, slice):  # scattered rows prefill from position 0: the view is what they write
             n = key_states.shape[2]
             for buf, new in ((self.keys[layer_idx], key_states), (self.values[layer_idx], value_states)):
                 buf[:, :, :n].index_copy_(0, self.rows, new.to(buf.dtype))

@@ -58,7 +58,7 @@ class AttentionCall:
     rotary_emb: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None
     attention_mask: torch.Tensor | None
     cache_len: torch.Tensor | None = None  # [B] valid keys of a static-cache decode step (calib_attention_forward)
-    rows: slice | list[int] | None = None  # the batch rows a prefill call covers (a ragged batch's run of rows); None: all
+    rows: slice | list[int] | None = None  # the batch rows a prefill call covers (a ragged batch's run); None: all
     lengths: list[int] | None = None  # each row's own token count in a padded prefill call (``ragged_prefill``)
 
 

@@ -1,10 +1,11 @@
 """Ragged batches: which rows prefill together, and a prefill method on a padded call, each row as alone.
 
 The static loop (:mod:`runtime_kernels.generate`) prefills rows of close lengths in one call
-(:func:`ragged_runs`), the shorter rows padded after their last token. Dense causal attention is exact on such a batch; a sparse prefill method is not
-(its block selection would see the padding in a row's last query block, its statistics would count it), so a
-runtime that declares ``ragged_prefill = True`` runs its attention on each row's own positions (rows of one
-length in one call) while the model's other layers run the batch at once.
+(:func:`ragged_runs`), the shorter rows padded after their last token. Dense causal attention is exact on
+such a batch; a sparse prefill method is not (its block selection would see the padding in a row's last
+query block, its statistics would count it), so a runtime that declares ``ragged_prefill = True`` runs its
+attention on each row's own positions (rows of one length in one call) while the model's other layers run
+the batch at once.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ buffer under a mask, and a method's per-step work is tens of small kernels per l
 decode step of the whole (unmodified) model in a CUDA graph, gpt-fast style: a step costs one replay.
 
 * Views: the layers see ``cache[:, :, :view]``, ``view`` the valid length rounded up to
-  :attr:`StaticGenerator.bucket`; one graph per view length reached, kept across requests when no decode
-  method is attached (a later request replays it instead of capturing). The valid length lives on the
+  :attr:`StaticGenerator.bucket`; one graph per view length reached, kept across requests when the step
+  reads no state of one request (a later request replays it instead of capturing). The valid length lives on the
   device (``StaticKVCache.length``, ``AttentionCall.cache_len``): no host sync per step.
 * Dense decode steps run flash-decoding on the valid length (the calib attention function is attached
   when nothing is); before each capture the serving policy picks the layers a method runs in
@@ -339,35 +339,46 @@ class StaticGenerator:
         # the previous graph goes only now: a pool whose last graph is gone cannot take a new capture
         self._graph, self._graph_view = graph, view
 
-    def _kept_graphs(self) -> dict[int, torch.cuda.CUDAGraph] | None:
-        """The step graphs kept per view across requests, or None where a graph must be captured anew.
+    def _kept_graphs(self, state: Any) -> dict[tuple[int, frozenset[int]], torch.cuda.CUDAGraph]:
+        """The step graphs kept across requests, by (view, layers served densely); a new attachment drops them.
 
-        A dense step reads only the loop's own buffers (cache, token, positions, lengths) and the weights,
-        so its graph at a view serves every later request that reaches that view: a new request replays
-        instead of warming up and capturing. A decode method's state moves with each prompt (SAAP's index is
-        rebuilt before a capture), so with one attached nothing is kept; a new attachment drops the kept graphs."""
-        state = self._state()
-        if state is None or state.decode is not None:
-            return None
+        A later request that reaches a view replays the kept graph instead of warming up and capturing
+        (the first-to-second-token time of a request). A step may be kept when it reads only the loop's
+        own buffers (cache, token, positions, lengths), the weights and buffers a runtime never replaces
+        (its statistics sums): a dense step, a ``reads_request_state = False`` runtime's, or one in which
+        the attached method ran in no layer (SAAP's layers at ℓ = C, SANTA's samples covering every key,
+        every layer chosen dense). A step that read this request's state (SAAP's index, SANTA's seeds)
+        is captured anew for each request (:meth:`_keeps`)."""
         if state is not self._kept_state:
             self._kept, self._kept_state = {}, state
         return self._kept
 
+    @staticmethod
+    def _keeps(state: Any) -> bool:
+        """Whether the step just captured may serve later requests (:meth:`_kept_graphs`)."""
+        runtime = getattr(state, "decode", None)
+        return (runtime is None or not getattr(runtime, "reads_request_state", True)
+                or not state.static_method_layers)
+
     def _graph_at(self, view: int, times: StepTimes | None) -> None:
-        """Make the step graph for ``view`` current: a kept one, else a new capture (kept where allowed)."""
-        kept = self._kept_graphs()
-        graph = kept.get(view) if kept is not None else None
+        """Make the step graph for ``view`` current: the cache and method state brought to ``view``
+        (:meth:`_before_view`), then a kept graph for it, else a new capture (kept where allowed)."""
+        self._before_view(view)
+        state = self._state()
+        kept = self._kept_graphs(state)
+        key = (view, state.serve_dense if getattr(state, "decode", None) is not None else frozenset())
+        graph = kept.get(key)
         if graph is None:
+            if state is not None:
+                state.static_method_layers = set()
             self._new_graph(view, times)
-            if kept is not None:
-                kept[view] = self._graph
+            if self._keeps(state):
+                kept[key] = self._graph
             return
-        self.cache.view = view  # all a dense step needs of _before_view
         self._graph, self._graph_view = graph, view
 
     def _new_graph(self, view: int, times: StepTimes | None) -> None:
-        """Bring the cache and methods to ``view`` keys, warm up and capture the step's graph."""
-        self._before_view(view)
+        """Warm up and capture the step's graph at ``view`` (the cache and methods already brought there)."""
         frames, t0 = frames_compiled(), time.perf_counter()
         self._warm_up(view)
         t1 = time.perf_counter()
@@ -588,6 +599,7 @@ class FlashDecode:
 
     method = "dense"
     phase = "decode"
+    reads_request_state = False  # a step reads the cache and the weights only: its graphs serve every request
 
     def observe_prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Any) -> None:
         """Nothing to build."""

@@ -77,6 +77,7 @@ class CalibAttention:
     static_lengths: list[int] | None = None  # set by generate.StaticGenerator during a padded prefill of rows
     serve: str = "fastest"  # SERVE_MODES (module docstring)
     serve_dense: frozenset[int] = frozenset()  # layers the current static decode graph runs densely
+    static_method_layers: set[int] = field(default_factory=set)  # layers whose decode method ran in a static step
     prefill_identity: str | None = None  # the prefill artifact's content hash: its timings' cache key
     prefill_chooser: PrefillChooser = field(default_factory=PrefillChooser)
     prefill_guard: PrefillGuard = field(default_factory=PrefillGuard)  # whole prefills (the static loop)
@@ -190,7 +191,10 @@ def attach(model: Any, *, prefill: Any | None = None, decode: Any | None = None,
       reports) and ``stats_checkpoint() -> object`` / ``stats_restore(object)``, with which the static loop
       keeps its uncaptured warm-up steps out of those statistics;
     * optionally ``cost_signature(layer) -> str | None`` (decode): layers of equal signatures cost the same,
-      ``None`` never beats dense (:mod:`runtime_kernels.serving_policy`).
+      ``None`` never beats dense (:mod:`runtime_kernels.serving_policy`);
+    * optionally ``reads_request_state = False`` (decode): its steps read nothing built for one request
+      (FlashDecode), so the static loop replays a step graph captured for an earlier request. Without it
+      a graph is kept across requests only when the method ran in no layer of the step.
     """
     if serve not in SERVE_MODES:
         raise ArtifactError(f"serve must be one of {', '.join(SERVE_MODES)} (got {serve!r})")
@@ -302,6 +306,8 @@ def calib_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         if state.static_len is not None:  # the 4D mask only hides the view's tail: the length says it
             ctx = AttentionCall(module, kwargs.get("position_ids"), state.rotary_emb, None, state.static_len)
         out = state.decode.decode(layer, query, key, value, scale, ctx)
+        if out is not None and state.static_len is not None:
+            state.static_method_layers.add(layer)  # read by the static loop: may its graph serve a later request?
     if out is None and q_len == 1 and state.static_len is not None:  # a dense layer of a static-cache step
         from runtime_kernels.generate import flash_decode
 

@@ -15,6 +15,7 @@ import torch
 
 from runtime_kernels import hf
 from runtime_kernels.generate import StaticGenerator, StepTimes, eager_generate
+from runtime_kernels.saap import SaapDecode
 
 pytestmark = pytest.mark.gpu
 TINY = Path(__file__).resolve().parents[2] / "artifacts" / "models" / "tiny"
@@ -136,8 +137,9 @@ def test_compiled_graphed_static_loop_generates_the_eager_tokens(tiny, name: str
 
 def test_later_requests_replay_the_kept_dense_graphs_and_generate_the_eager_tokens(tiny):
     """Dense decoding keeps each view's step graph across requests: a second prompt of the same length
-    captures nothing, a longer one only its new views, and every request gets its eager tokens. Attaching
-    a decode method drops them (its state moves with each prompt)."""
+    captures nothing, a longer one only its new views, and every request gets its eager tokens. A method
+    that reads its request's state (SANTA's draws) captures for each request; one that runs in no layer
+    (SAAP at ℓ = C) keeps its graphs too."""
     vocab = tiny.config.vocab_size
     prompts = [_prompt(2, 520, vocab), _prompt(2, 520, vocab).flip(1), _prompt(2, 540, vocab)]
     try:
@@ -152,6 +154,12 @@ def test_later_requests_replay_the_kept_dense_graphs_and_generate_the_eager_toke
         again = StepTimes()
         gen.generate(prompts[0], 40, again)
         assert again.captures == 3
+        # SAAP at ℓ = C runs dense attention in every layer: nothing of a request in its step, graphs kept
+        hf.attach(tiny, decode=SaapDecode(_saap(tiny, top_l=16).layers, top_l=16, stats=False))
+        kept = [StepTimes() for _ in prompts[:2]]
+        got = [gen.generate(ids, 40, t) for ids, t in zip(prompts[:2], kept)]
+        assert [t.captures for t in kept] == [3, 0]
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
     finally:
         hf.remove(tiny)
 

@@ -1,0 +1,129 @@
+"""Which decode-step graphs the static loop keeps across requests (runtime_kernels.generate).
+
+A request's first decode step either replays a graph kept from an earlier request or warms up and
+captures one; the capture is the first-to-second-token latency of a small model. On the CPU a capture
+is stood in for by tracing the step eagerly once (what a capture would run through the attention hooks)
+and a replay by running the step eagerly: the keeping rule and the tokens are under test here, the real
+graphs in tests/runtime/test_generate_gpu.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime_kernels import hf
+from runtime_kernels.generate import FlashDecode, StaticGenerator, eager_generate
+from runtime_kernels.santa.runtime import SantaDecode
+from tests.runtime.test_generate import C, _model, _prompt, _saap
+
+pytest.importorskip("transformers")
+
+
+class _EagerGraph:
+    """A captured step stood in for: replaying runs the step at the captured view."""
+
+    def __init__(self, gen: StaticGenerator, view: int) -> None:
+        self.gen, self.view = gen, view
+
+    def replay(self) -> None:
+        with self.gen._decoding(self.view):
+            self.gen._step()
+
+
+@pytest.fixture
+def captures(monkeypatch) -> list[int]:
+    """The views captured, in order, by generators made with :func:`_generator`."""
+    seen: list[int] = []
+
+    def capture(gen: StaticGenerator, view: int) -> None:
+        token, pos = gen.token.clone(), gen.pos.clone()
+        with gen._decoding(view):  # what a capture traces: the hooks record the layers the method ran in
+            gen._step()
+        gen.token.copy_(token)
+        gen.pos.copy_(pos)
+        gen._graph, gen._graph_view = _EagerGraph(gen, view), view
+        seen.append(view)
+
+    monkeypatch.setattr(StaticGenerator, "_warm_up", lambda gen, view: None)
+    monkeypatch.setattr(StaticGenerator, "_capture", capture)
+    return seen
+
+
+def _generator(model, batch: int, max_len: int) -> StaticGenerator:
+    gen = StaticGenerator(model, batch=batch, max_len=max_len, graphs=False, bucket=8)
+    gen.graphs = True  # through _graph_at and _replay, with the stand-ins of ``captures``
+    return gen
+
+
+def _two_requests(model, captures: list[int], new_tokens: int = 12) -> tuple[list[int], list[int], list[torch.Tensor]]:
+    """Two prompts of 40 tokens, then one of 50, on one generator: the views each captured, and the tokens."""
+    prompts = [_prompt(2, 40, seed=1), _prompt(2, 40, seed=2), _prompt(2, 50, seed=3)]
+    gen, per_request, tokens = _generator(model, 2, 64), [], []
+    for ids in prompts:
+        before = len(captures)
+        tokens.append(gen.generate(ids, new_tokens))
+        per_request.append(captures[before:])
+    return per_request, prompts, tokens
+
+
+def test_dense_steps_are_captured_once_per_view_and_replayed_by_later_requests(captures):
+    """Views 48 and 56 for 40 + 12 tokens; the second prompt replays them; the longer one
+    (views 56, 64) captures only 64."""
+    model = _model()
+    per_request, prompts, tokens = _two_requests(model, captures)
+    assert per_request == [[48, 56], [], [64]]
+    assert all(torch.equal(t, eager_generate(model, ids, 12)) for t, ids in zip(tokens, prompts))
+
+
+@pytest.mark.parametrize("runtime", ["saap at every bucket", "flash-decoding", "santa covering every key"])
+def test_a_step_that_reads_no_request_state_serves_later_requests(captures, runtime):
+    """SAAP whose every layer reads every key and S²ANTA drawing at least a row's keys run dense attention in
+    every layer; flash-decoding reads the cache and weights only. Their graphs are kept like dense ones,
+    and the tokens stay dense's."""
+    model = _model()
+    decode = {"saap at every bucket": lambda: _saap(top_l=C, stats=True),
+              "flash-decoding": FlashDecode,
+              "santa covering every key": lambda: SantaDecode([64, 64, 64], tile=16, seed=7, backend="reference")}
+    rt = decode[runtime]()
+    hf.attach(model, decode=rt)
+    try:
+        per_request, prompts, tokens = _two_requests(model, captures)
+    finally:
+        hf.remove(model)
+    assert per_request == [[48, 56], [], [64]]
+    assert all(torch.equal(t, eager_generate(model, ids, 12)) for t, ids in zip(tokens, prompts))
+    if runtime == "saap at every bucket":
+        assert not rt.index  # nothing built for any request
+        assert rt.pop_stats() == {"selectivity": 1.0, "selectivity_with_window": 1.0}
+
+
+@pytest.mark.parametrize("runtime", ["saap", "santa"])
+def test_a_step_that_reads_the_request_state_is_captured_for_each_request(captures, runtime):
+    """SAAP's index and S²ANTA's draws belong to one request: every request captures its own graphs."""
+    model = _model()
+    rt = _saap(top_l=1) if runtime == "saap" else SantaDecode([3, 2, 5], tile=16, seed=7, backend="reference")
+    hf.attach(model, decode=rt)
+    try:
+        per_request, _, _ = _two_requests(model, captures)
+        state = model.calib_attention
+        assert state.static_method_layers  # the method ran in the step
+    finally:
+        hf.remove(model)
+    assert per_request == [[48, 56], [48, 56], [56, 64]]
+
+
+def test_a_new_attachment_drops_the_kept_graphs(captures):
+    """Graphs kept under one attachment are never replayed under another (its layers may differ)."""
+    model = _model()
+    gen, ids = _generator(model, 2, 64), _prompt(2, 40)
+    gen.generate(ids, 4)
+    hf.attach(model, decode=FlashDecode())
+    try:
+        before = len(captures)
+        gen.generate(ids, 4)
+        again = len(captures)
+        gen.generate(ids, 4)
+    finally:
+        hf.remove(model)
+    assert (again - before, len(captures) - again) == (1, 0)

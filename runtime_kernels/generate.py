@@ -217,7 +217,7 @@ class StaticGenerator:
         self.pos = torch.zeros(batch, dtype=torch.long, device=self.device)  # each row's position
         self._graph: torch.cuda.CUDAGraph | None = None
         self._graph_view = -1
-        self._kept: dict[int, torch.cuda.CUDAGraph] = {}  # view -> dense step graph, kept across requests
+        self._kept: dict[int, tuple[Any, dict]] = {}  # id(decode runtime) -> (it, its kept graphs), _kept_graphs
         self._kept_state: Any = None  # the calib state the kept graphs were captured under
         # one memory pool for every graph of this generator: a graph replaced at a new view length
         # returns its memory to the pool once the next one is captured
@@ -340,7 +340,8 @@ class StaticGenerator:
         self._graph, self._graph_view = graph, view
 
     def _kept_graphs(self, state: Any) -> dict[tuple[int, frozenset[int]], torch.cuda.CUDAGraph]:
-        """The step graphs kept across requests, by (view, layers served densely); a new attachment drops them.
+        """The step graphs kept across requests under ``state`` and its decode runtime, by (view, layers
+        served densely); a new attachment drops them.
 
         A later request that reaches a view replays the kept graph instead of warming up and capturing
         (the first-to-second-token time of a request). A step may be kept when it reads only the loop's
@@ -348,10 +349,16 @@ class StaticGenerator:
         (its statistics sums): a dense step, a ``reads_request_state = False`` runtime's, or one in which
         the attached method ran in no layer (SAAP's layers at ℓ = C, SANTA's samples covering every key,
         every layer chosen dense). A step that read this request's state (SAAP's index, SANTA's seeds)
-        is captured anew for each request (:meth:`_keeps`)."""
+        is captured anew for each request (:meth:`_keeps`). Graphs are kept per runtime object (held here,
+        so its id is not reused): a state whose decode runtime is switched off and on again (a benchmark's
+        in-process dense) keeps both sets."""
+        runtime = getattr(state, "decode", None)
         if state is not self._kept_state:
             self._kept, self._kept_state = {}, state
-        return self._kept
+        entry = self._kept.get(id(runtime))
+        if entry is None:
+            entry = self._kept[id(runtime)] = (runtime, {})
+        return entry[1]
 
     @staticmethod
     def _keeps(state: Any) -> bool:

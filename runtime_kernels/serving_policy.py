@@ -21,6 +21,7 @@ Decisions are cached per GPU, signature and shape in memory and in one JSON file
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import threading
@@ -99,8 +100,9 @@ def can_time(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+@functools.lru_cache(maxsize=None)
 def device_key(device: torch.device) -> str:
-    """The GPU model and software a timing holds for."""
+    """The GPU model and software a timing holds for (asked before every new step graph: cached)."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     return f"{name}|torch{torch.__version__}"
 

@@ -127,3 +127,28 @@ def test_a_new_attachment_drops_the_kept_graphs(captures):
     finally:
         hf.remove(model)
     assert (again - before, len(captures) - again) == (1, 0)
+
+
+def test_a_runtime_switched_off_and_on_never_replays_the_other_paths_graphs(captures):
+    """A benchmark's in-process dense switches the decode runtime off on the same attachment: the dense
+    graphs kept meanwhile must not stand in for S²ANTA's steps (which sample) when it is switched back on."""
+    model, ids = _model(), _prompt(2, 40)
+    dense = eager_generate(model, ids, 12)
+    hf.attach(model, decode=SantaDecode([3, 2, 5], tile=16, seed=7, backend="reference"))
+    try:
+        sampled = _generator(model, 2, 64).generate(ids, 12)
+        state, gen = model.calib_attention, _generator(model, 2, 64)
+        runtime, state.decode = state.decode, None
+        off = gen.generate(ids, 12)
+        state.decode = runtime
+        before = len(captures)
+        on = gen.generate(ids, 12)
+        on_captures = captures[before:]
+        state.decode = None
+        before = len(captures)
+        off_again = gen.generate(ids, 12)
+    finally:
+        hf.remove(model)
+    assert not torch.equal(sampled, dense)  # S²ANTA's draws change the tokens here
+    assert torch.equal(off, dense) and torch.equal(off_again, dense) and torch.equal(on, sampled)
+    assert on_captures == [48, 56] and len(captures) == before  # dense replays its kept graphs

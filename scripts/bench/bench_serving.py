@@ -13,11 +13,12 @@ All through :class:`runtime_kernels.generate.StaticGenerator` with ``hf.apply``'
 * TTFT: the prompt's forward pass and first token at ``--ttft-batches``: the median of 15 after one untimed,
   the garbage collector off; every row also times dense alternately in its own process, and its × dense is
   to that figure: for the ``dense`` row that is dense against itself, the noise of a ratio at that point
-* second: from the first token to the second at ``--ttft-batches`` (the method's per-request set-up: SAAP's
-  index build, the step's warm-up and graph capture), host wall time, the median of 3, paired likewise;
+* second: from the first token to the second at ``--ttft-batches`` (a kept graph's replay, or the method's
+  per-request set-up: SAAP's index build, the step's warm-up and graph capture), host wall time, the median of
+  3, paired likewise;
 * ragged: ``--ragged`` rows of lengths spread over [T/4, T], prefilled in runs of close lengths (a row alone
   where none is close) and decoded together; tokens/s of the whole generation (prefill included), the median
-  of 3, paired likewise;
+  of 7 (host-bound: it moves with the host), paired likewise;
 * beside every row: the KV-read floor (the dense K+V bytes of a step / the copy rate measured here),
   the ``no-attention`` step or prefill (everything but attention: the floor of any method), peak GPU memory,
   and the held-out accuracy of the same artifact given with ``--accuracy`` (a ``calib eval`` result JSON).
@@ -66,7 +67,7 @@ from runtime_kernels.ragged import ragged_runs  # noqa: E402
 PREFILL_METHODS = ("sale", "sampleattention")
 TTFT_REPEATS = 15  # timed prefills per TTFT point and path (the medians are reported)
 SECOND_REPEATS = 3  # timed first-to-second-token intervals per point and path (each with a prefill before it)
-RAGGED_REPEATS = 3  # timed generations of the ragged batch per path (host-heavy: graph captures as views grow)
+RAGGED_REPEATS = 7  # timed generations of the ragged batch per path (host-bound: its wall time moves with the host)
 
 
 @dataclass

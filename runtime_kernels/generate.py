@@ -267,14 +267,13 @@ class StaticGenerator:
         runtime = getattr(state, "decode", None) if state is not None else None
         if runtime is None:
             return
-        # keys the shortest row holds at this step (a ragged batch's longer rows attend the rest densely,
-        # runtime_kernels.saap.api.SaapDecode.before_graph); the host knows it anyway: one sync per view
-        valid = int(self.pos.min().item()) + 1
         hook = getattr(runtime, "before_graph", None)
 
         def prepare(layers: set[int] | None) -> None:
             if hook is not None:
-                hook(self.cache, valid, view, layers)
+                # keys the shortest row holds at this step (a ragged batch's longer rows attend the rest
+                # densely, runtime_kernels.saap.api.SaapDecode.before_graph): one host sync per view
+                hook(self.cache, int(self.pos.min().item()) + 1, view, layers)
 
         if state.serve != "fastest":
             state.serve_dense = frozenset()

@@ -37,7 +37,7 @@ def hyperparameters(s: "Settings", keys: int, calib_lengths: list[int], eval_len
                        "excluded": "sink and the final window (positions < sink or >= T - recent)"},
             "classifier": {"hidden": s.hidden, "lr": s.lr, "steps": s.steps, "batch": s.batch,
                            "queries_per_prompt": s.queries_per_prompt, "query_candidates": s.query_candidates,
-                           "seed": s.classifier_seed,
+                           "seed": s.classifier_seed, "heads": s.classifier_heads,
                            "teacher_forced_answer": s.teacher_forced_answer,
                            "optimizer": "adam", "batch_norm": True, "loss": "KL(A·H_k || softmax f_q(q))"},
             "prompts": s.prompts, "calib_lengths": calib_lengths, "eval_length": eval_length,

@@ -1,4 +1,5 @@
-"""SAAP query classifiers: one 2-layer MLP per query head, all heads of a layer as batched weights.
+"""SAAP query classifiers: 2-layer MLPs, one per query head or one per KV head (``group`` query heads
+sharing it, the paper's batched search: arXiv:2502.08246, §5), all of a layer as batched weights.
 
 ``f_q(q) = W2 · relu(BN(W1 q + b1)) + b2`` -> ``C`` logits (Mazaré et al., arXiv:2502.08246, §6.1: hidden 1024,
 batch-norm, ReLU), input the de-RoPE'd query, trained with ``KL(target ‖ softmax f_q(q))`` (Eq. 1) and
@@ -118,18 +119,21 @@ def _batch_rows(step_gen: torch.Generator, n: int, batch: int,
 
 def fit_query_classifiers(x: torch.Tensor, targets: torch.Tensor, *, hidden: int = 1024, lr: float = 1e-3,
                           steps: int = 1000, batch: int = 256, seed: int = 0, head_seeds: list[int] | None = None,
+                          group: int = 1,
                           prompt_index: torch.Tensor | None = None, device: str | torch.device | None = None,
                           progress: bool = True, desc: str = "SAAP classifiers",
                           on_step: Callable[[int, torch.Tensor], None] | None = None, bar: Any = None,
                           ) -> tuple[BatchedQueryClassifier, torch.Tensor]:
-    """Train every head's classifier at once.
+    """Train every classifier of a layer at once.
 
     Args:
         x: ``[Hq, N, D]`` de-RoPE'd queries (row ``n`` of every head comes from the same prompt).
         targets: ``[Hq, N, C]`` rows of ``A·H_k`` (:func:`calib.saap.targets.kl_targets`).
         hidden, lr, steps, batch: MLP width, Adam learning rate, optimizer steps, rows per step.
-        seed: draws the batches (shared by all heads); ``head_seeds`` (default ``seed + h``) initialize
-            head ``h``, so training a subset of heads alone reproduces the batched result.
+        seed: draws the batches (shared by all heads); ``head_seeds`` (default ``seed + c``) initialize
+            classifier ``c``, so training a subset of them alone reproduces the batched result.
+        group: query heads per classifier: 1 (one per query head) or ``Hq / Hkv`` (one per KV head, trained
+            on the ``batch`` rows of each of its query heads: query heads ``c·group .. c·group + group - 1``).
         prompt_index: ``[N]`` prompt of each row; given, each batch comes from one prompt (the paper).
         device: where to train (default: ``x.device``).
         on_step: called as ``on_step(step, loss_per_head [Hq])`` after every step (for tracking).
@@ -137,26 +141,30 @@ def fit_query_classifiers(x: torch.Tensor, targets: torch.Tensor, *, hidden: int
             ``progress`` opens a bar of its own.
 
     Returns:
-        ``(classifier in eval mode on CPU, loss curve [steps, Hq] float32)``.
+        ``(classifier in eval mode on CPU, loss curve [steps, Hq / group] float32)``.
     """
     hq, n, d = x.shape
     if targets.shape[:2] != (hq, n):
         raise ValueError(f"targets {tuple(targets.shape)} do not match queries {tuple(x.shape)}")
+    if group < 1 or hq % group:
+        raise ValueError(f"group must divide the {hq} query heads, got {group}")
+    hc, c = hq // group, targets.shape[2]
     device = x.device if device is None else torch.device(device)
-    seeds = [seed + h for h in range(hq)] if head_seeds is None else head_seeds
-    model = BatchedQueryClassifier(hq, d, targets.shape[2], hidden, seeds=seeds).to(device).train()
+    seeds = [seed + h for h in range(hc)] if head_seeds is None else head_seeds
+    model = BatchedQueryClassifier(hc, d, c, hidden, seeds=seeds).to(device).train()
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     gen = torch.Generator().manual_seed(seed)
-    curve = torch.empty(steps, hq)
+    curve = torch.empty(steps, hc)
     own_bar = bar is None
     bar = _progress(steps, desc, progress) if own_bar else bar
     prompt_rows = _prompt_rows(prompt_index)
     neg_entropy = target_neg_entropy(targets)  # [Hq, N]: the loss's constant term, once per row
     for step in range(steps):
         rows = _batch_rows(gen, n, batch, prompt_rows)
-        xb = x[:, rows].to(device, torch.float32)  # [Hq, b, D]
-        tb = targets[:, rows].to(device, torch.float32)  # [Hq, b, C]
-        loss = kl_loss_per_head(model(xb), tb, neg_entropy[:, rows].to(device))  # [Hq]
+        # [Hq, b, ·] -> [Hc, group·b, ·]: a classifier's batch is the rows of each of its query heads
+        xb = x[:, rows].to(device, torch.float32).reshape(hc, -1, d)
+        tb = targets[:, rows].to(device, torch.float32).reshape(hc, -1, c)
+        loss = kl_loss_per_head(model(xb), tb, neg_entropy[:, rows].to(device).reshape(hc, -1))  # [Hc]
         opt.zero_grad(set_to_none=True)
         loss.sum().backward()  # sum: each head's gradient is its own loss's gradient
         opt.step()

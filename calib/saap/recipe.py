@@ -87,6 +87,7 @@ class Settings:
     query_candidates: int | None
     teacher_forced_answer: bool
     classifier_seed: int
+    classifier_heads: str  # "query": one classifier per query head; "kv": one per KV head (paper §5)
     eval_prompts: int
     eval_queries: int
     eval_length: int | None
@@ -138,6 +139,7 @@ class Settings:
             batch=cl.integer("batch", at_least=1), queries_per_prompt=cl.integer("queries_per_prompt", at_least=1),
             query_candidates=cl.integer("query_candidates", optional=True, at_least=1),
             teacher_forced_answer=cl.flag("teacher_forced_answer"), classifier_seed=cl.integer("seed"),
+            classifier_heads=cl.choice("heads", ("query", "kv")),
             eval_prompts=ev.integer("prompts", at_least=1), eval_queries=ev.integer("queries_per_prompt", at_least=1),
             eval_length=ev.integer("length", optional=True, at_least=1),
             baseline_probe=ev.choice("baseline_probe", ("head", "group", "both")), oracle=ev.flag("oracle"),
@@ -337,15 +339,17 @@ def training_rows(loaded: Any, prompts: Sequence[Any], centroids: dict[int, torc
     return rows
 
 
-def train_layer(rows: TrainingRows, s: Settings, layer: int, device: torch.device,
+def train_layer(rows: TrainingRows, s: Settings, layer: int, device: torch.device, num_kv_heads: int,
                 bar: Any = None) -> tuple[BatchedQueryClassifier, torch.Tensor]:
-    """All query heads of one layer at once -> ``(BatchedQueryClassifier, loss curve [steps, Hq])``; each
-    step's batch comes from one prompt (the paper, App. A).
+    """All classifiers of one layer at once -> ``(BatchedQueryClassifier, loss curve [steps, Hc])``; each
+    step's batch comes from one prompt (the paper, App. A). ``method.classifier.heads=kv``: one classifier
+    per KV head, trained on the queries of its query heads.
 
     ``bar``: the stage's progress bar (one step per optimizer step); None opens one for this layer."""
     x, t, index = rows.tensors()
+    group = x.shape[0] // num_kv_heads if s.classifier_heads == "kv" else 1
     return fit_query_classifiers(x, t, hidden=s.hidden, lr=s.lr, steps=s.steps, batch=s.batch,
-                                 seed=s.classifier_seed, prompt_index=index,
+                                 seed=s.classifier_seed, group=group, prompt_index=index,
                                  device=device, desc=f"saap classifiers, layer {layer}", bar=bar)
 
 
@@ -354,8 +358,8 @@ def classifier_layer(rows: TrainingRows, centroids: torch.Tensor, s: Settings, l
     """One layer's classifiers as :func:`calib.saap.resume.classifier_to_tensors` (params + loss curve)."""
     if bar is not None:
         bar.set_description(f"saap classifiers, layer {layer}")
-    model, curve = train_layer(rows, s, layer, device, bar)
-    log.info("saap: layer %d classifiers, KL %.4f -> %.4f (mean over heads)", layer,
+    model, curve = train_layer(rows, s, layer, device, centroids.shape[0], bar)  # centroids [Hkv, C, D]
+    log.info("saap: layer %d classifiers, KL %.4f -> %.4f (mean over classifiers)", layer,
              float(curve[0].mean()), float(curve[-1].mean()))
     return resume.classifier_to_tensors(model.layer_params(centroids, sink=s.sink, recent=s.recent), curve)
 

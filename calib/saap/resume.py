@@ -8,7 +8,7 @@ started again with the same config loads the finished layers and computes only t
   (``x.<i>``, ``targets.<i>``, ...) plus ``prompt [P]``; the second pass runs only over the layers
   without a file (every layer's rows depend on its own centroids and sampling seed alone);
 * ``classifier``: the layer's :class:`SaapLayerParams` tensors (``params.<field>``) and its loss
-  curve ``curve [steps, Hq]``.
+  curve ``curve [steps, Hc]`` (one column per classifier).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def checkpointed_rows(ckpt: StageCheckpoints, layers: list[int], compute: Callab
 
 
 def classifier_to_tensors(params: SaapLayerParams, curve: torch.Tensor) -> dict[str, torch.Tensor]:
-    """A layer's runtime record and loss curve ``[steps, Hq]`` as one flat tensor dict."""
+    """A layer's runtime record and loss curve ``[steps, Hc]`` as one flat tensor dict."""
     return {**params.to_tensors(prefix="params."), "curve": curve,
             "bn_eps": torch.tensor(params.bn_eps, dtype=torch.float64)}
 

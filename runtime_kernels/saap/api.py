@@ -256,7 +256,8 @@ class SaapDecode:
         p = self.layers[layer]
         if p.dense or p.w1 is None or self.reads_every_key(layer):
             return None
-        return (f"saap|C{p.w2.shape[-1]}|l{self.layer_top_l(layer)}|hidden{p.w1.shape[-1]}|sink{p.sink}|"
+        return (f"saap|C{p.w2.shape[-1]}|l{self.layer_top_l(layer)}|hidden{p.w1.shape[-1]}|"
+                f"classifiers{p.num_classifiers}|sink{p.sink}|"
                 f"recent{p.recent}|stats{int(self.stats)}|{self.impl}")
 
     def _query_derope(self, layer: int, q: torch.Tensor, ctx, first: int) -> torch.Tensor:

@@ -38,22 +38,26 @@ _ASSIGN_BUDGET = 1 << 24  # elements of one [..., chunk, C] distance buffer in t
 class SaapLayerParams:
     """What SAAP calibrated for one layer (``dense=True``: plain attention, no other tensor needed).
 
-    Classifier of query head ``h``: ``logits = relu(bn(q @ w1[h] + b1[h])) @ w2[h] + b2[h]`` with
+    Classifier ``h``: ``logits = relu(bn(q @ w1[h] + b1[h])) @ w2[h] + b2[h]`` with
     ``bn(x) = (x - bn_mean[h]) / sqrt(bn_var[h] + bn_eps) * bn_weight[h] + bn_bias[h]`` (eval mode).
+    There are ``Hc`` classifiers, ``Hc`` a multiple of ``Hkv`` dividing ``Hq``: one per query head
+    (``Hc = Hq``), or one per KV head (``Hc = Hkv``) applied to each of the group's queries, the paper's
+    batched search (arXiv:2502.08246, §5: ``Σᵢ f_q(qᵢ)`` as one matrix-matrix product). Query head ``h``
+    uses classifier ``h // (Hq / Hc)``.
     """
 
     sink: int  # leading positions always attended densely (1)
     recent: int  # most recent positions attended densely (window - sink; 2047 for llama31)
     dense: bool = False  # layer 0 in the paper: plain attention
     centroids: torch.Tensor | None = None  # [Hkv, C, D] float32, k-means on de-RoPE'd keys
-    w1: torch.Tensor | None = None  # [Hq, D, Hd]
-    b1: torch.Tensor | None = None  # [Hq, Hd]
-    bn_mean: torch.Tensor | None = None  # [Hq, Hd] running mean
-    bn_var: torch.Tensor | None = None  # [Hq, Hd] running variance
-    bn_weight: torch.Tensor | None = None  # [Hq, Hd]
-    bn_bias: torch.Tensor | None = None  # [Hq, Hd]
-    w2: torch.Tensor | None = None  # [Hq, Hd, C]
-    b2: torch.Tensor | None = None  # [Hq, C]
+    w1: torch.Tensor | None = None  # [Hc, D, Hd]
+    b1: torch.Tensor | None = None  # [Hc, Hd]
+    bn_mean: torch.Tensor | None = None  # [Hc, Hd] running mean
+    bn_var: torch.Tensor | None = None  # [Hc, Hd] running variance
+    bn_weight: torch.Tensor | None = None  # [Hc, Hd]
+    bn_bias: torch.Tensor | None = None  # [Hc, Hd]
+    w2: torch.Tensor | None = None  # [Hc, Hd, C]
+    b2: torch.Tensor | None = None  # [Hc, C]
     bn_eps: float = 1e-5
 
     TENSOR_FIELDS = ("centroids", "w1", "b1", "bn_mean", "bn_var", "bn_weight", "bn_bias", "w2", "b2")
@@ -68,8 +72,8 @@ class SaapLayerParams:
         if missing:
             raise ValueError(f"SAAP layer is not dense but lacks tensors {missing}")
         hkv, c, d = self.centroids.shape
-        hq, d1, hd = self.w1.shape
-        if d1 != d or self.w2.shape != (hq, hd, c) or hq % hkv:
+        hc, d1, hd = self.w1.shape
+        if d1 != d or self.w2.shape != (hc, hd, c) or hc % hkv:
             raise ValueError(f"SAAP tensor shapes disagree: centroids {tuple(self.centroids.shape)}, "
                              f"w1 {tuple(self.w1.shape)}, w2 {tuple(self.w2.shape)}")
 
@@ -82,7 +86,8 @@ class SaapLayerParams:
         return int(self.centroids.shape[0])
 
     @property
-    def num_heads(self) -> int:
+    def num_classifiers(self) -> int:
+        """``Hc``: one classifier per query head, or one per KV head (class docstring)."""
         return int(self.w1.shape[0])
 
     def to_tensors(self, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -353,18 +358,34 @@ class BucketIndex:
 # --------------------------------------------------------------------------------------------------
 
 
+def classifier_rows(q: torch.Tensor, classifiers: int) -> torch.Tensor:
+    """``q [B, Hq, D]`` as each classifier's batch: ``[B·G, Hc, D]``, row ``b·G + g`` holding query head
+    ``c·G + g`` of row ``b`` for classifier ``c`` (``G = Hq / Hc``; the identity's layout for ``G = 1``)."""
+    b, hq, d = q.shape
+    g = hq // classifiers
+    return q.view(b, classifiers, g, d).transpose(1, 2).reshape(b * g, classifiers, d)
+
+
+def query_head_logits(logits: torch.Tensor, batch: int) -> torch.Tensor:
+    """Inverse of :func:`classifier_rows` on the classifiers' output: ``[B·G, Hc, C]`` -> ``[B, Hq, C]``."""
+    rows, hc, c = logits.shape
+    g = rows // batch
+    return logits.reshape(batch, g, hc, c).transpose(1, 2).reshape(batch, hc * g, c)
+
+
 def classify_queries(q_derope: torch.Tensor, params: SaapLayerParams) -> torch.Tensor:
     """Bucket probabilities per query head: ``q_derope [B, Hq, D]`` -> ``[B, Hq, C]`` (softmax, float32).
 
-    The 2-layer MLP of every head at once (batch-norm in eval mode, i.e. with running statistics).
-    """
-    x = q_derope.float().transpose(0, 1)  # [Hq, B, D]
-    h = torch.baddbmm(params.b1.float().unsqueeze(1), x, params.w1.float())  # [Hq, B, Hd]
+    Every classifier's 2-layer MLP at once (batch-norm in eval mode, i.e. with running statistics); a
+    classifier shared by a KV head's query heads takes their queries as rows of one batch."""
+    b = q_derope.shape[0]
+    x = classifier_rows(q_derope.float(), params.num_classifiers).transpose(0, 1)  # [Hc, B·G, D]
+    h = torch.baddbmm(params.b1.float().unsqueeze(1), x, params.w1.float())  # [Hc, B·G, Hd]
     inv = torch.rsqrt(params.bn_var.float() + params.bn_eps)
     h = (h - params.bn_mean.float().unsqueeze(1)) * (inv * params.bn_weight.float()).unsqueeze(1)
     h = torch.relu(h + params.bn_bias.float().unsqueeze(1))
-    logits = torch.baddbmm(params.b2.float().unsqueeze(1), h, params.w2.float())  # [Hq, B, C]
-    return torch.softmax(logits, -1).transpose(0, 1)
+    logits = torch.baddbmm(params.b2.float().unsqueeze(1), h, params.w2.float())  # [Hc, B·G, C]
+    return torch.softmax(query_head_logits(logits.transpose(0, 1), b), -1)
 
 
 def rank_buckets(probs: torch.Tensor, group: int, top_l: int) -> torch.Tensor:

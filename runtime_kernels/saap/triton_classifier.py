@@ -1,5 +1,5 @@
 """SAAP's per-step bucket selection in Triton (Mazaré et al., arXiv:2502.08246, §4, App. F):
-the query classifier MLP of every query head (``q_derope @ w1 + b1``, eval batch-norm, ReLU,
+the query classifier MLP of every query head or KV head (``q_derope @ w1 + b1``, eval batch-norm, ReLU,
 ``@ w2 + b2``), then the top-ℓ buckets of each KV head (:mod:`runtime_kernels.saap.triton_rank`), on the
 GPU without a host sync.
 
@@ -14,17 +14,22 @@ from __future__ import annotations
 import torch
 
 from runtime_kernels.saap import triton_config as _tc
-from runtime_kernels.saap.reference import SaapLayerParams
+from runtime_kernels.saap.reference import SaapLayerParams, classifier_rows, query_head_logits
 from runtime_kernels.saap.triton_classifier_large_batch import large_batch_logits
 from runtime_kernels.saap.triton_classifier_small_batch import small_batch_logits
 from runtime_kernels.saap.triton_rank import saap_rank_buckets_triton
 
 
 def _logits(q_derope: torch.Tensor, params: SaapLayerParams) -> torch.Tensor:
-    """The classifier path of this batch size (logits ``[B, Hq, C]`` float32, possibly a strided view)."""
+    """The classifier path of this batch size (logits ``[B, Hq, C]`` float32, possibly a strided view).
+    Classifiers shared by a KV head's query heads see the group's queries as batch rows
+    (:func:`reference.classifier_rows`): each classifier's weights are read once for all of them."""
     if params.w1.device != q_derope.device:
         raise ValueError(f"classifier weights on {params.w1.device}, query on {q_derope.device}")
-    if q_derope.shape[0] <= _tc.CONFIG.small_batch_max_b:
+    b, hq, _ = q_derope.shape
+    if params.num_classifiers != hq:
+        return query_head_logits(_logits(classifier_rows(q_derope, params.num_classifiers), params), b)
+    if b <= _tc.CONFIG.small_batch_max_b:
         return small_batch_logits(q_derope, params)
     return large_batch_logits(q_derope, params)
 

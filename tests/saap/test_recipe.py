@@ -281,6 +281,32 @@ def test_per_layer_default_l_is_written_and_applied(model_dir, loaded, tmp_path)
     torch.testing.assert_close(sparse, dense, atol=2e-4, rtol=1e-4)
 
 
+def test_one_classifier_per_kv_head_is_trained_written_and_served(model_dir, loaded, tmp_path):
+    """``method.classifier.heads=kv`` (the paper's batched search): the artifact holds one classifier per KV
+    head, the runtime applies it to each of the group's query heads (ℓ = C: decode equals dense attention;
+    ℓ = 1: it reads a fraction of the keys), and the report's table has every ℓ."""
+    from runtime_kernels import hf
+    from runtime_kernels.artifact import load_artifact
+    from runtime_kernels.saap import SaapDecode
+
+    res = run_recipe(tmp_path, overrides(model_dir, "method.classifier.heads=kv"))
+    art = load_artifact(res["artifact_dir"], method="saap")
+    assert art.manifest.hyperparameters["classifier"]["heads"] == "kv"
+    layer = SaapDecode.from_artifact(art, loaded.model).layers[1]
+    assert layer.w1.shape[0] == ARCH["num_kv_heads"] and layer.w2.shape == (ARCH["num_kv_heads"], 32, C)
+    saap = {r["l"]: r for r in art.manifest.payload["eval_table"] if r["method"] == "saap"}
+    assert saap[C]["selectivity"] == pytest.approx(1.0) and saap[1]["selectivity"] < 1.0
+    model = loaded.model
+    ids = torch.randint(20, 200, (1, 150), generator=torch.Generator().manual_seed(1))
+    dense = _decode_logits(model, ids, [5, 17, 42])
+    hf.apply(model, res["artifact_dir"])  # the artifact's ℓ = C
+    try:
+        sparse = _decode_logits(model, ids, [5, 17, 42])
+    finally:
+        hf.remove(model)
+    torch.testing.assert_close(sparse, dense, atol=2e-4, rtol=1e-4)
+
+
 def test_foreign_model_is_refused(result):
     from calib.data.tokenizer import build_tiny_backend
     from calib.models import random_model
@@ -313,6 +339,7 @@ def test_foreign_model_is_refused(result):
     (["method.top_l_layers=[1,2]"], "method.top_l_layers must map layer numbers to ℓ"),
     (["method.eval.baseline_probe=all"], "method.eval.baseline_probe must be one of head, group, both"),
     (["method.report=some"], "method.report must be one of artifact, full"),
+    (["method.classifier.heads=all"], "method.classifier.heads must be one of query, kv"),
 ])
 def test_validate_errors(model_dir, extra, message):
     from calib.config import compose

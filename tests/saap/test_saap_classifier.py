@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -84,3 +85,31 @@ def test_loss_with_precomputed_entropy_equals_kl_in_float64():
     assert neg_h.shape == (3, 40)
     torch.testing.assert_close(kl_loss_per_head(logits, t, neg_h).double(), expect, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(kl_loss_per_head(logits, t).double(), expect, rtol=1e-5, atol=1e-6)
+
+
+def test_a_kv_head_classifier_fits_the_teacher_of_its_own_query_heads():
+    """``group=2`` over 4 query heads: classifier 0 trains on heads 0-1 (teacher A), classifier 1 on heads
+    2-3 (teacher B); each fits its own group's teacher, not the other's, and the runtime applies it to
+    each of its query heads."""
+    xa, ta = _teacher(hq=1, n=1024, seed=1)
+    xb, tb = _teacher(hq=1, n=1024, seed=2)
+    x, t = torch.cat([xa, xa, xb, xb]), torch.cat([ta, ta, tb, tb])  # [4, N, ·]
+    model, curve = fit_query_classifiers(x, t, hidden=64, lr=3e-3, steps=200, batch=64, group=2, progress=False)
+    assert model.w1.shape[0] == 2 and curve.shape == (200, 2)
+    with torch.no_grad():
+        own = kl_loss_per_head(model(torch.cat([xa, xb])), torch.cat([ta, tb]))
+        crossed = kl_loss_per_head(model(torch.cat([xb, xa])), torch.cat([tb, ta]))
+    assert (own < 0.25 * curve[:5].mean(0)).all() and (crossed > 4 * own).all(), (own, crossed)
+    params = model.layer_params(torch.randn(2, 6, 8), sink=1, recent=7)  # 2 KV heads of 2 query heads
+    q = torch.stack([xa[0, :5], xa[0, :5], xb[0, :5], xb[0, :5]], 1)  # [B, Hq, D]
+    probs = classify_queries(q, params)
+    assert torch.allclose(probs[:, 0], probs[:, 1]) and torch.allclose(probs[:, 2], probs[:, 3])
+    with torch.no_grad():
+        expect = torch.softmax(model.eval()(torch.stack([xa[0, :5], xb[0, :5]])), -1)  # [2, B, C]
+    assert torch.allclose(probs[:, 0], expect[0], atol=1e-6) and torch.allclose(probs[:, 2], expect[1], atol=1e-6)
+
+
+def test_group_must_divide_the_query_heads():
+    x, t = _teacher(hq=3, n=64)
+    with pytest.raises(ValueError, match="group must divide the 3 query heads"):
+        fit_query_classifiers(x, t, steps=1, group=2, progress=False)

@@ -123,13 +123,16 @@ def smoke_model(device: str):
 
 
 # ------------------------------------------------------------------------------------------ methods
-def saap_runtime(model, cache, t: int, *, top_l: int, clusters: int, hidden: int, window: int, seed: int = 0):
+def saap_runtime(model, cache, t: int, *, top_l: int, clusters: int, hidden: int, window: int, seed: int = 0,
+                 classifiers: str = "query"):
     """A SAAP runtime whose centroids are a 5-iteration k-means (calib's torch backend, on the GPU) of
     each KV head's own de-RoPE'd prompt keys outside the window, as calibration would fit them (layer 0
-    dense), with every layer's index built from ``cache`` (``t`` prompt keys). Returns the runtime and
-    the mean share of the bucket keys that lie in the ℓ largest buckets (the worst case of a step)."""
+    dense), with every layer's index built from ``cache`` (``t`` prompt keys); random classifiers, one
+    per query head or (``classifiers="kv"``) one per KV head. Returns the runtime and the mean share of
+    the bucket keys that lie in the ℓ largest buckets (the worst case of a step)."""
     cfg = model.config
-    hq, d = cfg.num_attention_heads, cfg.head_dim
+    d = cfg.head_dim
+    hq = cfg.num_key_value_heads if classifiers == "kv" else cfg.num_attention_heads  # classifiers per layer
     dev = cache.keys[0].device
     wdt = cache.keys[0].dtype
     rotary = model.model.rotary_emb
@@ -277,8 +280,9 @@ def run_cell(method: str, t: int, b: int, compiled: bool, args: argparse.Namespa
         win, top_l = (args.saap_window, args.saap_top_l) if not args.smoke else (64, 4)
         decode, share = saap_runtime(model, gen.cache, t, top_l=top_l,
                                      clusters=1024 if not args.smoke else 16, hidden=1024 if not args.smoke else 32,
-                                     window=win)
-        row.notes_info = f"l = {top_l}, window {win}: top-l buckets hold <= {share:.1%} of the bucket keys"
+                                     window=win, classifiers=args.saap_classifiers)
+        row.notes_info = (f"l = {top_l}, window {win}, a classifier per {args.saap_classifiers} head: top-l buckets "
+                          f"hold <= {share:.1%} of the bucket keys")
     elif method == "dense-flash":
         decode = FlashDecode()
     elif method == "no-attention":
@@ -362,7 +366,8 @@ def run_child(method: str, t: int, b: int, compiled: bool, args: argparse.Namesp
     cmd = [sys.executable, __file__, "--one", f"{method}@{t}x{b}", "--steps", str(args.steps),
            "--density", str(args.density), "--compile", "on" if compiled else "off"]
     cmd += ["--layers", str(args.layers)] if args.layers else []
-    cmd += ["--saap-top-l", str(args.saap_top_l), "--saap-window", str(args.saap_window)]
+    cmd += ["--saap-top-l", str(args.saap_top_l), "--saap-window", str(args.saap_window),
+            "--saap-classifiers", args.saap_classifiers]
     cmd += ["--smoke"] if args.smoke else []
     cmd += ["--profile"] if args.profile else []
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -428,6 +433,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--density", type=float, default=0.10, help="planted prefill mask density (0: the selection's)")
     ap.add_argument("--saap-top-l", type=int, default=32, help="SAAP's buckets per step (l)")
     ap.add_argument("--saap-window", type=int, default=2048, help="SAAP's dense window (sink + recent keys)")
+    ap.add_argument("--saap-classifiers", choices=("query", "kv"), default="query",
+                    help="one SAAP classifier per query head, or per KV head (the paper's batched search, §5)")
     ap.add_argument("--layers", type=int, default=None, help="fewer layers than the model's (debugging)")
     ap.add_argument("--json", type=Path, default=None, help="write every row here")
     ap.add_argument("--profile", action="store_true", help="print each cell's kernel times (stderr)")

@@ -60,3 +60,13 @@ def test_report_reprints_a_saved_run(tmp_path, capsys):
     assert "MET" in lines["saap T=131072 B=1 l=32"] and "3.20" in lines["saap T=131072 B=1 l=32"]
     assert "MISSED by 1.25x" in lines["saap T=131072 B=8 l=32"]
     assert bench_decode.load_rows(path)[1].t_us == 40.0
+
+
+def test_generate_bench_runs_saap_with_a_classifier_per_kv_head():
+    """``bench_generate.py --saap-classifiers kv``: the 8B-shape SAAP step with the paper's shared classifiers."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench" / "bench_generate.py"), "--smoke",
+                           "--methods", "saap", "--saap-classifiers", "kv"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "a classifier per kv head" in proc.stdout and "Traceback" not in proc.stdout

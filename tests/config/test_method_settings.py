@@ -55,6 +55,9 @@ SANTA_SMOLLM2_LADDER = {"method.deploy.budgets_per_layer": [32, 64, 128, 256, 51
 CHANGED = {("saap", "smollm2"): SAAP_BOOKS, **{("sampleattention", m): c for m, c in SAMPLEATTENTION_BOOKS.items()},
            **{("santa", m): SANTA_BOUND for m in MODELS},
            ("santa", "smollm2"): {**SANTA_BOUND, **SANTA_SMOLLM2_LADDER}}
+# Keys added since, with the value every model gets: SAAP's classifier layout (one per query head; "kv" is
+# the paper's classifier per KV head).
+ADDED = {"saap": {"method.classifier.heads": "query"}}
 # The data a method selects for a real model instead of the model's own: (data.tasks, data.synthetic_share).
 BOOKS_DATA = {"saap": (["book_needle", "book_needle_word", "book_multineedle"], 0.5),
               "sampleattention": (["book_needle"], 0.667)}
@@ -93,7 +96,7 @@ def test_method_node_resolves_as_before(method: str, model: str) -> None:
     cfg = compose([f"+method={method}", f"model={model}"])
     before = BEFORE["method"][f"{method}/{model}"]
     expected = without(before["method"], "method", REMOVED)
-    expected = with_values(expected, "method", CHANGED.get((method, model), {}))
+    expected = with_values(expected, "method", {**ADDED.get(method, {}), **CHANGED.get((method, model), {})})
     assert resolved(cfg, "method") == expected
     if "rl" in before:
         assert resolved(cfg, "rl") == before["rl"]

@@ -16,7 +16,7 @@ import torch
 from runtime_kernels.saap import SaapLayerParams, classify_queries, rank_buckets
 from runtime_kernels.saap.reference import classifier_rows, query_head_logits
 
-CLASSIFIER_FIELDS = ("w1", "b1", "bn_mean", "bn_var", "bn_weight", "bn_bias", "w2", "b2")
+CLASSIFIER_FIELDS = tuple(n for n in SaapLayerParams.TENSOR_FIELDS if n != "centroids")
 
 
 def _per_query_head(p: SaapLayerParams, group: int) -> SaapLayerParams:
@@ -79,9 +79,9 @@ tconf = pytest.importorskip("runtime_kernels.saap.triton_config")
 @pytest.fixture
 def small_tiles(monkeypatch):
     """NaN-poisoned buffers and tiles small enough to walk several of each (tests/runtime/saap/test_saap_triton.py)."""
-    cfg = replace(tconf.CONFIG, poison=True, block_n=16, min_win_steps=2, max_win_tiles=4, linear_block_k=16,
-                  linear_block_n=16, merge_block_p=4, merge_block_d=16, gemv1_block_n=16, gemv_block_k=16)
-    monkeypatch.setattr(tconf, "CONFIG", cfg)
+    from tests.runtime.saap.test_saap_triton import SMALL_TILES
+
+    monkeypatch.setattr(tconf, "CONFIG", replace(tconf.CONFIG, poison=True, **SMALL_TILES))
     return monkeypatch
 
 

@@ -30,14 +30,18 @@ from runtime_kernels.saap import (  # noqa: E402
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+# tiles small enough that a tiny shape walks several of each, with ragged tails
+SMALL_TILES = dict(block_n=16, min_win_steps=2, max_win_tiles=4, linear_block_k=16, linear_block_n=16,
+                   merge_block_p=4, merge_block_d=16, gemv1_block_n=16, gemv_block_k=16)
+
+
 @pytest.fixture(autouse=True)
 def _poisoned_small_tiles(monkeypatch, request):
     """NaN-poisoned buffers; for the tiny-shape tests 16-key steps, 32-key window tiles, 4 partials per
     merge step and 16-wide classifier / merge tiles (several of each, ragged tails)."""
     cfg = replace(tconf.CONFIG, poison=True)
     if request.node.get_closest_marker("gpu") is None:
-        cfg = replace(cfg, block_n=16, min_win_steps=2, max_win_tiles=4, linear_block_k=16, linear_block_n=16,
-                      merge_block_p=4, merge_block_d=16, gemv1_block_n=16, gemv_block_k=16)
+        cfg = replace(cfg, **SMALL_TILES)
     monkeypatch.setattr(tconf, "CONFIG", cfg)
 
 

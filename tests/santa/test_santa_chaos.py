@@ -126,13 +126,21 @@ class Chaos:
         self.garbage.append(name)
 
 
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
 def kill_mid_write(chaos: Chaos) -> Path:
     """A worker that writes its file slowly, killed while its hidden temp file is half written."""
     proc = chaos.start_worker("--line-delay-s", "2.0")
     wid = f"w{chaos.seeds}"
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        temps = [p for p in temp_files(chaos.root / "inbox") if f"-{wid}-" in p.name]
+        # the temp file is created empty, then written a line at a time: wait for its first line
+        temps = [p for p in temp_files(chaos.root / "inbox") if f"-{wid}-" in p.name and _size(p) > 0]
         if temps:
             break
         time.sleep(0.01)

@@ -37,29 +37,24 @@ def derope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.d
     return pre if dtype is None else pre.to(dtype)
 
 
-_HALF: dict[tuple[int, str], torch.Tensor] = {}
+def derope_coefficients(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """De-RoPE at one position per batch row as two vectors: ``cos, sin [B, D]`` -> ``[B, 2, D]`` float32
+    ``(a, s)`` with ``derope(x)[i] = x[i]·a[i] + x[(i + D/2) mod D]·s[i]`` for any ``x [..., D]`` of row ``b``.
 
-
-def _rotate_half_matrix(d: int, device: torch.device) -> torch.Tensor:
-    """``R [D, D]`` float32 with ``rotate_half(x) = x @ R`` (cached per device: built once, never in a graph)."""
-    key = (d, str(device))
-    if key not in _HALF:
-        i = torch.arange(d // 2)
-        half = torch.zeros(d, d)
-        half[i + d // 2, i] = -1.0
-        half[i, i + d // 2] = 1.0
-        _HALF[key] = half.to(device)
-    return _HALF[key]
-
-
-def derope_matrix(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """De-RoPE at one position per batch row as a linear map: ``cos, sin [B, D]`` -> ``M [B, D, D]``
-    float32 with ``derope(x) = x @ M[b]`` for any ``x [..., D]`` of row ``b``.
-
-    ``M = diag(c / r) − R·diag(n / r)`` with ``r = c² + n²`` and ``R`` the matrix of :func:`rotate_half`:
-    one batched matmul per use instead of a dozen element-wise kernels (SAAP de-RoPEs every layer's
-    decode query at the same position).
+    From :func:`derope`: ``a = c / r`` and ``s = ±n / r`` (``r = c² + n²``; ``+`` on the first half, where
+    ``−rotate_half`` brings ``x[i + D/2]``, ``−`` on the second). Two multiply-adds per element, which a
+    kernel can apply as it loads the RoPE'd query (SAAP's classifier does, :func:`derope_at` otherwise).
     """
     c, n = cos.float(), sin.float()
     den = c * c + n * n
-    return torch.diag_embed(c / den) - _rotate_half_matrix(c.shape[-1], c.device)[None] * (n / den)[:, None, :]
+    s = n / den
+    s[..., c.shape[-1] // 2:].neg_()
+    return torch.stack((c / den, s), dim=-2)
+
+
+def derope_at(x: torch.Tensor, coefficients: torch.Tensor) -> torch.Tensor:
+    """:func:`derope` of ``x [B, H, D]`` (one position per batch row) from :func:`derope_coefficients`'
+    ``[B, 2, D]``, in float32."""
+    post = x.float()
+    a, s = coefficients[:, None, 0], coefficients[:, None, 1]
+    return post * a + torch.roll(post, -(x.shape[-1] // 2), dims=-1) * s

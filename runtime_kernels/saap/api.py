@@ -10,10 +10,11 @@ from typing import Any
 import torch
 
 from runtime_kernels.errors import ArtifactError
-from runtime_kernels.rope import derope, derope_matrix
+from runtime_kernels.rope import derope, derope_coefficients
 from runtime_kernels.saap.reference import (
     BucketIndex,
     SaapLayerParams,
+    classifier_input,
     classify_queries,
     rank_buckets,
     saap_decode_attention_reference,
@@ -30,8 +31,9 @@ def _triton_module() -> ModuleType | None:
 
 def saap_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           state: BucketIndex | None, artifact_layer: SaapLayerParams, *, top_l: int,
-                          q_derope: torch.Tensor | None = None, scale: float | None = None,
-                          impl: str = "auto", cache_len: torch.Tensor | None = None) -> torch.Tensor:
+                          q_derope: torch.Tensor | None = None, query_rotation: torch.Tensor | None = None,
+                          scale: float | None = None, impl: str = "auto",
+                          cache_len: torch.Tensor | None = None) -> torch.Tensor:
     """SAAP attention of one decode step of one layer.
 
     Args:
@@ -40,7 +42,11 @@ def saap_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         state: the layer's :class:`BucketIndex` covering the ``T`` keys (``None`` for a dense layer).
         artifact_layer: the layer's :class:`SaapLayerParams`.
         top_l: buckets visited per KV head (ℓ).
-        q_derope: ``[B, Hq, D]`` query without RoPE (classifier input); required unless dense.
+        q_derope: ``[B, Hq, D]`` query without RoPE (the classifier's input, in its weights' dtype).
+        query_rotation: instead of ``q_derope``, ``[B, 2, D]`` float32 de-RoPE coefficients of the query's
+            position (:func:`runtime_kernels.rope.derope_coefficients`): the classifier de-RoPEs ``q``
+            itself (the Triton kernel as it loads it), rounding to its weights' dtype. A non-dense layer
+            needs exactly one of the two.
         scale: softmax scale, ``1/sqrt(D)`` by default.
         impl: ``"auto"`` (Triton when ``q.is_cuda`` and the kernel imports), ``"reference"``, ``"triton"``.
         cache_len: ``[B]`` int64 valid keys when ``k_cache, v_cache`` are views of a preallocated cache
@@ -52,14 +58,17 @@ def saap_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     """
     if impl not in ("auto", "reference", "triton"):
         raise ValueError(f"impl must be auto, reference or triton, got {impl!r}")
-    if not artifact_layer.dense and q_derope is None:
-        raise ValueError("saap_decode_attention needs q_derope (the de-RoPE'd query) for a non-dense layer")
+    if not artifact_layer.dense and (q_derope is None) == (query_rotation is None):
+        raise ValueError("a non-dense SAAP layer needs exactly one of q_derope and query_rotation")
     kernel = _triton_module() if impl != "reference" and (q.is_cuda or impl == "triton") else None
     if impl == "triton" and kernel is None:
         raise RuntimeError("the SAAP Triton kernel is not available (runtime_kernels.saap.triton did not import)")
     if kernel is not None:
         return kernel.saap_decode_attention_triton(q, q_derope, k_cache, v_cache, state, artifact_layer,
-                                                   top_l=top_l, scale=scale, cache_len=cache_len)
+                                                   top_l=top_l, scale=scale, cache_len=cache_len,
+                                                   query_rotation=query_rotation)
+    if query_rotation is not None and not artifact_layer.dense:
+        q_derope = classifier_input(q, query_rotation, artifact_layer)
     if cache_len is not None:
         t = int(cache_len.max())
         k_cache, v_cache = k_cache[:, :, :t], v_cache[:, :, :t]
@@ -130,7 +139,7 @@ class SaapDecode:
         self.stats = stats
         self.index: dict[int, BucketIndex] = {}
         self._prefill_ctx: AttentionPositions | None = None  # the rotary module, for before_graph
-        self._rot: torch.Tensor | None = None  # [B, D, D] de-RoPE map of this step's query position
+        self._rot: torch.Tensor | None = None  # [B, 2, D] de-RoPE coefficients of this step's query position
         self._rot_layer = -1  # the layer that used it last: a lower or equal one starts a new step
         self._on_device: dict[tuple[int, str], SaapLayerParams] = {}
         self._sums: torch.Tensor | None = None  # [selectivity, selectivity_with_window, count] summed
@@ -158,7 +167,8 @@ class SaapDecode:
         sums[2].add_(entries)
 
     def _record(self, layer: int, q_de: torch.Tensor, idx: BucketIndex, t: int | torch.Tensor) -> None:
-        """Add this step's visited fractions for layer ``layer`` (``q_de [B, Hq, D]``) to the sums, in place.
+        """Add this step's visited fractions for layer ``layer`` (``q_de [B, Hq, D]``, the classifier's
+        input) to the sums, in place.
 
         ``t``: the valid keys, an int (eager) or ``cache_len [B]`` on the device (a static-cache step,
         whose view ``k`` is longer). A static step's index lags the cache (:meth:`advance`): the keys in
@@ -260,18 +270,17 @@ class SaapDecode:
                 f"classifiers{p.num_classifiers}|sink{p.sink}|"
                 f"recent{p.recent}|stats{int(self.stats)}|{self.impl}")
 
-    def _query_derope(self, layer: int, q: torch.Tensor, ctx, first: int) -> torch.Tensor:
-        """The de-RoPE'd query ``[B, Hq, D]`` (float32) of ``q [B, Hq, 1, D]`` at its position.
-
-        De-RoPE at one position is a linear map (:func:`runtime_kernels.rope.derope_matrix`): ``M [B, D, D]``
-        is built once per step (at the first SAAP layer; every layer's query has the same position) and
-        each layer pays one batched matmul."""
+    def _query_rotation(self, layer: int, q: torch.Tensor, ctx, first: int) -> torch.Tensor:
+        """De-RoPE coefficients ``[B, 2, D]`` of the position of ``q [B, Hq, 1, D]``
+        (:func:`runtime_kernels.rope.derope_coefficients`): built once per step, at the first SAAP layer
+        (every layer's query has the same position); the classifier kernel applies them as it loads the
+        query, so a layer pays no de-RoPE launch."""
         if self._rot is None or layer <= self._rot_layer:
             pos = self._positions(ctx, q.shape[0], first, 1, q.device)  # [B, 1]
             cos, sin = ctx.rotary_emb(torch.empty(0, dtype=torch.float32, device=q.device), pos)  # [B, 1, D]
-            self._rot = derope_matrix(cos[:, 0], sin[:, 0])
+            self._rot = derope_coefficients(cos[:, 0], sin[:, 0])
         self._rot_layer = layer
-        return torch.bmm(q[:, :, 0].float(), self._rot)
+        return self._rot
 
     @staticmethod
     def _padded(ctx, batch: int) -> bool:
@@ -302,7 +311,7 @@ class SaapDecode:
 
     def advance(self, layer: int, q: torch.Tensor, k: torch.Tensor, ctx) -> tuple[BucketIndex, torch.Tensor] | None:
         """One decode step's index upkeep: the new (last) key of ``k [B, Hkv, T, D]`` appended to layer
-        ``layer``'s index, and the de-RoPE'd query ``[B, Hq, D]``; None (index dropped) when this step
+        ``layer``'s index, and the query's de-RoPE coefficients ``[B, 2, D]``; None (index dropped) when this step
         runs dense: no index, a dense layer, a padded batch, or an index out of step with the cache.
 
         Static-cache steps (``ctx.cache_len`` set) append nothing: the index was brought up to the
@@ -315,13 +324,13 @@ class SaapDecode:
                 return None
             if getattr(ctx, "position_ids", None) is None:
                 raise ValueError("a static-cache SAAP step needs the position ids (the query's position)")
-            return idx, self._query_derope(layer, q, ctx, 0)
+            return idx, self._query_rotation(layer, q, ctx, 0)
         t = k.shape[2]
         if idx is None or self.layers[layer].dense or self._padded(ctx, k.shape[0]) or idx.length != t - 1:
             self.index.pop(layer, None)
             return None
         idx.append(self._derope(k[:, :, -1:], ctx, t - 1))
-        return idx, self._query_derope(layer, q, ctx, t - 1)
+        return idx, self._query_rotation(layer, q, ctx, t - 1)
 
     def before_graph(self, cache, valid: int, view: int, layers: "set[int] | None" = None) -> None:
         """Static-cache hook (:class:`runtime_kernels.generate.StaticGenerator`), outside any graph: the index
@@ -355,13 +364,13 @@ class SaapDecode:
         step = self.advance(layer, q, k, ctx)
         if step is None:
             return None
-        idx, q_de = step
+        idx, rotation = step
         t = k.shape[2]
         cache_len = getattr(ctx, "cache_len", None)
         params = self._params(layer, q.device, q.dtype)
         out = saap_decode_attention(q[:, :, 0], k, v, idx, params, top_l=self.layer_top_l(layer),
-                                    q_derope=q_de.to(params.w1.dtype), scale=scale, impl=self.impl,
-                                    cache_len=cache_len)
+                                    query_rotation=rotation, scale=scale, impl=self.impl, cache_len=cache_len)
         if self.stats:
-            self._record(layer, q_de, idx, t if cache_len is None else cache_len)
+            self._record(layer, classifier_input(q[:, :, 0], rotation, params), idx,
+                         t if cache_len is None else cache_len)
         return out.unsqueeze(2)

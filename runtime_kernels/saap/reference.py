@@ -26,6 +26,8 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from runtime_kernels.rope import derope_at
+
 _ASSIGN_BUDGET = 1 << 24  # elements of one [..., chunk, C] distance buffer in the nearest-centroid search
 
 
@@ -356,6 +358,13 @@ class BucketIndex:
 # --------------------------------------------------------------------------------------------------
 # Query classifier and bucket ranking
 # --------------------------------------------------------------------------------------------------
+
+
+def classifier_input(q: torch.Tensor, query_rotation: torch.Tensor, params: SaapLayerParams) -> torch.Tensor:
+    """The classifier's input from the RoPE'd query ``q [B, Hq, D]``: de-RoPE'd with ``query_rotation
+    [B, 2, D]`` (:func:`runtime_kernels.rope.derope_coefficients`) in float32, rounded to the classifier
+    weights' dtype, as the Triton classifier computes it while loading ``q``."""
+    return derope_at(q, query_rotation).to(params.w1.dtype)
 
 
 def classifier_rows(q: torch.Tensor, classifiers: int) -> torch.Tensor:

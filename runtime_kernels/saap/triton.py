@@ -40,6 +40,7 @@ from runtime_kernels.saap.reference import (
     BucketIndex,
     SaapLayerParams,
     check_index_fits,
+    classifier_input,
     dense_region,
     saap_decode_attention_reference,
 )
@@ -379,14 +380,15 @@ def saap_sparse_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     return _merge(pl)
 
 
-def _sparse_step(q: torch.Tensor, q_derope: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 state: BucketIndex, params: SaapLayerParams, top_l: int, lo: int, hi: int, scale: float,
-                 cache_len: torch.Tensor | None = None) -> torch.Tensor:
-    """Classifier and ranking, then the window and bucket partials in one launch, then the merge."""
+def _sparse_step(q: torch.Tensor, q_classifier: torch.Tensor, query_rotation: torch.Tensor | None,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, state: BucketIndex, params: SaapLayerParams,
+                 top_l: int, lo: int, hi: int, scale: float, cache_len: torch.Tensor | None = None) -> torch.Tensor:
+    """Classifier (on ``q_classifier``, de-RoPE'd on load with ``query_rotation`` when given) and ranking,
+    then the window and bucket partials in one launch, then the merge."""
     hkv = k_cache.shape[1]
     c = params.w2.shape[-1]
     pl = _plan(q, k_cache, v_cache, min(int(top_l), c), lo, hi, scale, c, cache_len)
-    buckets = saap_select_buckets_triton(q_derope, params, q.shape[1] // hkv, top_l)
+    buckets = saap_select_buckets_triton(q_classifier, params, q.shape[1] // hkv, top_l, query_rotation)
     _launch_partials(pl, state, buckets, True, True)
     return _merge(pl)
 
@@ -409,16 +411,21 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> Non
 def saap_decode_attention_triton(q: torch.Tensor, q_derope: torch.Tensor | None, k_cache: torch.Tensor,
                                  v_cache: torch.Tensor, state: BucketIndex | None,
                                  artifact_layer: SaapLayerParams, *, top_l: int, scale: float | None = None,
-                                 cache_len: torch.Tensor | None = None) -> torch.Tensor:
+                                 cache_len: torch.Tensor | None = None,
+                                 query_rotation: torch.Tensor | None = None) -> torch.Tensor:
     """SAAP attention of one decode step, as :func:`saap_decode_attention_reference`.
 
-    q: [B, Hq, D] RoPE'd query; q_derope: [B, Hq, D] (classifier input); k_cache, v_cache:
+    q: [B, Hq, D] RoPE'd query; q_derope: [B, Hq, D] (classifier input), or None with ``query_rotation
+    [B, 2, D]`` (:func:`runtime_kernels.rope.derope_coefficients`): the classifier de-RoPEs ``q`` as it
+    loads it (:func:`reference.classifier_input`); k_cache, v_cache:
     [B, Hkv, T, D] (current token last); state: the layer's :class:`BucketIndex` (its lists may end
     before ``T - recent``: the keys after them are attended with the window, :func:`dense_region`).
     ``cache_len [B]`` (int64, device; a static-cache step): keys past it are not valid. Returns
     [B, Hq, D] in q.dtype. No host synchronization. float64 inputs run the reference.
     """
     if q.dtype == torch.float64:
+        if query_rotation is not None and not artifact_layer.dense:
+            q_derope = classifier_input(q, query_rotation, artifact_layer)
         if cache_len is not None:
             t = int(cache_len.max())
             k_cache, v_cache = k_cache[:, :, :t], v_cache[:, :, :t]
@@ -434,6 +441,8 @@ def saap_decode_attention_triton(q: torch.Tensor, q_derope: torch.Tensor | None,
     lo, hi = dense_region(state, params)
     if hi == lo or top_l <= 0:
         return saap_sparse_attention_triton(q, k_cache, v_cache, None, None, lo, hi, scale, cache_len)
-    if q_derope is None:
-        raise ValueError("a non-dense SAAP layer needs q_derope")
-    return _sparse_step(q, q_derope, k_cache, v_cache, state, params, top_l, lo, hi, scale, cache_len)
+    if (q_derope is None) == (query_rotation is None):
+        raise ValueError("a non-dense SAAP layer needs exactly one of q_derope and query_rotation")
+    q_classifier = q if q_derope is None else q_derope
+    return _sparse_step(q, q_classifier, query_rotation, k_cache, v_cache, state, params, top_l, lo, hi, scale,
+                        cache_len)

@@ -69,3 +69,49 @@ def bn_relu(y, vec, ok, mean_ptr, var_ptr, gamma_ptr, beta_ptr, eps):
     has its bias already added. float32."""
     mean, var, gamma, beta = bn_vectors(vec, ok, mean_ptr, var_ptr, gamma_ptr, beta_ptr)
     return bn_apply_relu(y, mean, var, gamma, beta, eps)
+
+
+@triton.jit
+def query_rows(x_ptr, rows, c, sx_b, sx_h, G: tl.constexpr):
+    """Row pointers of classifier ``c``'s batch: its row ``r = b·G + g`` is query head ``c·G + g`` of batch
+    row ``b`` of ``x [B, Hc·G, D]`` (:func:`reference.classifier_rows`; ``G = 1``: one classifier per
+    query head, rows are batch rows)."""
+    return x_ptr + (rows // G).to(tl.int64) * sx_b + (c * G + rows % G) * sx_h
+
+
+@triton.jit
+def load_query(row_ptrs, r_ok, kk, k_ok, sx_k, rot_ptr, rows, K, G: tl.constexpr, ROPE: tl.constexpr,
+               DTYPE: tl.constexpr):
+    """The classifier input at columns ``kk`` of the rows at ``row_ptrs`` (:func:`query_rows`). ``ROPE``:
+    those rows hold the RoPE'd query, de-RoPE'd here with the batch row's coefficients ``rot [B, 2, K]``
+    float32 (:func:`runtime_kernels.rope.derope_coefficients`: ``x[i]·a[i] + x[(i + K/2) mod K]·s[i]``)
+    and rounded to ``DTYPE`` (the weights'), as :func:`reference.classifier_input`; else loaded as is."""
+    ok = r_ok[:, None] & k_ok[None, :]
+    x = tl.load(row_ptrs[:, None] + kk[None, :] * sx_k, mask=ok, other=0.0)
+    if ROPE:
+        partner = (kk + K // 2) % K
+        x2 = tl.load(row_ptrs[:, None] + partner[None, :] * sx_k, mask=ok, other=0.0)
+        coef = rot_ptr + (rows // G).to(tl.int64)[:, None] * (2 * K) + kk[None, :]
+        a = tl.load(coef, mask=ok, other=0.0)
+        s = tl.load(coef + K, mask=ok, other=0.0)
+        x = round_to(x.to(tl.float32) * a + x2.to(tl.float32) * s, DTYPE)
+    return x
+
+
+@triton.jit
+def round_to(x, DTYPE: tl.constexpr):
+    """float32 ``x`` in ``DTYPE``, rounded to nearest even as torch's ``.to`` rounds: for bfloat16 on the
+    bits (the interpreter's own cast truncates; on the GPU this is the same rounding), else a cast."""
+    if DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        return bits.to(tl.float32, bitcast=True).to(DTYPE)
+    else:
+        return x.to(DTYPE)
+
+
+@triton.jit
+def logit_rows(out_ptr, rows, c, n_classifiers, N, G: tl.constexpr):
+    """Row pointers into ``out [B, Hc·G, N]`` of classifier ``c``'s batch rows (the layout of
+    :func:`query_rows`, i.e. :func:`reference.query_head_logits`)."""
+    return out_ptr + (((rows // G).to(tl.int64) * n_classifiers + c) * G + rows % G) * N

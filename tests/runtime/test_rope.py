@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from runtime_kernels.rope import derope, derope_matrix, rotate_half
+from runtime_kernels.rope import derope, derope_at, derope_coefficients, rotate_half
 
 
 def _hf_cos_sin(positions: torch.Tensor, d: int, theta: float = 10000.0, scaling: float = 1.0):
@@ -60,21 +60,36 @@ def test_rotate_half_and_dtypes():
     assert torch.equal(derope(xb, cos, sin), want)
 
 
-def test_derope_matrix_is_derope_at_one_position():
-    """``x @ derope_matrix(cos, sin)[b]`` is :func:`derope` of ``x`` at row ``b``'s position."""
+def test_derope_coefficients_are_derope_at_one_position():
+    """``derope_at(x, derope_coefficients(cos, sin))`` is :func:`derope` of ``x`` at row ``b``'s position."""
     g = torch.Generator().manual_seed(1)
     positions = torch.tensor([3, 517, 9000])  # one position per batch row
     cos, sin = _hf_cos_sin(positions, 16, scaling=1.2)  # [B, D]
-    m = derope_matrix(cos.float(), sin.float())  # [B, D, D]
-    assert m.shape == (3, 16, 16) and m.dtype == torch.float32
+    coef = derope_coefficients(cos.float(), sin.float())
+    assert coef.shape == (3, 2, 16) and coef.dtype == torch.float32
     q = torch.randn(3, 5, 16, generator=g)  # [B, Hq, D]
     want = derope(q.double(), cos[:, None], sin[:, None])  # float64
-    torch.testing.assert_close(torch.bmm(q, m).double(), want, atol=1e-5, rtol=1e-5)
+    got = derope_at(q.bfloat16(), coef)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), derope(q.bfloat16().double(), cos[:, None], sin[:, None]),
+                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(derope_at(q, coef).double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_derope_coefficients_undo_a_rotation_by_hand():
+    """D = 4 at one position: the coefficients undo :func:`_rope_by_hand_d4`'s rotation (scaled by 0.8)."""
+    angles = (0.7, -2.1)
+    cos = torch.tensor([[math.cos(angles[0]), math.cos(angles[1])] * 2]) * 0.8  # HF layout: halves share
+    sin = torch.tensor([[math.sin(angles[0]), math.sin(angles[1])] * 2]) * 0.8
+    x = torch.tensor([0.5, -1.25, 2.0, 3.5], dtype=torch.float64)
+    post = _rope_by_hand_d4(x, angles, scaling=0.8)
+    got = derope_at(post.float()[None, None], derope_coefficients(cos, sin))[0, 0]
+    torch.testing.assert_close(got.double(), x, atol=1e-6, rtol=1e-6)
 
 
 def test_saap_runtime_paths_agree_with_derope():
-    """SAAP de-RoPEs keys element-wise (``_derope``) and the decode query by one matmul (``_query_derope``):
-    both are :func:`derope` of the model's own cos/sin."""
+    """SAAP de-RoPEs keys element-wise (``_derope``) and the decode query from one step's coefficients
+    (``_query_rotation``): both are :func:`derope` of the model's own cos/sin."""
     pytest.importorskip("transformers")
     from runtime_kernels.saap.api import AttentionPositions, SaapDecode
     from tests.runtime.small_models import small_llama
@@ -87,4 +102,4 @@ def test_saap_runtime_paths_agree_with_derope():
     assert torch.equal(rt._derope(k, ctx, 40), derope(k, cos[:, None], sin[:, None]))
     q = torch.randn(2, 4, 1, 16).bfloat16()  # [B, Hq, 1, D] at position 45
     want = derope(q, cos[:, None, -1:], sin[:, None, -1:])[:, :, 0]
-    torch.testing.assert_close(rt._query_derope(1, q, ctx, 45), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(derope_at(q[:, :, 0], rt._query_rotation(1, q, ctx, 45)), want, atol=1e-5, rtol=1e-5)

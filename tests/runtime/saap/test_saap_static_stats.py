@@ -15,6 +15,7 @@ import torch
 
 from runtime_kernels import hf
 from runtime_kernels.generate import StaticGenerator, round_up
+from runtime_kernels.rope import derope_at
 from runtime_kernels.saap import SaapDecode, SaapLayerParams
 from tests.runtime.saap.through_buckets import SaapThroughBuckets
 from tests.runtime.test_generate import C, HKV, LAYERS, _model, _prompt, _saap
@@ -57,8 +58,8 @@ def _spy_on_steps(rt: SaapDecode) -> list[tuple[int, torch.Tensor, torch.Tensor,
     def spy(layer, q, k, ctx):
         out = advance(layer, q, k, ctx)
         if out is not None:
-            idx, q_de = out
-            records.append((layer, q_de.clone(), idx.key_bucket.clone(), idx.searchable_hi))
+            idx, rotation = out  # the query's de-RoPE coefficients: the classifier's input is derope_at's
+            records.append((layer, derope_at(q[:, :, 0], rotation), idx.key_bucket.clone(), idx.searchable_hi))
         return out
 
     rt.advance = spy

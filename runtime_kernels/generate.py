@@ -12,7 +12,8 @@ decode step of the whole (unmodified) model in a CUDA graph, gpt-fast style: a s
 * Dense decode steps run flash-decoding on the valid length (the calib attention function is attached
   when nothing is); before each capture the serving policy picks the layers a method runs in
   (:mod:`runtime_kernels.serving_policy`); method state that moves with the view (SAAP's index) is
-  updated by ``before_graph`` outside the graph.
+  updated by ``before_graph`` outside the graph (SAAP's lists in storage kept across requests, ending
+  where the view puts them, so its step graphs are kept too).
 * Prefill runs eagerly; prompts of different lengths (a ragged batch) decode together, each row at its
   own position. Rows of close lengths, wherever they sit in the batch, prefill in one call, the shorter ones
   padded after their last token (a causal prefill of a row never reads what follows it, and decoding
@@ -273,7 +274,7 @@ class StaticGenerator:
             if hook is not None:
                 # keys the shortest row holds at this step (a ragged batch's longer rows attend the rest
                 # densely, runtime_kernels.saap.api.SaapDecode.before_graph): one host sync per view
-                hook(self.cache, int(self.pos.min().item()) + 1, view, layers)
+                hook(self.cache, int(self.pos.min().item()) + 1, view, layers, stable=max(0, view - self.bucket))
 
         if state.serve != "fastest":
             state.serve_dense = frozenset()
@@ -338,17 +339,18 @@ class StaticGenerator:
         # the previous graph goes only now: a pool whose last graph is gone cannot take a new capture
         self._graph, self._graph_view = graph, view
 
-    def _kept_graphs(self, state: Any) -> dict[tuple[int, frozenset[int]], torch.cuda.CUDAGraph]:
+    def _kept_graphs(self, state: Any) -> dict[tuple[int, frozenset[int], Any], torch.cuda.CUDAGraph]:
         """The step graphs kept across requests under ``state`` and its decode runtime, by (view, layers
-        served densely); a new attachment drops them.
+        served densely, the runtime's ``graph_variant`` if it has one); a new attachment drops them.
 
         A later request that reaches a view replays the kept graph instead of warming up and capturing
         (the first-to-second-token time of a request). A step may be kept when it reads only the loop's
         own buffers (cache, token, positions, lengths), the weights and buffers a runtime never replaces
-        (its statistics sums): a dense step, a ``reads_request_state = False`` runtime's, or one in which
-        the attached method ran in no layer (SAAP's layers at ℓ = C, SANTA's samples covering every key,
-        every layer chosen dense). A step that read this request's state (SAAP's index, SANTA's seeds)
-        is captured anew for each request (:meth:`_keeps`). Graphs are kept per runtime object (held here,
+        (its statistics sums): a dense step, a ``reads_request_state = False`` runtime's (FlashDecode;
+        SAAP whose indexes end where the view puts them, in storage it keeps), or one in which the attached
+        method ran in no layer (SAAP's layers at ℓ = C, SANTA's samples covering every key, every layer
+        chosen dense). A step that read this request's state (SANTA's seeds, a SAAP index of a ragged
+        batch's short row) is captured anew for each request (:meth:`_keeps`). Graphs are kept per runtime object (held here,
         so its id is not reused): a state whose decode runtime is switched off and on again (a benchmark's
         in-process dense) keeps both sets."""
         runtime = getattr(state, "decode", None)
@@ -372,7 +374,8 @@ class StaticGenerator:
         self._before_view(view)
         state = self._state()
         kept = self._kept_graphs(state)
-        key = (view, state.serve_dense if getattr(state, "decode", None) is not None else frozenset())
+        runtime = getattr(state, "decode", None)
+        key = (view, state.serve_dense if runtime is not None else frozenset(), getattr(runtime, "graph_variant", None))
         graph = kept.get(key)
         if graph is None:
             if state is not None:

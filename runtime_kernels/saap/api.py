@@ -103,6 +103,10 @@ class SaapDecode:
     with a padding mask, or a layer whose index does not match the cache (no prefill seen) return ``None``:
     the model's own attention.
 
+    Under the static loop (:meth:`before_graph`) the indexes live in storage allocated once per (layer,
+    batch, cache length) and end where the view puts them, so the loop keeps SAAP's step graphs across
+    requests like dense ones (:attr:`reads_request_state`, :attr:`graph_variant`).
+
     Artifact layout (written by ``calib``'s SAAP recipe): hyper-parameters ``sink``, ``window``
     (= sink + recent), ``top_l``, ``dense_layers`` (list), ``bn_eps``; tensors
     ``layers.<l>.<field>`` for every non-dense layer ``l`` and every
@@ -143,6 +147,8 @@ class SaapDecode:
         self._rot_layer = -1  # the layer that used it last: a lower or equal one starts a new step
         self._on_device: dict[tuple[int, str], SaapLayerParams] = {}
         self._sums: torch.Tensor | None = None  # [selectivity, selectivity_with_window, count] summed
+        self._storage: dict[tuple, tuple[torch.Tensor, ...]] = {}  # static index storage per (layer, shape)
+        self._view_aligned = True  # every static index ends where the view puts it (before_graph)
 
     def layer_top_l(self, layer: int) -> int:
         """ℓ of layer ``layer``: its ``top_l_layers`` entry, else ``top_l``."""
@@ -298,16 +304,31 @@ class SaapDecode:
             return
         self.build_index(layer, k, ctx)
 
-    def build_index(self, layer: int, k: torch.Tensor, ctx) -> None:
+    def build_index(self, layer: int, k: torch.Tensor, ctx, max_keys: int | None = None) -> None:
         """Index the prompt's keys ``k [B, Hkv, T, D]`` (RoPE'd, positions ``0 .. T-1``) for layer
         ``layer``; ``ctx`` needs ``rotary_emb`` (an :class:`AttentionPositions` will do). Keys are
-        de-RoPE'd and assigned :data:`INDEX_CHUNK` positions at a time (memory bounded at any length)."""
+        de-RoPE'd and assigned :data:`INDEX_CHUNK` positions at a time (memory bounded at any length).
+        ``max_keys`` (the static loop's cache length): the lists go to this layer's storage for that many
+        keys, allocated once and reused by every later request (:meth:`_storage_for`)."""
         p = self.layers[layer]
         self._prefill_ctx = AttentionPositions(ctx.rotary_emb)
         pp = self._params(layer, k.device)
         kb = [BucketIndex._assign(self._derope(k[:, :, s:s + INDEX_CHUNK], self._prefill_ctx, s), pp.centroids, s, p.sink)
               for s in range(0, k.shape[2], INDEX_CHUNK)]
-        self.index[layer] = BucketIndex.from_assignments(torch.cat(kb, -1), pp.centroids, sink=p.sink, recent=p.recent)
+        storage = None if max_keys is None else self._storage_for(layer, k.shape[0], k.shape[1], max_keys, k.device)
+        self.index[layer] = BucketIndex.from_assignments(torch.cat(kb, -1), pp.centroids, sink=p.sink, recent=p.recent,
+                                                         storage=storage)
+
+    def _storage_for(self, layer: int, batch: int, kv_heads: int, max_keys: int, device: torch.device
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s index storage for ``batch`` rows and up to ``max_keys`` keys: the same tensors
+        for every request of that shape, so step graphs that read them can be replayed by later requests
+        (kept per shape: a generator of another batch size never frees what one's graphs read)."""
+        key = (layer, batch, kv_heads, max_keys, str(device))
+        if key not in self._storage:
+            c = self.layers[layer].num_clusters
+            self._storage[key] = BucketIndex.storage_for(batch, kv_heads, c, max_keys, device)
+        return self._storage[key]
 
     def advance(self, layer: int, q: torch.Tensor, k: torch.Tensor, ctx) -> tuple[BucketIndex, torch.Tensor] | None:
         """One decode step's index upkeep: the new (last) key of ``k [B, Hkv, T, D]`` appended to layer
@@ -332,24 +353,46 @@ class SaapDecode:
         idx.append(self._derope(k[:, :, -1:], ctx, t - 1))
         return idx, self._query_rotation(layer, q, ctx, t - 1)
 
-    def before_graph(self, cache, valid: int, view: int, layers: "set[int] | None" = None) -> None:
+    def before_graph(self, cache, valid: int, view: int, layers: "set[int] | None" = None,
+                     stable: int | None = None) -> None:
         """Static-cache hook (:class:`runtime_kernels.generate.StaticGenerator`), outside any graph: the index
         of every SAAP layer in ``layers`` (None: all) is built from ``cache`` (``keys[layer] [B, Hkv,
         max_len + 1, D]``, ``valid`` written) or absorbs the keys that arrived since it was last brought up to
-        date, but the newest one, which the next step writes. Indexes of other layers are dropped.
+        date, up to ``min(valid - 1, stable)`` keys (the newest one, which the next step writes, never).
+        Indexes of other layers are dropped.
 
         ``valid`` is the shortest row's count in a ragged batch: one index length serves every row, and a
-        longer row attends its keys past the index densely, with its window (``[searchable_hi, cache_len)``)."""
+        longer row attends its keys past the index densely, with its window (``[searchable_hi, cache_len)``).
+        ``stable``: the keys every request at this view holds (the loop's view less one length bucket).
+        Indexes ending there live in storage kept across requests (:meth:`_storage_for`), so what a step
+        graph reads (the lists' addresses, where they end) depends on the view alone and the graph may
+        serve later requests (:attr:`reads_request_state`); the keys between ``stable`` and ``valid`` are
+        attended exactly, with the window."""
+        target = valid - 1 if stable is None else min(valid - 1, stable)
         for layer, p in enumerate(self.layers):
             if p.dense or p.w1 is None or self.reads_every_key(layer) or (layers is not None and layer not in layers):
                 self.index.pop(layer, None)
                 continue
             idx = self.index.get(layer)
-            if idx is None:
-                self.build_index(layer, cache.keys[layer][:, :, :valid - 1], self._prefill_ctx)
+            if idx is None or idx.length > target:
+                self.build_index(layer, cache.keys[layer][:, :, :target], self._prefill_ctx,
+                                 max_keys=cache.keys[layer].shape[2])
                 continue
-            if valid - 1 > idx.length:
-                idx.append(self._derope(cache.keys[layer][:, :, idx.length:valid - 1], self._prefill_ctx, idx.length))
+            if target > idx.length:
+                idx.append(self._derope(cache.keys[layer][:, :, idx.length:target], self._prefill_ctx, idx.length))
+        self._view_aligned = not self.index or (stable is not None and target == stable)
+
+    @property
+    def reads_request_state(self) -> bool:
+        """Whether a static step reads state of this request alone, so that its graph may not serve another:
+        false once :meth:`before_graph` ended every index where the view alone puts it (or built none)."""
+        return not self._view_aligned
+
+    @property
+    def graph_variant(self) -> object:
+        """What the static loop keys kept step graphs by beside the view: one value for view-aligned
+        indexes, a new one for each request's own (never matched, :meth:`before_graph`)."""
+        return "view-aligned" if self._view_aligned else object()
 
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                ctx) -> torch.Tensor | None:

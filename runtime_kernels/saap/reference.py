@@ -216,6 +216,7 @@ class BucketIndex:
     slack: float = 0.25  # extra capacity per bucket at (re)layout: ceil(slack * count) + min_slack
     min_slack: int = 4
     repacks: int = field(default=0)  # how many times the slot layout was rebuilt (for tests and logs)
+    fixed: bool = False  # the lists live in preallocated storage, laid out in place (from_assignments)
 
     # ----------------------------------------------------------------------------------------- build
     @classmethod
@@ -230,17 +231,37 @@ class BucketIndex:
 
     @classmethod
     def from_assignments(cls, kb: torch.Tensor, centroids: torch.Tensor, *, sink: int, recent: int,
-                         slack: float = 0.25, min_slack: int = 4) -> "BucketIndex":
+                         slack: float = 0.25, min_slack: int = 4,
+                         storage: "tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None" = None) -> "BucketIndex":
         """Index a prefilled cache from its keys' bucket ids ``kb [B, Hkv, T]`` int32 (-1 for the sink),
-        e.g. assigned a chunk of positions at a time to bound memory."""
+        e.g. assigned a chunk of positions at a time to bound memory.
+
+        ``storage`` (:meth:`storage_for`): ``slot_start, bucket_count, slots`` to lay the lists out in,
+        in place, now and at every later relayout: their addresses never change, so a CUDA graph that
+        read them serves any later index built into them."""
         b, hkv, t = kb.shape
+        c = centroids.shape[1]
+        if storage is None:
+            storage = (torch.zeros(b, hkv, c + 1, dtype=torch.int32, device=kb.device),
+                       torch.zeros(b, hkv, c, dtype=torch.int32, device=kb.device),
+                       torch.zeros(b, hkv, 0, dtype=torch.int32, device=kb.device))
+        elif storage[0].shape != (b, hkv, c + 1) or storage[1].shape != (b, hkv, c) or storage[2].shape[:2] != (b, hkv):
+            raise ValueError(f"index storage {[tuple(x.shape) for x in storage]} does not fit B={b}, Hkv={hkv}, C={c}")
         idx = cls(centroids=centroids, sink=sink, recent=recent, length=t, key_bucket_buf=kb,
-                  slot_start=torch.zeros(b, hkv, centroids.shape[1] + 1, dtype=torch.int32, device=kb.device),
-                  bucket_count=torch.zeros(b, hkv, centroids.shape[1], dtype=torch.int32, device=kb.device),
-                  slots=torch.zeros(b, hkv, 0, dtype=torch.int32, device=kb.device),
-                  searchable_hi=min(sink, t), slack=slack, min_slack=min_slack)
+                  slot_start=storage[0], bucket_count=storage[1], slots=storage[2],
+                  searchable_hi=min(sink, t), slack=slack, min_slack=min_slack, fixed=storage[2].shape[-1] > 0)
         idx._relayout(searchable_range(t, sink, recent)[1])
         return idx
+
+    @staticmethod
+    def storage_for(batch: int, kv_heads: int, clusters: int, max_keys: int, device: torch.device,
+                    slack: float = 0.25, min_slack: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Preallocated ``slot_start, bucket_count, slots`` (int32) for any index of at most ``max_keys``
+        candidates: a layout needs ``sum(count + ceil(slack·count) + min_slack)`` slots, at most
+        ``ceil(max_keys·(1 + slack)) + C·(1 + min_slack)``."""
+        cap = math.ceil(max_keys * (1 + slack)) + clusters * (1 + min_slack)
+        z = lambda *shape: torch.zeros(*shape, dtype=torch.int32, device=device)  # noqa: E731
+        return z(batch, kv_heads, clusters + 1), z(batch, kv_heads, clusters), z(batch, kv_heads, cap)
 
     @staticmethod
     def _assign(keys_derope: torch.Tensor, centroids: torch.Tensor, first_pos: int, sink: int) -> torch.Tensor:
@@ -279,10 +300,17 @@ class BucketIndex:
         packed[..., 1:] = torch.cumsum(counts, -1)
         rank = torch.arange(kb.shape[-1], device=kb.device) - packed.gather(-1, sorted_b)  # rank inside bucket
         dest = start.gather(-1, sorted_b) + rank
-        slots = torch.zeros(b, hkv, int(start[..., -1].max()) if start.numel() else 0, dtype=torch.int32,
-                            device=kb.device)
-        slots.scatter_(-1, dest, (order + lo).to(torch.int32))
-        self.slot_start, self.bucket_count, self.slots = start.to(torch.int32), counts.to(torch.int32), slots
+        need = int(start[..., -1].max()) if start.numel() else 0
+        if self.fixed:  # in place: the storage's addresses stay what a captured graph read
+            if need > self.slots.shape[-1]:
+                raise ValueError(f"index storage holds {self.slots.shape[-1]} slots, the layout needs {need}")
+            self.slots.scatter_(-1, dest, (order + lo).to(torch.int32))
+            self.slot_start.copy_(start)
+            self.bucket_count.copy_(counts)
+        else:
+            slots = torch.zeros(b, hkv, need, dtype=torch.int32, device=kb.device)
+            slots.scatter_(-1, dest, (order + lo).to(torch.int32))
+            self.slot_start, self.bucket_count, self.slots = start.to(torch.int32), counts.to(torch.int32), slots
         self.searchable_hi = hi
         self.repacks += 1
 

@@ -134,14 +134,15 @@ def test_a_layer_at_every_bucket_runs_dense_attention_and_counts_every_key(loop)
 
 def test_saap_static_step_matches_eager_step_with_one_bucket():
     """ℓ = 1: the static step's lagging index (keys past it attended densely) is a superset of the
-    eager step's keys; after the hook brings it up to date both visit the same keys."""
-    model, ids = _model(), _prompt(1, 70)
+    eager step's keys; where the hook brings it up to date both visit the same keys. The hook ends a
+    request's index where its view puts it (view - bucket): a 64-token prompt is indexed completely."""
+    model, ids = _model(), _prompt(1, 64)
     hf.attach(model, decode=_saap(top_l=1))
     eager = eager_generate(model, ids, 9)
     hf.attach(model, decode=_saap(top_l=1))
     gen = StaticGenerator(model, batch=1, max_len=80, graphs=False, bucket=8)
     static = gen.generate(ids, 9)
-    # the first token comes from prefill, step 1 at position 70 (view 72, index complete at 70 - recent)
+    # the first token comes from prefill, step 1 at position 64 (view 72: index of 72 - 8 = 64 keys, complete)
     assert torch.equal(static[:, :2], eager[:, :2])
 
 

@@ -139,7 +139,7 @@ def test_later_requests_replay_the_kept_dense_graphs_and_generate_the_eager_toke
     """Dense decoding keeps each view's step graph across requests: a second prompt of the same length
     captures nothing, a longer one only its new views, and every request gets its eager tokens. A method
     that reads its request's state (SANTA's draws) captures for each request; one that runs in no layer
-    (SAAP at ℓ = C) keeps its graphs too."""
+    (SAAP at ℓ = C) keeps its graphs too, and so does sparse SAAP (its indexes in kept storage)."""
     vocab = tiny.config.vocab_size
     prompts = [_prompt(2, 520, vocab), _prompt(2, 520, vocab).flip(1), _prompt(2, 540, vocab)]
     try:
@@ -160,6 +160,18 @@ def test_later_requests_replay_the_kept_dense_graphs_and_generate_the_eager_toke
         got = [gen.generate(ids, 40, t) for ids, t in zip(prompts[:2], kept)]
         assert [t.captures for t in kept] == [3, 0]
         assert all(torch.equal(g, w) for g, w in zip(got, want))
+        # sparse SAAP (ℓ = 2): its indexes end where the view puts them, in storage the runtime keeps, so
+        # the graphs are kept too; a replay for a later request generates what that request's own eager
+        # static steps (same indexes, no graph) generate
+        sparse = SaapDecode(_saap(tiny, top_l=2).layers, top_l=2, stats=False)
+        hf.attach(tiny, decode=sparse)
+        own = [StaticGenerator(tiny, batch=2, max_len=640, bucket=16, graphs=False).generate(ids, 40)
+               for ids in prompts]
+        later = [StepTimes() for _ in prompts]
+        got = [gen.generate(ids, 40, t) for ids, t in zip(prompts, later)]
+        assert tiny.calib_attention.static_method_layers and not sparse.reads_request_state
+        assert [t.captures for t in later] == [3, 0, 2]
+        assert all(torch.equal(g, w) for g, w in zip(got, own))
     finally:
         hf.remove(tiny)
 

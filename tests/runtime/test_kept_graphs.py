@@ -20,13 +20,24 @@ from tests.runtime.test_generate import C, _model, _prompt, _saap
 pytest.importorskip("transformers")
 
 
+def _baked(gen: StaticGenerator) -> tuple:
+    """What a real capture bakes into a SAAP step besides the loop's own buffers: each index's storage
+    addresses and shapes and where its lists end (host values of the kernel launches)."""
+    runtime = getattr(gen._state(), "decode", None)
+    index = getattr(runtime, "index", {})
+    return tuple((layer, idx.length, idx.searchable_hi, idx.slot_start.data_ptr(), idx.bucket_count.data_ptr(),
+                  idx.slots.data_ptr(), tuple(idx.slots.shape)) for layer, idx in sorted(index.items()))
+
+
 class _EagerGraph:
-    """A captured step stood in for: replaying runs the step at the captured view."""
+    """A captured step stood in for: replaying runs the step at the captured view, after checking that
+    what the capture baked in still holds (a real replay would read stale addresses or lengths)."""
 
     def __init__(self, gen: StaticGenerator, view: int) -> None:
-        self.gen, self.view = gen, view
+        self.gen, self.view, self.baked = gen, view, _baked(gen)
 
     def replay(self) -> None:
+        assert _baked(self.gen) == self.baked, "a graph replayed over an index it was not captured with"
         with self.gen._decoding(self.view):
             self.gen._step()
 
@@ -98,19 +109,60 @@ def test_a_step_that_reads_no_request_state_serves_later_requests(captures, runt
         assert rt.pop_stats() == {"selectivity": 1.0, "selectivity_with_window": 1.0}
 
 
-@pytest.mark.parametrize("runtime", ["saap", "santa"])
-def test_a_step_that_reads_the_request_state_is_captured_for_each_request(captures, runtime):
-    """SAAP's index and S²ANTA's draws belong to one request: every request captures its own graphs."""
+def test_a_step_that_reads_the_request_state_is_captured_for_each_request(captures):
+    """S²ANTA's draws belong to one request: every request captures its own graphs."""
     model = _model()
-    rt = _saap(top_l=1) if runtime == "saap" else SantaDecode([3, 2, 5], tile=16, seed=7, backend="reference")
-    hf.attach(model, decode=rt)
+    hf.attach(model, decode=SantaDecode([3, 2, 5], tile=16, seed=7, backend="reference"))
     try:
         per_request, _, _ = _two_requests(model, captures)
-        state = model.calib_attention
-        assert state.static_method_layers  # the method ran in the step
+        assert model.calib_attention.static_method_layers  # the method ran in the step
     finally:
         hf.remove(model)
     assert per_request == [[48, 56], [48, 56], [56, 64]]
+
+
+def test_saap_indexes_ending_where_the_view_puts_them_serve_later_requests(captures):
+    """SAAP's lists live in storage the runtime keeps and end at view - bucket whatever the prompt: a
+    step graph reads nothing of one request, so later requests replay it (the stand-in replay checks
+    that the storage and the lists' end are what the capture saw). Keys between the index's end and
+    the step are attended exactly, with the window."""
+    model = _model()
+    rt = _saap(top_l=1)
+    hf.attach(model, decode=rt)
+    try:
+        per_request, prompts, tokens = _two_requests(model, captures)
+        assert model.calib_attention.static_method_layers  # SAAP ran in the step
+        assert not rt.reads_request_state
+        storage = {layer: idx.slots.data_ptr() for layer, idx in rt.index.items()}
+        assert storage and all(rt.index[layer].length == 64 - 8 for layer in storage)  # view 64, bucket 8
+        # a fresh generator (its own captures) gives the same tokens as the replays of kept graphs
+        for ids, got in zip(prompts, tokens):
+            assert torch.equal(_generator(model, 2, 64).generate(ids, 12), got)
+        assert {layer: idx.slots.data_ptr() for layer, idx in rt.index.items()} == storage
+    finally:
+        hf.remove(model)
+    assert per_request[:3] == [[48, 56], [], [64]]
+
+
+def test_saap_of_a_ragged_batch_short_of_the_view_captures_for_each_request(captures):
+    """A ragged batch's short row holds fewer keys than the view's index would list: the index ends at
+    that row's keys, which belong to this request, so the step is captured for each request."""
+    model = _model()
+    rt = _saap(top_l=1)
+    hf.attach(model, decode=rt)
+    ids = _prompt(2, 40, seed=4)
+    rows = [ids[0].tolist(), ids[1, :20].tolist()]  # views from the long row, index from the short one
+    try:
+        gen = _generator(model, 2, 64)
+        per_request = []
+        for _ in range(2):
+            before = len(captures)
+            gen.generate(rows, 6)
+            per_request.append(captures[before:])
+        assert rt.reads_request_state
+    finally:
+        hf.remove(model)
+    assert per_request == [[48], [48]]
 
 
 def test_a_new_attachment_drops_the_kept_graphs(captures):

@@ -98,3 +98,45 @@ def test_nearest_centroid_broadcast_and_chunks():
     c = torch.randn(3, 9, 6)
     brute = ((x.double().unsqueeze(-2) - c.double().unsqueeze(1)) ** 2).sum(-1).argmin(-1)
     assert torch.equal(nearest_centroid(x, c, chunk=64), brute)
+
+
+@pytest.mark.parametrize("t0,step", [(30, 1), (10, 170)], ids=["T030-step1", "T010-chunk170"])
+def test_an_index_in_kept_storage_equals_build_and_keeps_its_addresses(t0, step):
+    """Built into :meth:`BucketIndex.storage_for` and appended to (inserts and relayouts), the lists equal
+    a fresh build's, in the same tensors throughout; a second index built into the storage (the next
+    request) overwrites the first completely."""
+    keys, cents = _data(t=180)
+    storage = BucketIndex.storage_for(2, 3, 7, keys.shape[2], keys.device)
+    ptrs = [x.data_ptr() for x in storage]
+    kb = BucketIndex._assign(keys[:, :, :t0], cents, 0, 1)
+    idx = BucketIndex.from_assignments(kb, cents, sink=1, recent=16, storage=storage)
+    for start in range(t0, keys.shape[2], step):
+        idx.append(keys[:, :, start:start + step])
+        assert [x.data_ptr() for x in (idx.slot_start, idx.bucket_count, idx.slots)] == ptrs
+    assert idx.repacks > 1  # the appends laid the lists out again, in place
+    o_ref, i_ref = BucketIndex.build(keys, cents, sink=1, recent=16).csr()
+    o, i = idx.csr()
+    assert torch.equal(o, o_ref) and torch.equal(i, i_ref)
+    other = keys.flip(2)[:, :, :90]
+    again = BucketIndex.from_assignments(BucketIndex._assign(other, cents, 0, 1), cents, sink=1, recent=16,
+                                         storage=storage)
+    o_ref, i_ref = BucketIndex.build(other, cents, sink=1, recent=16).csr()
+    assert torch.equal(again.csr()[0], o_ref) and torch.equal(again.csr()[1], i_ref)
+
+
+def test_kept_storage_fits_the_worst_layout_and_refuses_a_larger_one():
+    """Every candidate in one bucket is the largest layout of ``max_keys`` keys: it fits; storage for
+    fewer keys refuses it in one line."""
+    b, hkv, c, t, sink = 1, 2, 5, 300, 1
+    kb = torch.full((b, hkv, t), 3, dtype=torch.int32)
+    kb[..., :sink] = -1
+    cents = torch.zeros(hkv, c, 4)
+    idx = BucketIndex.from_assignments(kb, cents, sink=sink, recent=0,
+                                       storage=BucketIndex.storage_for(b, hkv, c, t, kb.device))
+    assert idx.bucket_count[..., 3].tolist() == [[t - sink] * hkv]
+    with pytest.raises(ValueError, match="index storage holds .* slots, the layout needs"):
+        BucketIndex.from_assignments(kb, cents, sink=sink, recent=0,
+                                     storage=BucketIndex.storage_for(b, hkv, c, t // 2, kb.device))
+    with pytest.raises(ValueError, match="does not fit B=1, Hkv=2, C=5"):
+        BucketIndex.from_assignments(kb, cents, sink=sink, recent=0,
+                                     storage=BucketIndex.storage_for(b, hkv, c + 1, t, kb.device))

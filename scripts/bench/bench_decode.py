@@ -42,6 +42,7 @@ import torch  # noqa: E402
 from torch.nn.attention import SDPBackend  # noqa: E402
 
 from benchutil import cuda_time, floor_ms, measured_copy_tbps, print_targets  # noqa: E402
+from runtime_kernels.rope import derope_coefficients  # noqa: E402
 from runtime_kernels.saap import BucketIndex, SaapLayerParams  # noqa: E402
 from runtime_kernels.saap.reference import searchable_range  # noqa: E402
 from runtime_kernels.santa import api as santa_api  # noqa: E402
@@ -164,7 +165,7 @@ def _randn(*shape: int, device: str, dtype: torch.dtype, scale: float = 1.0) -> 
 
 
 def saap_setup(sh: Shapes, b: int, t: int, device: str):
-    """(params, index, q_derope) for one (B, T): bf16 classifier, balanced random bucket assignment."""
+    """(params, index, a query) for one (B, T): bf16 classifier, balanced random bucket assignment."""
     f32 = dict(device=device, dtype=torch.float32)
     wdt = torch.bfloat16 if device == "cuda" else torch.float32
     hq, c, hd, d = sh.hq, sh.clusters, sh.hidden, sh.d
@@ -180,6 +181,13 @@ def saap_setup(sh: Shapes, b: int, t: int, device: str):
     index = BucketIndex.build(keys, params.centroids, sink=sh.sink, recent=sh.recent)
     del keys, assign
     return params, index, _randn(b, hq, d, device=device, dtype=wdt)
+
+
+def query_rotation(b: int, position: int, d: int, device: torch.device, theta: float = 500000.0) -> torch.Tensor:
+    """De-RoPE coefficients ``[B, 2, D]`` of plain RoPE (Llama-3's base) at ``position`` for every row."""
+    ang = position * theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    cos, sin = (torch.cat([f(ang), f(ang)]).float().expand(b, d).to(device) for f in (torch.cos, torch.sin))
+    return derope_coefficients(cos, sin)
 
 
 def saap_bytes(sh: Shapes, params, index, sel: torch.Tensor, b: int, t: int, kv_elem: int) -> dict[str, float]:
@@ -213,20 +221,22 @@ def bench_saap(timer: Timer, sh: Shapes, q, k, v, b: int, t: int, floor: float, 
                ) -> list[Row]:
     from runtime_kernels.saap import triton as saap_triton
 
-    params, index, qd = saap_setup(sh, b, t, q.device.type)
+    params, index, _ = saap_setup(sh, b, t, q.device.type)
+    rot = query_rotation(b, t - 1, sh.d, q.device)
     lo, hi = searchable_range(t, sh.sink, sh.recent)
     group, rows = sh.hq // sh.hkv, []
-    logits = saap_triton.saap_classifier_logits_triton(qd, params)
+    logits = saap_triton.saap_classifier_logits_triton(q, params, rot)
     for top_l in sh.top_ls:
         sel = saap_triton.saap_rank_buckets_triton(logits, group, top_l)
         nb = saap_bytes(sh, params, index, sel, b, t, k.element_size())
+        # as the runtime calls it: the RoPE'd query and its position's de-RoPE coefficients
         full = lambda top_l=top_l: saap_triton.saap_decode_attention_triton(  # noqa: E731
-            q, qd, k, v, index, params, top_l=top_l, scale=None)
+            q, None, k, v, index, params, top_l=top_l, scale=None, query_rotation=rot)
         variants = [("saap", full, nb["kv"] + nb["index"] + nb["weights"])]
         if top_l == sh.top_ls[len(sh.top_ls) // 2]:
             variants += [
-                ("saap-cls", lambda top_l=top_l: saap_triton.saap_select_buckets_triton(qd, params, group, top_l),
-                 nb["weights"]),  # classifier + ranking
+                ("saap-cls", lambda top_l=top_l: saap_triton.saap_select_buckets_triton(q, params, group, top_l, rot),
+                 nb["weights"]),  # classifier (de-RoPE on load) + ranking
                 ("saap-attn", lambda sel=sel: saap_triton.saap_sparse_attention_triton(
                     q, k, v, index, sel, lo, hi, sh.d ** -0.5), nb["kv"] + nb["index"]),
             ]

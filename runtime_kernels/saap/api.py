@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import weakref
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -103,8 +104,8 @@ class SaapDecode:
     with a padding mask, or a layer whose index does not match the cache (no prefill seen) return ``None``:
     the model's own attention.
 
-    Under the static loop (:meth:`before_graph`) the indexes live in storage allocated once per (layer,
-    batch, cache length) and end where the view puts them, so the loop keeps SAAP's step graphs across
+    Under the static loop (:meth:`before_graph`) the indexes live in storage allocated once per (cache,
+    layer) and end where the view puts them, so the loop keeps SAAP's step graphs across
     requests like dense ones (:attr:`reads_request_state`, :attr:`graph_variant`).
 
     Artifact layout (written by ``calib``'s SAAP recipe): hyper-parameters ``sink``, ``window``
@@ -147,7 +148,8 @@ class SaapDecode:
         self._rot_layer = -1  # the layer that used it last: a lower or equal one starts a new step
         self._on_device: dict[tuple[int, str], SaapLayerParams] = {}
         self._sums: torch.Tensor | None = None  # [selectivity, selectivity_with_window, count] summed
-        self._storage: dict[tuple, tuple[torch.Tensor, ...]] = {}  # static index storage per (layer, shape)
+        # static index storage: per cache (freed with it), per layer
+        self._storage: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._view_aligned = True  # every static index ends where the view puts it (before_graph)
 
     def layer_top_l(self, layer: int) -> int:
@@ -304,31 +306,31 @@ class SaapDecode:
             return
         self.build_index(layer, k, ctx)
 
-    def build_index(self, layer: int, k: torch.Tensor, ctx, max_keys: int | None = None) -> None:
+    def build_index(self, layer: int, k: torch.Tensor, ctx, cache: Any = None) -> None:
         """Index the prompt's keys ``k [B, Hkv, T, D]`` (RoPE'd, positions ``0 .. T-1``) for layer
         ``layer``; ``ctx`` needs ``rotary_emb`` (an :class:`AttentionPositions` will do). Keys are
         de-RoPE'd and assigned :data:`INDEX_CHUNK` positions at a time (memory bounded at any length).
-        ``max_keys`` (the static loop's cache length): the lists go to this layer's storage for that many
-        keys, allocated once and reused by every later request (:meth:`_storage_for`)."""
+        ``cache`` (the static loop's): the lists go to this layer's storage for that cache, allocated once
+        and reused by every later request (:meth:`_storage_for`)."""
         p = self.layers[layer]
         self._prefill_ctx = AttentionPositions(ctx.rotary_emb)
         pp = self._params(layer, k.device)
         kb = [BucketIndex._assign(self._derope(k[:, :, s:s + INDEX_CHUNK], self._prefill_ctx, s), pp.centroids, s, p.sink)
               for s in range(0, k.shape[2], INDEX_CHUNK)]
-        storage = None if max_keys is None else self._storage_for(layer, k.shape[0], k.shape[1], max_keys, k.device)
+        storage = None if cache is None else self._storage_for(layer, cache)
         self.index[layer] = BucketIndex.from_assignments(torch.cat(kb, -1), pp.centroids, sink=p.sink, recent=p.recent,
                                                          storage=storage)
 
-    def _storage_for(self, layer: int, batch: int, kv_heads: int, max_keys: int, device: torch.device
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Layer ``layer``'s index storage for ``batch`` rows and up to ``max_keys`` keys: the same tensors
-        for every request of that shape, so step graphs that read them can be replayed by later requests
-        (kept per shape: a generator of another batch size never frees what one's graphs read)."""
-        key = (layer, batch, kv_heads, max_keys, str(device))
-        if key not in self._storage:
-            c = self.layers[layer].num_clusters
-            self._storage[key] = BucketIndex.storage_for(batch, kv_heads, c, max_keys, device)
-        return self._storage[key]
+    def _storage_for(self, layer: int, cache: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s index storage for ``cache`` (``keys[layer] [B, Hkv, T, D]``: any index of at
+        most ``T`` keys): the same tensors for every request the cache serves, so step graphs that read
+        them can be replayed by later requests. Held as long as the cache (its generator) lives."""
+        per_cache = self._storage.setdefault(cache, {})
+        if layer not in per_cache:
+            b, hkv, t, _ = cache.keys[layer].shape
+            per_cache[layer] = BucketIndex.storage_for(b, hkv, self.layers[layer].num_clusters, t,
+                                                       cache.keys[layer].device)
+        return per_cache[layer]
 
     def advance(self, layer: int, q: torch.Tensor, k: torch.Tensor, ctx) -> tuple[BucketIndex, torch.Tensor] | None:
         """One decode step's index upkeep: the new (last) key of ``k [B, Hkv, T, D]`` appended to layer
@@ -375,8 +377,7 @@ class SaapDecode:
                 continue
             idx = self.index.get(layer)
             if idx is None or idx.length > target:
-                self.build_index(layer, cache.keys[layer][:, :, :target], self._prefill_ctx,
-                                 max_keys=cache.keys[layer].shape[2])
+                self.build_index(layer, cache.keys[layer][:, :, :target], self._prefill_ctx, cache=cache)
                 continue
             if target > idx.length:
                 idx.append(self._derope(cache.keys[layer][:, :, idx.length:target], self._prefill_ctx, idx.length))

@@ -133,15 +133,36 @@ def test_saap_indexes_ending_where_the_view_puts_them_serve_later_requests(captu
         per_request, prompts, tokens = _two_requests(model, captures)
         assert model.calib_attention.static_method_layers  # SAAP ran in the step
         assert not rt.reads_request_state
-        storage = {layer: idx.slots.data_ptr() for layer, idx in rt.index.items()}
-        assert storage and all(rt.index[layer].length == 64 - 8 for layer in storage)  # view 64, bucket 8
+        assert rt.index and all(idx.length == 64 - 8 for idx in rt.index.values())  # view 64, bucket 8
         # a fresh generator (its own captures) gives the same tokens as the replays of kept graphs
         for ids, got in zip(prompts, tokens):
             assert torch.equal(_generator(model, 2, 64).generate(ids, 12), got)
-        assert {layer: idx.slots.data_ptr() for layer, idx in rt.index.items()} == storage
     finally:
         hf.remove(model)
     assert per_request[:3] == [[48, 56], [], [64]]
+
+
+def test_saap_index_storage_lives_as_long_as_its_generators_cache(captures):
+    """One storage per (cache, layer): a generator's requests share it, another generator gets its own, and
+    a generator gone takes its storage with it (evaluation makes a generator per batch)."""
+    import gc
+
+    model = _model()
+    rt = _saap(top_l=1)
+    hf.attach(model, decode=rt)
+    try:
+        first, second = _generator(model, 2, 64), _generator(model, 2, 64)
+        first.generate(_prompt(2, 40, seed=1), 4)
+        held = {layer: idx.slots.data_ptr() for layer, idx in rt.index.items()}
+        first.generate(_prompt(2, 40, seed=2), 4)
+        assert {layer: idx.slots.data_ptr() for layer, idx in rt.index.items()} == held
+        second.generate(_prompt(2, 40, seed=1), 4)
+        assert len(rt._storage) == 2 and all(rt.index[l].slots.data_ptr() != p for l, p in held.items())
+        del first
+        gc.collect()
+        assert len(rt._storage) == 1
+    finally:
+        hf.remove(model)
 
 
 def test_saap_of_a_ragged_batch_short_of_the_view_captures_for_each_request(captures):

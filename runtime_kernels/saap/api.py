@@ -317,9 +317,9 @@ class SaapDecode:
         pp = self._params(layer, k.device)
         kb = [BucketIndex._assign(self._derope(k[:, :, s:s + INDEX_CHUNK], self._prefill_ctx, s), pp.centroids, s, p.sink)
               for s in range(0, k.shape[2], INDEX_CHUNK)]
+        kb = torch.cat(kb, -1) if kb else torch.empty(*k.shape[:2], 0, dtype=torch.int32, device=k.device)
         storage = None if cache is None else self._storage_for(layer, cache)
-        self.index[layer] = BucketIndex.from_assignments(torch.cat(kb, -1), pp.centroids, sink=p.sink, recent=p.recent,
-                                                         storage=storage)
+        self.index[layer] = BucketIndex.from_assignments(kb, pp.centroids, sink=p.sink, recent=p.recent, storage=storage)
 
     def _storage_for(self, layer: int, cache: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s index storage for ``cache`` (``keys[layer] [B, Hkv, T, D]``: any index of at

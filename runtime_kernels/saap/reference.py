@@ -332,7 +332,7 @@ class BucketIndex:
         if entering > max(64, (hi - self.sink) // 8):  # a large chunk: rebuild is cheaper than inserts
             self._relayout(hi)
             return
-        for pos in range(self.searchable_hi, hi):
+        for pos in range(max(self.searchable_hi, self.sink), hi):  # an index shorter than the sink lists from it
             self._insert(pos)
         self.searchable_hi = hi
 

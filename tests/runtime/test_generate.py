@@ -146,6 +146,24 @@ def test_saap_static_step_matches_eager_step_with_one_bucket():
     assert torch.equal(static[:, :2], eager[:, :2])
 
 
+def test_saap_static_steps_before_the_views_first_full_bucket_are_dense():
+    """A prompt inside the first view: no key is common to every request at that view (view - bucket = 0),
+    so the static index is empty and the steps attend every key, as dense does; the next view indexes
+    view - bucket keys."""
+    model, ids = _model(), _prompt(2, 5)
+    dense = StaticGenerator(model, batch=2, max_len=40, graphs=False, bucket=16).generate(ids, 8)  # views 16
+    rt = _saap(top_l=1, recent=2)
+    hf.attach(model, decode=rt)
+    try:
+        gen = StaticGenerator(model, batch=2, max_len=40, graphs=False, bucket=16)
+        assert torch.equal(gen.generate(ids, 8), dense)
+        assert all(idx.length == 0 and idx.searchable_hi == 0 for idx in rt.index.values()) and rt.index
+        gen.decode(6)  # positions 13 .. 18: the view becomes 32, its index 16 keys
+        assert all(idx.length == 16 for idx in rt.index.values())
+    finally:
+        hf.remove(model)
+
+
 def test_santa_static_loop_equals_eager_for_a_seed():
     model, ids = _model(), _prompt(2, 50)
     hf.attach(model, decode=SantaDecode([3, 2, 5], tiling="flash", tile=16, seed=7, backend="reference"))

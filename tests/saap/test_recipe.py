@@ -218,7 +218,8 @@ def test_eval_top_l_is_a_saap_option():
 def test_eval_runtime_counts_saap_in_the_static_loop(result, loaded):
     """``calib eval``'s SAAP runtime (``with_statistics``: counted, SAAP at every length) in the static
     loop (CPU: no graphs): every bucket visited answers as the eager loop does, selectivity 1 in both;
-    one bucket counts a selectivity strictly inside (0, 1) for every prompt."""
+    one bucket counts a selectivity strictly inside (0, 1) for every prompt. The prompts reach a second
+    view (the static index ends at view - bucket = 256 keys: shorter prompts decode densely)."""
     from types import SimpleNamespace
 
     from calib.evaluate import answer_prompts, with_statistics
@@ -226,7 +227,7 @@ def test_eval_runtime_counts_saap_in_the_static_loop(result, loaded):
 
     gen = torch.Generator().manual_seed(11)
     prompts = [SimpleNamespace(task="t", length=n, answer="", scoring="contains",
-                               input_ids=torch.randint(20, 200, (n,), generator=gen).tolist()) for n in (150, 150, 200)]
+                               input_ids=torch.randint(20, 200, (n,), generator=gen).tolist()) for n in (300, 300, 350)]
     answers = {}
     for top_l in (C, 1):
         options = with_statistics({"saap": {"top_l": top_l}}, "saap")
@@ -398,8 +399,8 @@ def test_layer_profile_scorer_answers_like_dense_with_every_bucket(result, loade
     from runtime_kernels.saap import SaapDecode
 
     cfg = compose(overrides(model_dir))
-    prompts = build_prompts(cfg.data, loaded.tokenizer, seed=int(cfg.data.seed), lengths=[256],
-                            tasks=["niah_single"], num_prompts=3)
+    prompts = build_prompts(cfg.data, loaded.tokenizer, seed=int(cfg.data.seed), lengths=[320],
+                            tasks=["niah_single"], num_prompts=3)  # past the first view: a static index of 256 keys
     per_layer = SaapDecode.from_artifact(load_artifact(result["artifact_dir"], method="saap"), loaded.model).layers
     scorer = AnswerScorer(loaded, prompts, per_layer, top_l=1, base_layers={}, max_new_tokens=6, batch_tokens=4096,
                           loop=loop)

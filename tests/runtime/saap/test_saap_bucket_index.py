@@ -49,8 +49,9 @@ def test_no_slack_build_is_packed_csr():
     assert torch.equal(idx.slots[..., : indices.shape[-1]], indices)
 
 
-@pytest.mark.parametrize("t0,step", [(150, 1), (100, 3), (30, 1), (1, 1), (10, 170)],
-                         ids=["T0150-step1", "T0100-step3", "T030-step1", "T01-step1", "T010-chunk170"])
+@pytest.mark.parametrize("t0,step", [(150, 1), (100, 3), (30, 1), (1, 1), (0, 1), (0, 40), (10, 170)],
+                         ids=["T0150-step1", "T0100-step3", "T030-step1", "T01-step1", "T00-step1", "T00-step40",
+                              "T010-chunk170"])
 @pytest.mark.parametrize("slack,min_slack", [(0.25, 4), (0.0, 0)], ids=["slack", "noslack"])
 def test_append_equals_build(t0, step, slack, min_slack):
     keys, cents = _data(t=180)

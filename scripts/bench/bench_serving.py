@@ -102,6 +102,7 @@ class Setup:
     gguf: str | None
     smoke: bool
     profile: Path | None = None
+    saap_top_l: int | None = None  # ℓ in every SAAP layer instead of the artifact's (speed only)
     copy_tbps: float | None = None
     rows: list[Row] = field(default_factory=list)
 
@@ -130,7 +131,10 @@ def attach(model, method: str, setup: Setup) -> None:
     """Put ``method``'s serving configuration on ``model``."""
     hf.remove(model)
     if method in setup.artifacts:
-        hf.apply(model, setup.artifacts[method])
+        options = None
+        if method == "saap" and setup.saap_top_l:
+            options = {"saap": {"top_l": setup.saap_top_l, "top_l_layers": {}}}
+        hf.apply(model, setup.artifacts[method], options=options)
     elif method == "no-attention":  # the floor of a decode step and of a prefill
         floor = NoAttention()
         hf.attach(model, prefill=floor, decode=floor)
@@ -371,6 +375,9 @@ def run_config(method: str, compiled: bool, setup: Setup) -> list[Row]:
                 guarded(second_row, model, tok, method, t, b, setup)
         if setup.ragged and method != "no-attention":
             guarded(ragged_row, model, tok, method, t, setup.ragged, compiled, setup)
+    if method == "saap" and setup.saap_top_l:
+        for r in rows:
+            r.note = "; ".join(x for x in (r.note, f"ℓ = {setup.saap_top_l} in every layer: speed only") if x)
     return rows
 
 
@@ -431,9 +438,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="write torch.profiler tables of one prefill per TTFT point and one generation per ragged row here "
                          "(method and in-process dense)")
     ap.add_argument("--table", type=Path, nargs="+", default=None, help="print the tables of saved --json files")
+    ap.add_argument("--saap-top-l", type=int, default=None,
+                    help="serve SAAP with this ℓ in every layer instead of the artifact's (what a sparse step costs; "
+                         "its accuracy is not the artifact's, so no --accuracy for saap)")
     ap.add_argument("--smoke", action="store_true", help="CPU, the tiny model, short prompts: checks the script")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # METHOD:compiled in this process
     args = ap.parse_args(argv)
+    if args.saap_top_l is not None and (args.saap_top_l < 1 or any(a.startswith("saap=") for a in args.accuracy)):
+        ap.error("--saap-top-l takes an ℓ >= 1, and the artifact's held-out accuracy (--accuracy saap=) does not apply to it")
     if args.smoke:
         args.model, args.lengths, args.batches, args.ttft_batches, args.ragged, args.steps, args.compile = (
             "tiny", "256", "1,2", "1", 2, 4, "off")
@@ -444,7 +456,7 @@ def setup_of(args: argparse.Namespace) -> Setup:
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     artifacts = dict(a.split("=", 1) for a in args.artifact)
     return Setup(args.model, artifacts, ints(args.lengths), ints(args.batches), ints(args.ttft_batches),
-                 args.ragged, args.steps, args.gguf, args.smoke, args.profile)
+                 args.ragged, args.steps, args.gguf, args.smoke, args.profile, args.saap_top_l)
 
 
 def run_child(method: str, compiled: bool, argv: list[str], timeout: float) -> list[Row]:

@@ -170,3 +170,19 @@ def test_profile_writes_the_method_and_the_in_process_dense_tables(tmp_path):
     assert seen == ["sale", "sale", None, None] and state.prefill == "sale"
     bench.profile_prefill(SimpleNamespace(calib_attention=None), prefill, tmp_path / "plain.txt")
     assert "dense in this process" not in (tmp_path / "plain.txt").read_text()
+
+
+def test_saap_top_l_serves_every_layer_at_that_l_and_says_its_rows_are_speed_only(monkeypatch):
+    """``--saap-top-l``: the artifact applied with ℓ in every layer (its per-layer profile dropped), each
+    saap row noted as speed only; refused beside the artifact's own held-out accuracy, and below 1."""
+    seen = {}
+    monkeypatch.setattr(bench.hf, "apply", lambda model, path, options=None: seen.update(path=path, options=options))
+    monkeypatch.setattr(bench.hf, "remove", lambda model: None)
+    setup = bench.setup_of(bench.parse_args(["--artifact", "saap=/a", "--saap-top-l", "16"]))
+    bench.attach(object(), "saap", setup)
+    assert seen == {"path": "/a", "options": {"saap": {"top_l": 16, "top_l_layers": {}}}}
+    bench.attach(object(), "sale", bench.setup_of(bench.parse_args(["--artifact", "sale=/b", "--saap-top-l", "16"])))
+    assert seen == {"path": "/b", "options": None}
+    for bad in (["--saap-top-l", "0"], ["--saap-top-l", "8", "--accuracy", "saap=eval.json"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)

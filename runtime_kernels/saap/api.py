@@ -321,11 +321,14 @@ class SaapDecode:
         storage = None if cache is None else self._storage_for(layer, cache)
         self.index[layer] = BucketIndex.from_assignments(kb, pp.centroids, sink=p.sink, recent=p.recent, storage=storage)
 
-    def _storage_for(self, layer: int, cache: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _storage_for(self, layer: int, cache: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Layer ``layer``'s index storage for ``cache`` (``keys[layer] [B, Hkv, T, D]``: any index of at
         most ``T`` keys): the same tensors for every request the cache serves, so step graphs that read
         them can be replayed by later requests. Held as long as the cache (its generator) lives."""
-        per_cache = self._storage.setdefault(cache, {})
+        try:
+            per_cache = self._storage.setdefault(cache, {})
+        except TypeError:  # a cache object that cannot be referenced weakly: a fresh index, kept by no graph
+            return None
         if layer not in per_cache:
             b, hkv, t, _ = cache.keys[layer].shape
             per_cache[layer] = BucketIndex.storage_for(b, hkv, self.layers[layer].num_clusters, t,
@@ -376,12 +379,13 @@ class SaapDecode:
                 self.index.pop(layer, None)
                 continue
             idx = self.index.get(layer)
-            if idx is None or idx.length > target:
+            if idx is None or idx.length > target or not idx.fixed:  # (re)built in this cache's storage
                 self.build_index(layer, cache.keys[layer][:, :, :target], self._prefill_ctx, cache=cache)
                 continue
             if target > idx.length:
                 idx.append(self._derope(cache.keys[layer][:, :, idx.length:target], self._prefill_ctx, idx.length))
-        self._view_aligned = not self.index or (stable is not None and target == stable)
+        self._view_aligned = not self.index or (stable is not None and target == stable
+                                                and all(idx.fixed for idx in self.index.values()))
 
     @property
     def reads_request_state(self) -> bool:

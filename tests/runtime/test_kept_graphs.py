@@ -225,3 +225,22 @@ def test_a_runtime_switched_off_and_on_never_replays_the_other_paths_graphs(capt
     assert not torch.equal(sampled, dense)  # S²ANTA's draws change the tokens here
     assert torch.equal(off, dense) and torch.equal(off_again, dense) and torch.equal(on, sampled)
     assert on_captures == [48, 56] and len(captures) == before  # dense replays its kept graphs
+
+
+def test_an_index_built_outside_the_loop_is_rebuilt_in_the_caches_storage(captures):
+    """An index a caller built itself (a benchmark's) is not in storage a later request keeps: the hook
+    builds it again into the cache's storage before the step is captured, so the graph may be kept."""
+    model, ids = _model(), _prompt(2, 40)
+    rt = _saap(top_l=1)
+    hf.attach(model, decode=rt)
+    try:
+        gen = _generator(model, 2, 64)
+        gen.prefill(ids)
+        for layer in range(1, len(rt.layers)):
+            rt.build_index(layer, gen.cache.keys[layer][:, :, :40], rt._prefill_ctx)
+        assert not any(idx.fixed for idx in rt.index.values())
+        gen.decode(4)
+        assert rt.index and all(idx.fixed and idx.length == 40 for idx in rt.index.values())
+        assert not rt.reads_request_state
+    finally:
+        hf.remove(model)

@@ -171,6 +171,12 @@ def nearest_centroid(x: torch.Tensor, centroids: torch.Tensor, chunk: int | None
 # --------------------------------------------------------------------------------------------------
 
 
+def slots_bound(candidates: int, clusters: int, slack: float, min_slack: int) -> int:
+    """The most slots a layout of ``candidates`` keys over ``clusters`` buckets takes: each bucket gets
+    ``count + ceil(slack·count) + min_slack``, summed at most ``N·(1 + slack) + C·(1 + min_slack)``."""
+    return math.ceil(candidates * (1 + slack)) + clusters * (1 + min_slack)
+
+
 def _grow(t: torch.Tensor, need: int, dim: int = -1, fill: int = 0) -> torch.Tensor:
     """Return ``t`` with at least ``need`` entries along ``dim`` (capacity doubles, amortized O(1))."""
     have = t.shape[dim]
@@ -257,9 +263,8 @@ class BucketIndex:
     def storage_for(batch: int, kv_heads: int, clusters: int, max_keys: int, device: torch.device,
                     slack: float = 0.25, min_slack: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Preallocated ``slot_start, bucket_count, slots`` (int32) for any index of at most ``max_keys``
-        candidates: a layout needs ``sum(count + ceil(slack·count) + min_slack)`` slots, at most
-        ``ceil(max_keys·(1 + slack)) + C·(1 + min_slack)``."""
-        cap = math.ceil(max_keys * (1 + slack)) + clusters * (1 + min_slack)
+        candidates (:func:`slots_bound`)."""
+        cap = slots_bound(max_keys, clusters, slack, min_slack)
         z = lambda *shape: torch.zeros(*shape, dtype=torch.int32, device=device)  # noqa: E731
         return z(batch, kv_heads, clusters + 1), z(batch, kv_heads, clusters), z(batch, kv_heads, cap)
 
@@ -300,14 +305,16 @@ class BucketIndex:
         packed[..., 1:] = torch.cumsum(counts, -1)
         rank = torch.arange(kb.shape[-1], device=kb.device) - packed.gather(-1, sorted_b)  # rank inside bucket
         dest = start.gather(-1, sorted_b) + rank
-        need = int(start[..., -1].max()) if start.numel() else 0
         if self.fixed:  # in place: the storage's addresses stay what a captured graph read
-            if need > self.slots.shape[-1]:
-                raise ValueError(f"index storage holds {self.slots.shape[-1]} slots, the layout needs {need}")
+            if slots_bound(kb.shape[-1], c, self.slack, self.min_slack) > self.slots.shape[-1]:  # else no sync
+                need = int(start[..., -1].max()) if start.numel() else 0
+                if need > self.slots.shape[-1]:
+                    raise ValueError(f"index storage holds {self.slots.shape[-1]} slots, the layout needs {need}")
             self.slots.scatter_(-1, dest, (order + lo).to(torch.int32))
             self.slot_start.copy_(start)
             self.bucket_count.copy_(counts)
         else:
+            need = int(start[..., -1].max()) if start.numel() else 0
             slots = torch.zeros(b, hkv, need, dtype=torch.int32, device=kb.device)
             slots.scatter_(-1, dest, (order + lo).to(torch.int32))
             self.slot_start, self.bucket_count, self.slots = start.to(torch.int32), counts.to(torch.int32), slots
@@ -332,21 +339,30 @@ class BucketIndex:
         if entering > max(64, (hi - self.sink) // 8):  # a large chunk: rebuild is cheaper than inserts
             self._relayout(hi)
             return
-        for pos in range(max(self.searchable_hi, self.sink), hi):  # an index shorter than the sink lists from it
-            self._insert(pos)
+        lo = max(self.searchable_hi, self.sink)  # an index shorter than the sink lists from it
+        if hi > lo:
+            self._insert(lo, hi)
         self.searchable_hi = hi
 
-    def _insert(self, pos: int) -> None:
-        """Append key ``pos`` (largest position so far) to the end of its bucket, for every (b, h)."""
-        c = self.key_bucket_buf[..., pos].long().unsqueeze(-1)  # [B, Hkv, 1]
-        cnt = self.bucket_count.gather(-1, c).long()
-        start = self.slot_start.gather(-1, c).long()
-        cap = self.slot_start.gather(-1, c + 1).long() - start
-        if bool((cnt >= cap).any()):  # some bucket is full: new layout with fresh slack, then insert
-            self._relayout(pos + 1)
+    def _insert(self, lo: int, hi: int) -> None:
+        """Append keys ``lo .. hi-1`` (each past every listed position) to the ends of their buckets, for
+        every (b, h), all at once: one host sync for the capacity check, whatever the count; a bucket
+        that would overflow lays everything out again, with fresh slack."""
+        kb = self.key_bucket_buf[..., lo:hi].long()  # [B, Hkv, n]
+        add = torch.zeros_like(self.bucket_count, dtype=torch.long).scatter_add_(-1, kb, torch.ones_like(kb))
+        cnt = self.bucket_count.long()
+        start = self.slot_start.long()
+        if bool((cnt + add > start[..., 1:] - start[..., :-1]).any()):
+            self._relayout(hi)
             return
-        self.slots.scatter_(-1, start + cnt, torch.full_like(cnt, pos, dtype=torch.int32))
-        self.bucket_count.scatter_add_(-1, c, torch.ones_like(c, dtype=torch.int32))
+        # the new keys grouped by bucket, positions ascending (a stable sort), each at its bucket's end
+        order = torch.sort(kb, dim=-1, stable=True).indices
+        sorted_b = kb.gather(-1, order)
+        before = torch.cumsum(add, -1) - add  # new keys of the lower buckets: where a bucket's run starts
+        rank = torch.arange(hi - lo, device=kb.device) - before.gather(-1, sorted_b)
+        dest = start.gather(-1, sorted_b) + cnt.gather(-1, sorted_b) + rank
+        self.slots.scatter_(-1, dest, (order + lo).to(torch.int32))
+        self.bucket_count.add_(add.to(torch.int32))  # in place: kept storage keeps its address
 
     # ------------------------------------------------------------------------------------------ read
     def csr(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -49,9 +49,9 @@ def test_no_slack_build_is_packed_csr():
     assert torch.equal(idx.slots[..., : indices.shape[-1]], indices)
 
 
-@pytest.mark.parametrize("t0,step", [(150, 1), (100, 3), (30, 1), (1, 1), (0, 1), (0, 40), (10, 170)],
+@pytest.mark.parametrize("t0,step", [(150, 1), (100, 3), (30, 1), (1, 1), (0, 1), (0, 40), (60, 50), (10, 170)],
                          ids=["T0150-step1", "T0100-step3", "T030-step1", "T01-step1", "T00-step1", "T00-step40",
-                              "T010-chunk170"])
+                              "T060-step50", "T010-chunk170"])
 @pytest.mark.parametrize("slack,min_slack", [(0.25, 4), (0.0, 0)], ids=["slack", "noslack"])
 def test_append_equals_build(t0, step, slack, min_slack):
     keys, cents = _data(t=180)
@@ -141,3 +141,16 @@ def test_kept_storage_fits_the_worst_layout_and_refuses_a_larger_one():
     with pytest.raises(ValueError, match="does not fit B=1, Hkv=2, C=5"):
         BucketIndex.from_assignments(kb, cents, sink=sink, recent=0,
                                      storage=BucketIndex.storage_for(b, hkv, c + 1, t, kb.device))
+
+
+def test_many_keys_at_once_go_to_their_buckets_ends_without_a_new_layout():
+    """Room in every bucket: 20 keys per append (a static loop's view change brings a bucket of them) are
+    written at their buckets' ends in one pass, no relayout, and the lists equal a build's."""
+    keys, cents = _data(t=300)
+    idx = BucketIndex.build(keys[:, :, :100], cents, sink=1, recent=16, slack=1.0, min_slack=128)
+    for start in range(100, 300, 20):
+        idx.append(keys[:, :, start:start + 20])
+    assert idx.repacks == 1  # the build's layout only
+    o_ref, i_ref = BucketIndex.build(keys, cents, sink=1, recent=16).csr()
+    o, i = idx.csr()
+    assert torch.equal(o, o_ref) and torch.equal(i, i_ref)

@@ -350,9 +350,9 @@ class StaticGenerator:
         SAAP whose indexes end where the view puts them, in storage it keeps), or one in which the attached
         method ran in no layer (SAAP's layers at ℓ = C, SANTA's samples covering every key, every layer
         chosen dense). A step that read this request's state (SANTA's seeds, a SAAP index of a ragged
-        batch's short row) is captured anew for each request (:meth:`_keeps`). Graphs are kept per runtime object (held here,
-        so its id is not reused): a state whose decode runtime is switched off and on again (a benchmark's
-        in-process dense) keeps both sets."""
+        batch's short row) is captured anew for each request (:meth:`_keeps`). Graphs are kept per
+        runtime object (held here, so its id is not reused): a state whose decode runtime is switched off
+        and on again (a benchmark's in-process dense) keeps both sets."""
         runtime = getattr(state, "decode", None)
         if state is not self._kept_state:
             self._kept, self._kept_state = {}, state

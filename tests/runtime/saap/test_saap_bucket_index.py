@@ -154,3 +154,31 @@ def test_many_keys_at_once_go_to_their_buckets_ends_without_a_new_layout():
     o_ref, i_ref = BucketIndex.build(keys, cents, sink=1, recent=16).csr()
     o, i = idx.csr()
     assert torch.equal(o, o_ref) and torch.equal(i, i_ref)
+
+
+class _HostReads:
+    """Counts a tensor's value read on the host (``bool``, ``int``, ``float``, ``item``): each is a GPU sync."""
+
+    def __init__(self, monkeypatch):
+        self.count = 0
+        for name in ("__bool__", "__int__", "__float__", "item"):
+            original = getattr(torch.Tensor, name)
+
+            def counted(t, *a, _original=original, **k):
+                self.count += 1
+                return _original(t, *a, **k)
+
+            monkeypatch.setattr(torch.Tensor, name, counted)
+
+
+def test_kept_storage_builds_without_host_reads_and_absorbs_a_view_with_one(monkeypatch):
+    """Building a request's index into kept storage reads nothing back (capacity settles from host sizes);
+    absorbing a view's keys at once reads one flag (room in every bucket), not one per key."""
+    keys, cents = _data(t=400)
+    storage = BucketIndex.storage_for(2, 3, 7, keys.shape[2], keys.device)
+    kb = BucketIndex._assign(keys[:, :, :200], cents, 0, 1)
+    reads = _HostReads(monkeypatch)
+    idx = BucketIndex.from_assignments(kb, cents, sink=1, recent=16, storage=storage)
+    assert reads.count == 0
+    idx.append(keys[:, :, 200:240])  # 40 keys: below the relayout threshold, inserted together
+    assert reads.count == 1

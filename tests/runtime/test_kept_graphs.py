@@ -244,3 +244,23 @@ def test_an_index_built_outside_the_loop_is_rebuilt_in_the_caches_storage(captur
         assert not rt.reads_request_state
     finally:
         hf.remove(model)
+
+
+def test_a_requests_saap_indexes_build_without_reading_the_device(monkeypatch):
+    """The hook builds every layer's index for a new request with no host read (no GPU sync between the
+    layers' kernels), and brings them to a new view with one read per layer."""
+    from tests.runtime.saap.test_saap_bucket_index import _HostReads
+
+    model, ids = _model(), _prompt(2, 40)
+    rt = _saap(top_l=1)
+    hf.attach(model, decode=rt)
+    try:
+        gen = StaticGenerator(model, batch=2, max_len=64, graphs=False, bucket=8)
+        gen.prefill(ids)
+        reads = _HostReads(monkeypatch)
+        rt.before_graph(gen.cache, 41, 48, stable=40)
+        built = reads.count
+        rt.before_graph(gen.cache, 49, 56, stable=48)
+        assert (built, reads.count - built) == (0, len(rt.index)) and len(rt.index) == len(rt.layers) - 1
+    finally:
+        hf.remove(model)

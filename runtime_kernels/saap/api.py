@@ -151,6 +151,7 @@ class SaapDecode:
         # static index storage: per cache (freed with it), per layer
         self._storage: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._view_aligned = True  # every static index ends where the view puts it (before_graph)
+        self._trig: dict | None = None  # cos/sin by positions, shared by the layers during before_graph
 
     def layer_top_l(self, layer: int) -> int:
         """ℓ of layer ``layer``: its ``top_l_layers`` entry, else ``top_l``."""
@@ -263,9 +264,18 @@ class SaapDecode:
         return pos.to(device).expand(batch, -1)
 
     def _derope(self, x: torch.Tensor, ctx, first: int) -> torch.Tensor:
+        """``x [B, Hkv, T, D]`` (RoPE'd, positions ``first ..`` or ``ctx.position_ids``) de-RoPE'd. Inside
+        :meth:`before_graph` the cos/sin of consecutive positions are computed once for every layer."""
         b, _, t, _ = x.shape
-        pos = self._positions(ctx, b, first, t, x.device)
-        cos, sin = ctx.rotary_emb(torch.empty(0, dtype=torch.float32, device=x.device), pos)
+        key = (first, t, b, str(x.device), id(ctx.rotary_emb))
+        memo = self._trig if getattr(ctx, "position_ids", None) is None else None
+        trig = None if memo is None else memo.get(key)
+        if trig is None:
+            pos = self._positions(ctx, b, first, t, x.device)
+            trig = ctx.rotary_emb(torch.empty(0, dtype=torch.float32, device=x.device), pos)
+            if memo is not None:
+                memo[key] = trig
+        cos, sin = trig
         return derope(x, cos[:, None], sin[:, None])  # cos, sin [B, 1, T, D] against x [B, Hkv, T, D]
 
     def cost_signature(self, layer: int) -> str | None:
@@ -374,16 +384,21 @@ class SaapDecode:
         serve later requests (:attr:`reads_request_state`); the keys between ``stable`` and ``valid`` are
         attended exactly, with the window."""
         target = valid - 1 if stable is None else min(valid - 1, stable)
-        for layer, p in enumerate(self.layers):
-            if p.dense or p.w1 is None or self.reads_every_key(layer) or (layers is not None and layer not in layers):
-                self.index.pop(layer, None)
-                continue
-            idx = self.index.get(layer)
-            if idx is None or idx.length > target or not idx.fixed:  # (re)built in this cache's storage
-                self.build_index(layer, cache.keys[layer][:, :, :target], self._prefill_ctx, cache=cache)
-                continue
-            if target > idx.length:
-                idx.append(self._derope(cache.keys[layer][:, :, idx.length:target], self._prefill_ctx, idx.length))
+        self._trig = {}  # every layer de-RoPEs the same positions
+        try:
+            for layer, p in enumerate(self.layers):
+                if (p.dense or p.w1 is None or self.reads_every_key(layer)
+                        or (layers is not None and layer not in layers)):
+                    self.index.pop(layer, None)
+                    continue
+                idx = self.index.get(layer)
+                keys = cache.keys[layer]
+                if idx is None or idx.length > target or not idx.fixed:  # (re)built in this cache's storage
+                    self.build_index(layer, keys[:, :, :target], self._prefill_ctx, cache=cache)
+                elif target > idx.length:
+                    idx.append(self._derope(keys[:, :, idx.length:target], self._prefill_ctx, idx.length))
+        finally:
+            self._trig = None
         self._view_aligned = not self.index or (stable is not None and target == stable
                                                 and all(idx.fixed for idx in self.index.values()))
 

@@ -264,3 +264,25 @@ def test_a_requests_saap_indexes_build_without_reading_the_device(monkeypatch):
         assert (built, reads.count - built) == (0, len(rt.index)) and len(rt.index) == len(rt.layers) - 1
     finally:
         hf.remove(model)
+
+
+def test_the_layers_of_one_hook_call_share_the_rotary_cos_sin(monkeypatch):
+    """Every layer's index covers the same positions: the hook asks the rotary module once per chunk of
+    positions, not once per layer, and the indexes equal those built layer by layer."""
+    model, ids = _model(), _prompt(2, 40)
+    rt = _saap(top_l=1)
+    hf.attach(model, decode=rt)
+    try:
+        gen = StaticGenerator(model, batch=2, max_len=64, graphs=False, bucket=8)
+        gen.prefill(ids)
+        rotary, calls = rt._prefill_ctx.rotary_emb, []
+        monkeypatch.setattr(rt._prefill_ctx, "rotary_emb", lambda *a: calls.append(1) or rotary(*a))
+        rt.before_graph(gen.cache, 41, 48, stable=40)
+        assert len(calls) == 1 and len(rt.index) == len(rt.layers) - 1
+        for layer, idx in rt.index.items():
+            alone = _saap(top_l=1)
+            alone.build_index(layer, gen.cache.keys[layer][:, :, :40], rt._prefill_ctx)
+            assert torch.equal(idx.key_bucket, alone.index[layer].key_bucket)
+            assert all(torch.equal(x, y) for x, y in zip(idx.csr(), alone.index[layer].csr()))
+    finally:
+        hf.remove(model)

@@ -9,6 +9,10 @@ graphs in tests/runtime/test_generate_gpu.py.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
 import pytest
 import torch
 
@@ -246,35 +250,37 @@ def test_an_index_built_outside_the_loop_is_rebuilt_in_the_caches_storage(captur
         hf.remove(model)
 
 
+@contextlib.contextmanager
+def _prefilled_saap() -> Iterator[tuple[Any, StaticGenerator]]:
+    """SAAP (ℓ = 1) attached and a 40-token prompt prefilled in a static loop of bucket 8: its hook not yet run."""
+    model = _model()
+    rt = _saap(top_l=1)
+    hf.attach(model, decode=rt)
+    try:
+        gen = StaticGenerator(model, batch=2, max_len=64, graphs=False, bucket=8)
+        gen.prefill(_prompt(2, 40))
+        yield rt, gen
+    finally:
+        hf.remove(model)
+
+
 def test_a_requests_saap_indexes_build_without_reading_the_device(monkeypatch):
     """The hook builds every layer's index for a new request with no host read (no GPU sync between the
     layers' kernels), and brings them to a new view with one read per layer."""
     from tests.runtime.saap.test_saap_bucket_index import _HostReads
 
-    model, ids = _model(), _prompt(2, 40)
-    rt = _saap(top_l=1)
-    hf.attach(model, decode=rt)
-    try:
-        gen = StaticGenerator(model, batch=2, max_len=64, graphs=False, bucket=8)
-        gen.prefill(ids)
+    with _prefilled_saap() as (rt, gen):
         reads = _HostReads(monkeypatch)
         rt.before_graph(gen.cache, 41, 48, stable=40)
         built = reads.count
         rt.before_graph(gen.cache, 49, 56, stable=48)
         assert (built, reads.count - built) == (0, len(rt.index)) and len(rt.index) == len(rt.layers) - 1
-    finally:
-        hf.remove(model)
 
 
 def test_the_layers_of_one_hook_call_share_the_rotary_cos_sin(monkeypatch):
     """Every layer's index covers the same positions: the hook asks the rotary module once per chunk of
     positions, not once per layer, and the indexes equal those built layer by layer."""
-    model, ids = _model(), _prompt(2, 40)
-    rt = _saap(top_l=1)
-    hf.attach(model, decode=rt)
-    try:
-        gen = StaticGenerator(model, batch=2, max_len=64, graphs=False, bucket=8)
-        gen.prefill(ids)
+    with _prefilled_saap() as (rt, gen):
         rotary, calls = rt._prefill_ctx.rotary_emb, []
         monkeypatch.setattr(rt._prefill_ctx, "rotary_emb", lambda *a: calls.append(1) or rotary(*a))
         rt.before_graph(gen.cache, 41, 48, stable=40)
@@ -284,5 +290,3 @@ def test_the_layers_of_one_hook_call_share_the_rotary_cos_sin(monkeypatch):
             alone.build_index(layer, gen.cache.keys[layer][:, :, :40], rt._prefill_ctx)
             assert torch.equal(idx.key_bucket, alone.index[layer].key_bucket)
             assert all(torch.equal(x, y) for x, y in zip(idx.csr(), alone.index[layer].csr()))
-    finally:
-        hf.remove(model)

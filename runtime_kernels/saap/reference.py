@@ -177,6 +177,15 @@ def slots_bound(candidates: int, clusters: int, slack: float, min_slack: int) ->
     return math.ceil(candidates * (1 + slack)) + clusters * (1 + min_slack)
 
 
+def _grouped_by_bucket(kb: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keys ``kb [..., n]`` (bucket ids; ``counts [..., C]`` their per-bucket counts) grouped by bucket by a
+    stable sort, so positions stay ascending inside a bucket: ``(order, bucket of each, rank inside it)``."""
+    order = torch.sort(kb, dim=-1, stable=True).indices
+    sorted_b = kb.gather(-1, order)
+    first = torch.cumsum(counts, -1) - counts  # where each bucket's run starts in the sorted order
+    return order, sorted_b, torch.arange(kb.shape[-1], device=kb.device) - first.gather(-1, sorted_b)
+
+
 def _grow(t: torch.Tensor, need: int, dim: int = -1, fill: int = 0) -> torch.Tensor:
     """Return ``t`` with at least ``need`` entries along ``dim`` (capacity doubles, amortized O(1))."""
     have = t.shape[dim]
@@ -298,12 +307,7 @@ class BucketIndex:
         cap = counts + torch.ceil(counts.float() * self.slack).long() + self.min_slack  # [B, Hkv, C]
         start = torch.zeros(b, hkv, c + 1, dtype=torch.int64, device=kb.device)
         start[..., 1:] = torch.cumsum(cap, -1)
-        # stable sort by bucket keeps positions ascending inside each bucket
-        order = torch.sort(kb, dim=-1, stable=True).indices  # [B, Hkv, N_s]
-        sorted_b = kb.gather(-1, order)
-        packed = torch.zeros_like(start)
-        packed[..., 1:] = torch.cumsum(counts, -1)
-        rank = torch.arange(kb.shape[-1], device=kb.device) - packed.gather(-1, sorted_b)  # rank inside bucket
+        order, sorted_b, rank = _grouped_by_bucket(kb, counts)
         dest = start.gather(-1, sorted_b) + rank
         if self.fixed:  # in place: the storage's addresses stay what a captured graph read
             if slots_bound(kb.shape[-1], c, self.slack, self.min_slack) > self.slots.shape[-1]:  # else no sync
@@ -355,11 +359,7 @@ class BucketIndex:
         if bool((cnt + add > start[..., 1:] - start[..., :-1]).any()):
             self._relayout(hi)
             return
-        # the new keys grouped by bucket, positions ascending (a stable sort), each at its bucket's end
-        order = torch.sort(kb, dim=-1, stable=True).indices
-        sorted_b = kb.gather(-1, order)
-        before = torch.cumsum(add, -1) - add  # new keys of the lower buckets: where a bucket's run starts
-        rank = torch.arange(hi - lo, device=kb.device) - before.gather(-1, sorted_b)
+        order, sorted_b, rank = _grouped_by_bucket(kb, add)  # each new key after its bucket's listed ones
         dest = start.gather(-1, sorted_b) + cnt.gather(-1, sorted_b) + rank
         self.slots.scatter_(-1, dest, (order + lo).to(torch.int32))
         self.bucket_count.add_(add.to(torch.int32))  # in place: kept storage keeps its address

@@ -7,8 +7,10 @@ share frequencies. Since ``rotate_half`` squared is ``-1``, ``post·c − rotate
 de-RoPE is ``x = (post·c − rotate_half(post)·n) / (c² + n²)``, exact for every RoPE variant as long as
 cos/sin are the model's own (its module folds in frequency rescaling and ``s``).
 
-SAAP clusters and classifies de-RoPE'd keys and queries. The runtime de-RoPEs while it decodes and the
-calibration (``calib.rope``) calls these same functions, so both see the same vectors.
+SAAP clusters and classifies de-RoPE'd keys and queries. The runtime de-RoPEs keys with :func:`derope`,
+which calibration (``calib.rope``) calls too, so both see the same key vectors; the decode query goes
+through :func:`derope_coefficients` (the same formula, one position per batch row, applied by SAAP's
+classifier kernel as it loads the query), equal to float32 rounding before its cast to the weights' dtype.
 """
 
 from __future__ import annotations

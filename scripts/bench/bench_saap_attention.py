@@ -6,13 +6,15 @@ On fixed buckets (the classifier's choice for a random query, computed once): th
 alone, the bucket partials alone, the merge alone, the whole attention (partials in one launch +
 merge) and the window-only step (no buckets). Beside them SDPA over the window's keys alone (the same
 bytes streamed by cuDNN) and over the whole cache. Each line is its own CUDA graph (so each carries one
-launch gap), timed like ``bench_decode.py`` (events, warm-up, read-flushed L2, median). Needs CUDA.
+launch gap), timed like ``bench_decode.py`` (events, warm-up, read-flushed L2, median). ``--variants``
+also times the whole attention under the launch settings of :data:`VARIANTS`. Needs CUDA.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -20,10 +22,33 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_decode import Shapes, Timer, print_launch_times, _randn, saap_setup  # noqa: E402
+from runtime_kernels.saap import triton_config  # noqa: E402
 from runtime_kernels.saap.reference import searchable_range  # noqa: E402
 
 # runtime_kernels.saap.triton is imported in main(), after the check for CUDA: without it (and perhaps without
 # Triton) the script says it needs a GPU.
+
+VARIANTS = {  # triton_config.CONFIG overrides compared by --variants
+    "32 keys per step": dict(block_n=32),
+    "128 keys per step": dict(block_n=128),
+    "8 warps": dict(attn_warps=8),
+    "3 stages": dict(attn_stages=3),
+    "1 stage": dict(attn_stages=1),
+    "window budget 128 programs": dict(win_programs=128),
+    "window budget 512 programs": dict(win_programs=512),
+}
+
+
+def _under(overrides: dict, fn):
+    """``fn`` run under ``triton_config.CONFIG`` with ``overrides`` (restored afterwards)."""
+    def call():
+        base = triton_config.CONFIG
+        triton_config.CONFIG = replace(base, **overrides)
+        try:
+            return fn()
+        finally:
+            triton_config.CONFIG = base
+    return call
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=8, help="decode batch B (default 8)")
     ap.add_argument("--length", type=int, default=8192, help="cache length T (default 8192)")
     ap.add_argument("--top-l", type=int, default=32, help="buckets visited per KV head (default 32)")
+    ap.add_argument("--variants", action="store_true", help="also time the whole attention under VARIANTS")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: bench_saap_attention.py needs a CUDA GPU", file=sys.stderr)
@@ -70,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
         (f"sdpa over the window ({n_dense} keys)", lambda: sdpa(k_win, v_win), win_mb),
         (f"sdpa over the cache ({t} keys)", lambda: sdpa(k, v), b * sh.hkv * t * kv_row / 1e6),
     ]
+    whole = lambda: st.saap_sparse_attention_triton(q, k, v, index, sel, lo, hi, scale)  # noqa: E731
+    cases += [(f"attention, {name}", _under(cfg, whole), win_mb + bkt_mb)
+              for name, cfg in (VARIANTS.items() if args.variants else ())]
     timer = Timer(True, 5, 30)
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | B={b} T={t} l={args.top_l} "
           f"| {bkt_keys / (b * sh.hkv):.0f} bucket keys per KV head")

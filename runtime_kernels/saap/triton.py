@@ -84,7 +84,7 @@ def _partial_kernel(
     sq_b, sq_h, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
     sst_b, sst_h, sst_c, scn_b, scn_h, scn_c, ssl_b, ssl_h, ssl_s,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, F32: tl.constexpr, PREFETCH_V: tl.constexpr, PACK: tl.constexpr = 0,
+    BLOCK_N: tl.constexpr, F32: tl.constexpr, PACK: tl.constexpr = 0,
     HAS_LEN: tl.constexpr = False,
 ):
     """One partial softmax ``(o [G, D], m [G], l [G])`` of the query heads of one (batch, KV head).
@@ -170,9 +170,6 @@ def _partial_kernel(
             pos = tl.where(is_bkt, pos_b, pos_w)
             kt = tl.load(k_base + pos[None, :] * sk_t + offs_d[:, None] * sk_d,
                          mask=k_ok[None, :] & d_ok[:, None], other=0.0)  # [D_PAD, BLOCK_N]
-            if PREFETCH_V:  # issue the V gather with K's: one memory round trip per step instead of two
-                v = tl.load(v_base + pos[:, None] * sv_t + offs_d[None, :] * sv_d,
-                            mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, D_PAD]
             s = _mma(q, kt, F32) * qk_scale  # [G_PAD, BLOCK_N], log2 units
             s = tl.where(k_ok[None, :], s, -float("inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -180,9 +177,8 @@ def _partial_kernel(
             alpha = tl.exp2(m_i - m_safe)
             pr = tl.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(pr, 1)
-            if not PREFETCH_V:
-                v = tl.load(v_base + pos[:, None] * sv_t + offs_d[None, :] * sv_d,
-                            mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, D_PAD]
+            v = tl.load(v_base + pos[:, None] * sv_t + offs_d[None, :] * sv_d,
+                        mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, D_PAD]
             acc = acc * alpha[:, None] + _mma(pr.to(v.dtype), v, F32)
             m_i = m_new
     row = (pid.to(tl.int64) * n_part + p) * G + offs_g  # [G_PAD] partial row index
@@ -343,7 +339,7 @@ def _launch_partials(pl: _Partials, state: BucketIndex | None, buckets: torch.Te
         pl.n_per, pl.scale * LOG2E, *q.stride(), *k_cache.stride(), *v_cache.stride(), *start.stride(),
         *count.stride(), *slots.stride(),
         G=g, G_PAD=max(_ROWS, _pow2(g)), D=d, D_PAD=_pow2(d), BLOCK_N=cfg.block_n, F32=f32,
-        PREFETCH_V=False, PACK=pl.pack, HAS_LEN=pl.cache_len is not None, num_warps=cfg.attn_warps,
+        PACK=pl.pack, HAS_LEN=pl.cache_len is not None, num_warps=cfg.attn_warps,
         num_stages=cfg.attn_stages,
     )
 

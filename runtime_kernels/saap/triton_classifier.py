@@ -4,7 +4,7 @@ the query classifier MLP of every query head or KV head (``q_derope @ w1 + b1``,
 GPU without a host sync.
 
 The classifier path is chosen by rows per classifier (B, or B·G for a classifier per KV head):
-``<= CONFIG.small_batch_max_b`` (16) takes
+``<= CONFIG.small_batch_max_b`` (32: a classifier per KV head at B = 8) takes
 :mod:`~runtime_kernels.saap.triton_classifier_small_batch` (layer 1 writing three-term hidden, layer 2
 one pass over w2), larger batches :mod:`~runtime_kernels.saap.triton_classifier_large_batch` (two
 tensor-core launches on four-term activations). Both give float32-exact logits from 16-bit weights, and

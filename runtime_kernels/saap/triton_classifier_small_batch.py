@@ -1,4 +1,5 @@
-"""SAAP's query classifier for small batches (``B·G <= CONFIG.small_batch_max_b`` rows, decode's usual case).
+"""SAAP's query classifier for few rows per classifier (``B·G <= CONFIG.small_batch_max_b``, decode's usual
+case: B rows, or B·G for a classifier per KV head).
 
 Whatever B, one call streams all classifier weights (w2 being most of them), so the time is the w2 stream
 plus what cannot hide under it. Two launches:
@@ -208,10 +209,12 @@ def layer1_terms(x: torch.Tensor, p: SaapLayerParams, rotation: torch.Tensor | N
         )
         return hidden
     rows = _pow2(n_rows)
-    block_k = max(16, min(_pow2(d), cfg.gemv_block_k // rows))  # [R, BLOCK_K, BLOCK_N] stays in registers
-    _layer1_gemv_kernel[(hc, triton.cdiv(hd, cfg.gemv1_block_n))](
+    # [R, BLOCK_K, BLOCK_N] stays in registers: fewer k rows per step, and past 16 rows fewer columns
+    block_k = max(16, min(_pow2(d), cfg.gemv_block_k // rows))
+    block_n = max(16, cfg.gemv1_block_n * 16 // max(16, rows))
+    _layer1_gemv_kernel[(hc, triton.cdiv(hd, block_n))](
         x, rot, p.w1, *vecs, hidden, n_rows, d, hd, float(p.bn_eps), *x.stride(), *p.w1.stride(),
-        R=rows, BLOCK_K=block_k, BLOCK_N=cfg.gemv1_block_n, OUT_TERMS=terms, G=g, ROPE=rope,
+        R=rows, BLOCK_K=block_k, BLOCK_N=block_n, OUT_TERMS=terms, G=g, ROPE=rope,
         num_warps=cfg.gemv_warps,
     )
     return hidden

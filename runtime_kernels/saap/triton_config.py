@@ -19,7 +19,8 @@ class SaapTritonConfig:
     The defaults are what runs; tests shrink the tiles so that tiny shapes walk several tiles with ragged
     tails, and move a threshold to reach a path at a tiny shape. The rules:
 
-    * classifier path by batch size: ``B <= small_batch_max_b``: layer 1 writes the hidden as 16-bit terms,
+    * classifier path by rows per classifier (B, or B·G for a classifier per KV head):
+      ``<= small_batch_max_b``: layer 1 writes the hidden as 16-bit terms,
       layer 2 streams w2 once (:mod:`~runtime_kernels.saap.triton_classifier_small_batch`); larger
       batches: two tensor-core launches (:mod:`~runtime_kernels.saap.triton_classifier_large_batch`).
     * bucket packing by mean bucket size (``bkt_pack = -1``, :func:`runtime_kernels.saap.triton._pack`).
@@ -40,8 +41,9 @@ class SaapTritonConfig:
     attn_stages: int = 2      # most programs walk 1-3 key steps: occupancy matters more than deep pipelines
     merge_block_p: int = 64   # partials per merge step: one step for the usual 36-48 partials
     merge_block_d: int = 32
-    # classifier, B <= small_batch_max_b: layer 1 (GEMV or tensor cores) + the w2 stream of layer 2
-    small_batch_max_b: int = 16
+    # classifier, rows <= small_batch_max_b: layer 1 (GEMV or tensor cores) + the w2 stream of layer 2;
+    # 32 takes a classifier per KV head at B = 8 (G = 4): w2 read once per 16 rows in three terms
+    small_batch_max_b: int = 32
     l1_dot_block_n: int = 64  # tensor-core layer 1: hidden units per program
     l1_dot_block_k: int = 64
     gemv1_block_n: int = 64   # GEMV layer 1 (float32 products): hidden units per program

@@ -310,17 +310,21 @@ def test_tensor_core_layer1_equals_gemv_for_16bit_queries(b, monkeypatch):
     """A bf16 query with bf16 weights takes layer 1 on tensor cores: every product is exact in fp32, so
     its logits equal the GEMV layer 1's (which a float32 query of the same values takes) up to float32
     summation order, and both equal a float64 evaluation of the same bf16 values to float32 rounding;
-    the ranking is the same. B = 17 spans two 16-row blocks."""
+    the ranking is the same. B = 17 spans two 16-row blocks on tensor cores, and takes the GEMV's
+    32-row tile with half the hidden units per program (its [rows, k, units] product stays the same size)."""
     _, qd, _, _, p, _ = _case(b, 8, 2, 40, 64, 24, 1, 8, hd=96, dtype=torch.bfloat16, wdtype=torch.bfloat16)
     assert qd.dtype == p.w1.dtype == torch.bfloat16
     small = pytest.importorskip("runtime_kernels.saap.triton_classifier_small_batch")
-    spy = _Spy(small._layer1_dot_kernel)
+    spy, gemv_spy = _Spy(small._layer1_dot_kernel), _Spy(small._layer1_gemv_kernel)
     monkeypatch.setattr(small, "_layer1_dot_kernel", spy)
-    monkeypatch.setattr(tconf, "CONFIG", replace(tconf.CONFIG, small_batch_max_b=32, l1_dot_block_n=32))
+    monkeypatch.setattr(small, "_layer1_gemv_kernel", gemv_spy)
+    monkeypatch.setattr(tconf, "CONFIG", replace(tconf.CONFIG, small_batch_max_b=32, l1_dot_block_n=32,
+                                                 gemv1_block_n=32))
     dot = triton_mod.saap_classifier_logits_triton(qd, p).double()
     assert spy.grids and spy.grids[0][2] == -(-b // 16)
     gemv = triton_mod.saap_classifier_logits_triton(qd.float(), p).double()
     assert len(spy.grids) == 1  # the float32 query took the GEMV
+    assert gemv_spy.grids == [(8, 96 // (16 if b > 16 else 32))]
     _, ref = _classifier64(qd, p)
     scale = ref.abs().amax(-1, keepdim=True)
     assert ((dot - ref).abs() / scale).max() < 1e-5
@@ -329,20 +333,21 @@ def test_tensor_core_layer1_equals_gemv_for_16bit_queries(b, monkeypatch):
     assert torch.equal(triton_mod.saap_select_buckets_triton(qd, p, 4, 5).long().sort(-1).values, ref_sel)
 
 
-@pytest.mark.parametrize("b", [1, 5, 17])
-def test_triton_layer2_equals_product_of_its_terms(b, monkeypatch):
+@pytest.mark.parametrize("b, l2_rows", [(1, 16), (5, 16), (17, 16), (17, 32), (32, 32)])
+def test_triton_layer2_equals_product_of_its_terms(b, l2_rows, monkeypatch):
     """Layer 2 (the three hidden terms in one tile, summed in its epilogue, ``b2`` added) gives the float64
     product of the same three terms with w2 plus b2 to float32 rounding, the float64 classifier's logits
-    too, and the same buckets. B = 5 pads the tile's batch rows; B = 17 spans two row blocks; C = 40 in
-    column blocks of 16 (a ragged last block), hidden 96 in k steps of 32."""
+    too, and the same buckets. B = 5 pads the tile's batch rows; B = 17 spans two 16-row blocks, or pads
+    one 32-row block (128 tile rows); C = 40 in column blocks of 16 (a ragged last block), hidden 96 in k
+    steps of 32."""
     _, qd, _, _, p, _ = _case(b, 8, 2, 40, 64, 40, 1, 8, hd=96, dtype=torch.bfloat16, wdtype=torch.bfloat16)
     small = pytest.importorskip("runtime_kernels.saap.triton_classifier_small_batch")
     spy = _Spy(small._layer2_kernel)
     monkeypatch.setattr(small, "_layer2_kernel", spy)
     monkeypatch.setattr(tconf, "CONFIG", replace(tconf.CONFIG, small_batch_max_b=32, l1_dot_block_n=32,
-                                                 l2_block_k=32, l2_block_n=16))
+                                                 l2_block_k=32, l2_block_n=16, l2_rows=l2_rows))
     tri = triton_mod.saap_classifier_logits_triton(qd, p).double()
-    assert spy.grids and spy.grids[0][1] == 3 and spy.grids[0][2] == (2 if b > 16 else 1)
+    assert spy.grids and spy.grids[0][1] == 3 and spy.grids[0][2] == -(-b // l2_rows)
     hidden = small.layer1_terms(qd, p)  # [Hq, 3·B, Hd] bf16, rows t·B + i
     assert hidden.shape == (8, 3 * b, 96) and hidden.dtype == torch.bfloat16
     terms = hidden.double().view(8, 3, b, 96).sum(1)  # [Hq, B, Hd]
@@ -355,7 +360,7 @@ def test_triton_layer2_equals_product_of_its_terms(b, monkeypatch):
     assert torch.equal(triton_mod.saap_select_buckets_triton(qd, p, 4, 6).long().sort(-1).values, ref_sel)
 
 
-@pytest.mark.parametrize("b", [3, 17], ids=["small-batch", "large-batch"])
+@pytest.mark.parametrize("b", [3, 33], ids=["small-batch", "large-batch"])
 @pytest.mark.parametrize("w1_dtype, w2_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)],
                          ids=["w1-bf16", "w2-bf16"])
 def test_mixed_weight_dtypes_keep_float32_precision(b, w1_dtype, w2_dtype):
@@ -456,7 +461,7 @@ GPU_CLASSIFIERS = {  # named CONFIG overrides: both classifier paths and the unf
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(GPU_CLASSIFIERS))
-@pytest.mark.parametrize("b", [1, 2, 4, 16])
+@pytest.mark.parametrize("b", [1, 2, 4, 16, 32])
 def test_gpu_bf16_classifier_ranks_like_reference(b, name, monkeypatch):
     """bf16 weights at Llama shapes (hidden 1024, C = 1024): the kernel's top-ℓ is the reference's set,
     except where the ℓ-th and (ℓ+1)-th group scores are within float32 rounding (1e-5 relative)."""

@@ -4,10 +4,11 @@
 
 On fixed buckets (the classifier's choice for a random query, computed once): the window partials
 alone, the bucket partials alone, the merge alone, the whole attention (partials in one launch +
-merge) and the window-only step (no buckets). Beside them SDPA over the window's keys alone (the same
-bytes streamed by cuDNN) and over the whole cache. Each line is its own CUDA graph (so each carries one
-launch gap), timed like ``bench_decode.py`` (events, warm-up, read-flushed L2, median). ``--variants``
-also times the whole attention under the launch settings of :data:`VARIANTS`. Needs CUDA.
+merge), the window-only step (no buckets) and the whole decode step with its classifier and ranking
+(``--classifiers``: one per query head or per KV head). Beside them SDPA over the window's keys alone
+(the same bytes streamed by cuDNN) and over the whole cache. Each line is its own CUDA graph (so each
+carries one launch gap), timed like ``bench_decode.py`` (events, warm-up, read-flushed L2, median).
+``--variants`` also times the attention under the launch settings of :data:`VARIANTS`. Needs CUDA.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_decode import Shapes, Timer, print_launch_times, _randn, saap_setup  # noqa: E402
+from bench_saap_classifier import per_kv_head  # noqa: E402
 from runtime_kernels.saap import triton_config  # noqa: E402
 from runtime_kernels.saap.reference import searchable_range  # noqa: E402
 
@@ -56,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=8, help="decode batch B (default 8)")
     ap.add_argument("--length", type=int, default=8192, help="cache length T (default 8192)")
     ap.add_argument("--top-l", type=int, default=32, help="buckets visited per KV head (default 32)")
+    ap.add_argument("--classifiers", choices=("query", "kv"), default="query",
+                    help="the step's classifiers: one per query head (default) or per KV head")
     ap.add_argument("--variants", action="store_true", help="also time the whole attention under VARIANTS")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -66,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     b, t = args.batch, args.length
     sh = Shapes(batches=(b,), lengths=(t,))
     params, index, qd = saap_setup(sh, b, t, "cuda")
+    if args.classifiers == "kv":
+        params = per_kv_head(params, sh.hq // sh.hkv)
     q = _randn(b, sh.hq, sh.d, device="cuda", dtype=torch.bfloat16)
     k, v = (_randn(b, sh.hkv, t, sh.d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     group = sh.hq // sh.hkv
@@ -97,8 +103,11 @@ def main(argv: list[str] | None = None) -> int:
         (f"sdpa over the cache ({t} keys)", lambda: sdpa(k, v), b * sh.hkv * t * kv_row / 1e6),
     ]
     whole = lambda: st.saap_sparse_attention_triton(q, k, v, index, sel, lo, hi, scale)  # noqa: E731
+    step = lambda: st.saap_decode_attention_triton(q, qd, k, v, index, params, top_l=args.top_l)  # noqa: E731
+    cls_mb = (params.w1.numel() + params.w2.numel()) * params.w2.element_size() / 1e6
     cases += [(f"attention, {name}", _under(cfg, whole), win_mb + bkt_mb)
               for name, cfg in (VARIANTS.items() if args.variants else ())]
+    cases.append(("decode step: select + attention", step, cls_mb + win_mb + bkt_mb))
     timer = Timer(True, 5, 30)
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | B={b} T={t} l={args.top_l} "
           f"| {bkt_keys / (b * sh.hkv):.0f} bucket keys per KV head")

@@ -2,8 +2,9 @@
 
 transformers' ``DynamicCache`` copies the whole cache every step and its static cache attends the full
 buffer under a mask, and a method's per-step work is tens of small kernels per layer. So
-:class:`StaticGenerator` owns a :class:`StaticKVCache` the model's layers write in place and captures one
-decode step of the whole (unmodified) model in a CUDA graph, gpt-fast style: a step costs one replay.
+:class:`StaticGenerator` owns a :class:`~runtime_kernels.static_cache.StaticKVCache` the model's layers write
+in place and captures one decode step of the whole (unmodified) model in a CUDA graph, gpt-fast style: a step
+costs one replay.
 
 * Views: the layers see ``cache[:, :, :view]``, ``view`` the valid length rounded up to
   :attr:`StaticGenerator.bucket`; one graph per view length reached, kept across requests when the step
@@ -35,118 +36,18 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
-from transformers.cache_utils import Cache as _HFCache  # so `isinstance(cache, Cache)` in model code holds
 from transformers.cache_utils import DynamicCache
 
 from runtime_kernels import hf
 from runtime_kernels.ragged import batch_rows, ragged_runs
 from runtime_kernels.serving_policy import can_time, choose_dense_layers, device_key, graph_ms, length_bucket
+from runtime_kernels.static_cache import StaticKVCache
 
 DEFAULT_BUCKET = 256  # positions per view length; SANTA's tile, so a view never splits a tile
 
 
 def round_up(n: int, multiple: int) -> int:
     return -(-int(n) // multiple) * multiple
-
-
-class StaticKVCache(_HFCache):
-    """Preallocated keys and values ``[B, Hkv, max_len + 1, D]`` per layer, written in place.
-
-    The model's attention layers call :meth:`update`, which copies the new ``[B, Hkv, n, D]`` keys and
-    values to the positions in :attr:`write_pos` (a device tensor the generator sets) and returns the
-    views ``[:, :, :view]`` (``view`` a host int set by the generator: static within a CUDA graph).
-    ``length [B]`` is the number of valid keys once this step's keys are written.
-
-    :attr:`rows` restricts writes and views to some batch rows: a ragged batch's prefill runs a run of
-    rows (or one row) at a time; a slice, or (a run of rows that are not adjacent) a tensor of row indices,
-    which a prefill call writes and then attends as written. During decode steps :attr:`step_pos` ``[B]``
-    holds each row's write position (one key per row, each at its own position).
-
-    Only the few transformers ``Cache`` members a decoder-only model calls are provided (``update``,
-    ``get_seq_length``, ``is_compileable`` and the layer-kind lists mask helpers read); the generator
-    always passes a ready 4D mask, which transformers' mask creation returns unchanged.
-    """
-
-    is_compileable = True
-
-    def __init__(self, num_layers: int, batch: int, num_kv_heads: int, head_dim: int, max_len: int,
-                 device: torch.device | str, dtype: torch.dtype) -> None:
-        # Cache.__init__ is not called on purpose: its per-layer classes change between transformers
-        # releases; this class holds its own buffers and answers the calls the model makes.
-        # one row past max_len, never written or read: a view [:, :, :view] is then never the whole
-        # buffer, so its strides relate to its length alike at every view (a compiled model's SDPA
-        # guards on that relation and would recompile at the view that reaches the end)
-        shape = (batch, num_kv_heads, max_len + 1, head_dim)
-        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
-        self.max_len = int(max_len)
-        self.batch = int(batch)
-        self.view = 0
-        self.write_pos = torch.zeros(1, dtype=torch.long, device=device)  # prefill: the positions written
-        self.step_pos: torch.Tensor | None = None  # decode: [B] each row's position (set by the generator)
-        self.rows: slice | torch.Tensor = slice(None)  # the batch rows a call writes and sees
-        self.length = torch.zeros(batch, dtype=torch.long, device=device)
-        self.layers: list[Any] = []  # transformers' mask helpers iterate per-layer kinds through these lists
-
-    @classmethod
-    def for_model(cls, model: Any, batch: int, max_len: int) -> "StaticKVCache":
-        """A cache sized for ``model`` (a transformers causal LM) on its device and dtype."""
-        cfg = model.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        p = next(model.parameters())
-        return cls(cfg.num_hidden_layers, batch, cfg.num_key_value_heads, head_dim, max_len, p.device, p.dtype)
-
-    # -------------------------------------------------------------------- what the model calls
-    # Never traced (a graph break under torch.compile): calib attention breaks the graph in every
-    # layer, so each layer's attention frame would trace this alone, and ``self.keys[layer_idx]`` would
-    # pin the frame to one layer: a compile per layer up to dynamo's recompile limit, then eager.
-    @torch.compiler.disable
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
-               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write ``key_states, value_states [b, Hkv, n, D]`` of :attr:`rows` at :attr:`write_pos` (a decode
-        step: one key per row at :attr:`step_pos`); return the views ``[b, Hkv, view, D]``."""
-        if not isinstance(self.rows, slice):  # scattered rows prefill from position 0: the view is what they write
-            n = key_states.shape[2]
-            for buf, new in ((self.keys[layer_idx], key_states), (self.values[layer_idx], value_states)):
-                buf[:, :, :n].index_copy_(0, self.rows, new.to(buf.dtype))
-            return key_states.to(self.keys[layer_idx].dtype), value_states.to(self.values[layer_idx].dtype)
-        k_buf, v_buf = self.keys[layer_idx][self.rows], self.values[layer_idx][self.rows]
-        if self.step_pos is not None:
-            at = self.step_pos.view(-1, 1, 1, 1).expand_as(key_states)
-            k_buf.scatter_(2, at, key_states.to(k_buf.dtype))
-            v_buf.scatter_(2, at, value_states.to(v_buf.dtype))
-        else:
-            k_buf.index_copy_(2, self.write_pos, key_states.to(k_buf.dtype))
-            v_buf.index_copy_(2, self.write_pos, value_states.to(v_buf.dtype))
-        return k_buf[:, :, : self.view], v_buf[:, :, : self.view]
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.view
-
-    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
-        return self.max_len
-
-    def get_mask_sizes(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
-        """``(kv_length, kv_offset)`` for transformers' mask creation (prefill from position 0)."""
-        return self.view, 0
-
-    def get_query_offset(self, *args: Any, **kwargs: Any) -> int:
-        return 0
-
-    @property
-    def is_sliding(self) -> list[bool]:
-        return [False] * len(self.keys)
-
-    @property
-    def is_linear(self) -> list[bool]:
-        return [False] * len(self.keys)
-
-    @property
-    def is_dummy(self) -> list[bool]:
-        return [False] * len(self.keys)
-
-    def __len__(self) -> int:
-        return len(self.keys)
 
 
 @dataclass

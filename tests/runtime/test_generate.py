@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from runtime_kernels import hf
-from runtime_kernels.generate import StaticGenerator, StaticKVCache, eager_generate, round_up
+from runtime_kernels.generate import StaticGenerator, eager_generate, round_up
+from runtime_kernels.static_cache import StaticKVCache
 from runtime_kernels.saap import SaapDecode, SaapLayerParams
 from runtime_kernels.santa.runtime import SantaDecode
 from runtime_kernels.santa.draws import keyed_uniforms

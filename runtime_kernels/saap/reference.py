@@ -22,6 +22,7 @@ and a kernel needs no window test: when a key leaves the recent window it is ins
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -29,6 +30,7 @@ import torch
 from runtime_kernels.rope import derope_at
 
 _ASSIGN_BUDGET = 1 << 24  # elements of one [..., chunk, C] distance buffer in the nearest-centroid search
+_ASSIGN_BUDGET_CUDA = 1 << 26  # ... on a GPU: fewer, larger launches (an index build is launch-bound)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -149,12 +151,12 @@ def nearest_centroid(x: torch.Tensor, centroids: torch.Tensor, chunk: int | None
 
     Leading dims broadcast (one codebook per head: ``x [H, N, D]`` with ``centroids [H, C, D]``).
     ``argmin ||x - c||² = argmin (||c||² - 2 x·c)``, computed in float32, ``chunk`` rows at a time
-    (default: as many as keep the distance buffer at 16M elements).
+    (default: as many as keep the distance buffer at 16M elements, 64M on a GPU).
     """
     c = centroids.float()
     if chunk is None:
         per_row = math.prod(torch.broadcast_shapes(x.shape[:-2], c.shape[:-2])) * c.shape[-2]
-        chunk = max(1, _ASSIGN_BUDGET // max(1, per_row))
+        chunk = max(1, (_ASSIGN_BUDGET_CUDA if x.is_cuda else _ASSIGN_BUDGET) // max(1, per_row))
     c_sq = (c * c).sum(-1).unsqueeze(-2)  # [..., 1, C]
     out = []
     for start in range(0, x.shape[-2], chunk):
@@ -184,6 +186,22 @@ def _grouped_by_bucket(kb: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Te
     sorted_b = kb.gather(-1, order)
     first = torch.cumsum(counts, -1) - counts  # where each bucket's run starts in the sorted order
     return order, sorted_b, torch.arange(kb.shape[-1], device=kb.device) - first.gather(-1, sorted_b)
+
+
+def _layout(kb: torch.Tensor, c: int, slack: float, min_slack: int, lo: int
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The slot layout of candidates ``kb [..., N]`` (bucket ids, int64, of positions ``lo, lo + 1, ...``):
+    each bucket gets ``count + ceil(slack · count) + min_slack`` slots. Returns ``(counts [..., C] int64,
+    start [..., C + 1] int64, dest [..., N]`` (each key's slot), ``positions [..., N]`` int32 (what the
+    slots hold)). Leading dims are independent indexes (one layer's ``[B, Hkv]``, or several layers')."""
+    lead = kb.shape[:-1]
+    counts = torch.zeros(*lead, c, dtype=torch.int64, device=kb.device)
+    counts.scatter_add_(-1, kb, torch.ones_like(kb))
+    cap = counts + torch.ceil(counts.float() * slack).long() + min_slack
+    start = torch.zeros(*lead, c + 1, dtype=torch.int64, device=kb.device)
+    start[..., 1:] = torch.cumsum(cap, -1)
+    order, sorted_b, rank = _grouped_by_bucket(kb, counts)
+    return counts, start, start.gather(-1, sorted_b) + rank, (order + lo).to(torch.int32)
 
 
 def _grow(t: torch.Tensor, need: int, dim: int = -1, fill: int = 0) -> torch.Tensor:
@@ -254,6 +272,14 @@ class BucketIndex:
         ``storage`` (:meth:`storage_for`): ``slot_start, bucket_count, slots`` to lay the lists out in,
         in place, now and at every later relayout: their addresses never change, so a CUDA graph that
         read them serves any later index built into them."""
+        idx = cls._unlaid(kb, centroids, sink, recent, slack, min_slack, storage)
+        idx._relayout(searchable_range(kb.shape[-1], sink, recent)[1])
+        return idx
+
+    @classmethod
+    def _unlaid(cls, kb: torch.Tensor, centroids: torch.Tensor, sink: int, recent: int, slack: float, min_slack: int,
+                storage: "tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None") -> "BucketIndex":
+        """An index of assignments ``kb [B, Hkv, T]`` in ``storage`` (or new empty lists), not laid out yet."""
         b, hkv, t = kb.shape
         c = centroids.shape[1]
         if storage is None:
@@ -262,11 +288,34 @@ class BucketIndex:
                        torch.zeros(b, hkv, 0, dtype=torch.int32, device=kb.device))
         elif storage[0].shape != (b, hkv, c + 1) or storage[1].shape != (b, hkv, c) or storage[2].shape[:2] != (b, hkv):
             raise ValueError(f"index storage {[tuple(x.shape) for x in storage]} does not fit B={b}, Hkv={hkv}, C={c}")
-        idx = cls(centroids=centroids, sink=sink, recent=recent, length=t, key_bucket_buf=kb,
-                  slot_start=storage[0], bucket_count=storage[1], slots=storage[2],
-                  searchable_hi=min(sink, t), slack=slack, min_slack=min_slack, fixed=storage[2].shape[-1] > 0)
-        idx._relayout(searchable_range(t, sink, recent)[1])
-        return idx
+        return cls(centroids=centroids, sink=sink, recent=recent, length=t, key_bucket_buf=kb,
+                   slot_start=storage[0], bucket_count=storage[1], slots=storage[2],
+                   searchable_hi=min(sink, t), slack=slack, min_slack=min_slack, fixed=storage[2].shape[-1] > 0)
+
+    @classmethod
+    def from_assignments_many(cls, kb: torch.Tensor, centroids: Sequence[torch.Tensor], *, sink: int, recent: int,
+                              storages: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None],
+                              slack: float = 0.25, min_slack: int = 4) -> "list[BucketIndex]":
+        """:meth:`from_assignments` of several layers at once: ``kb [L, B, Hkv, T]`` int32 (one row per
+        layer, all with ``C`` buckets and the same sink and recent window), ``centroids`` and ``storages``
+        (each :meth:`storage_for`, or None) one per layer. The layouts are computed in one batched pass
+        (a few launches for every layer instead of the same few per layer); each layer's index equals
+        its own :meth:`from_assignments`. ``kb[l]`` becomes layer ``l``'s ``key_bucket_buf``."""
+        n_layers, b, hkv, t = kb.shape
+        if len(centroids) != n_layers or len(storages) != n_layers:
+            raise ValueError(f"{n_layers} layers of assignments, {len(centroids)} centroids, {len(storages)} storages")
+        c = centroids[0].shape[1]
+        if any(cent.shape[1] != c for cent in centroids):
+            raise ValueError("layers indexed together need the same number of buckets")
+        hi = searchable_range(t, sink, recent)[1]
+        lo = min(sink, hi)
+        counts, start, dest, positions = _layout(kb[..., lo:hi].long(), c, slack, min_slack, lo)
+        out = []
+        for layer in range(n_layers):
+            idx = cls._unlaid(kb[layer], centroids[layer], sink, recent, slack, min_slack, storages[layer])
+            idx._write_layout((counts[layer], start[layer], dest[layer], positions[layer]), hi)
+            out.append(idx)
+        return out
 
     @staticmethod
     def storage_for(batch: int, kv_heads: int, clusters: int, max_keys: int, device: torch.device,
@@ -299,28 +348,26 @@ class BucketIndex:
 
     def _relayout(self, hi: int) -> None:
         """Rebuild the slot layout from ``key_bucket`` for candidates ``[sink, hi)`` (fresh slack)."""
-        b, hkv, c = self.bucket_count.shape
         lo = min(self.sink, hi)
-        kb = self.key_bucket_buf[..., lo:hi].long()  # [B, Hkv, N_s]
-        counts = torch.zeros(b, hkv, c, dtype=torch.int64, device=kb.device)
-        counts.scatter_add_(-1, kb, torch.ones_like(kb))
-        cap = counts + torch.ceil(counts.float() * self.slack).long() + self.min_slack  # [B, Hkv, C]
-        start = torch.zeros(b, hkv, c + 1, dtype=torch.int64, device=kb.device)
-        start[..., 1:] = torch.cumsum(cap, -1)
-        order, sorted_b, rank = _grouped_by_bucket(kb, counts)
-        dest = start.gather(-1, sorted_b) + rank
+        self._write_layout(_layout(self.key_bucket_buf[..., lo:hi].long(), self.num_clusters, self.slack,
+                                   self.min_slack, lo), hi)
+
+    def _write_layout(self, layout: "tuple[torch.Tensor, ...]", hi: int) -> None:
+        """Store a :func:`_layout` of candidates ``[sink, hi)``: in place in fixed storage, else in new lists."""
+        counts, start, dest, positions = layout
+        b, hkv, c = self.bucket_count.shape
         if self.fixed:  # in place: the storage's addresses stay what a captured graph read
-            if slots_bound(kb.shape[-1], c, self.slack, self.min_slack) > self.slots.shape[-1]:  # else no sync
+            if slots_bound(dest.shape[-1], c, self.slack, self.min_slack) > self.slots.shape[-1]:  # else no sync
                 need = int(start[..., -1].max()) if start.numel() else 0
                 if need > self.slots.shape[-1]:
                     raise ValueError(f"index storage holds {self.slots.shape[-1]} slots, the layout needs {need}")
-            self.slots.scatter_(-1, dest, (order + lo).to(torch.int32))
+            self.slots.scatter_(-1, dest, positions)
             self.slot_start.copy_(start)
             self.bucket_count.copy_(counts)
         else:
             need = int(start[..., -1].max()) if start.numel() else 0
-            slots = torch.zeros(b, hkv, need, dtype=torch.int32, device=kb.device)
-            slots.scatter_(-1, dest, (order + lo).to(torch.int32))
+            slots = torch.zeros(b, hkv, need, dtype=torch.int32, device=dest.device)
+            slots.scatter_(-1, dest, positions)
             self.slot_start, self.bucket_count, self.slots = start.to(torch.int32), counts.to(torch.int32), slots
         self.searchable_hi = hi
         self.repacks += 1

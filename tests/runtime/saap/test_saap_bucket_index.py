@@ -182,3 +182,38 @@ def test_kept_storage_builds_without_host_reads_and_absorbs_a_view_with_one(monk
     assert reads.count == 0
     idx.append(keys[:, :, 200:240])  # 40 keys: below the relayout threshold, inserted together
     assert reads.count == 1
+
+
+@pytest.mark.parametrize("t,kept", [(180, True), (180, False), (12, True)], ids=["kept", "fresh", "no-candidates"])
+def test_layers_indexed_together_equal_each_built_alone(t, kept, monkeypatch):
+    """Three layers' assignments laid out in one batched pass: each layer's lists, counts, starts and key
+    buckets equal its own :meth:`BucketIndex.from_assignments` (and a brute-force build), in that
+    layer's kept storage (no host read) or fresh lists; appends continue each alone. T = 12 leaves no
+    candidate beyond sink and window."""
+    data = [_data(t=t, seed=s) for s in range(3)]
+    kbs = torch.stack([BucketIndex._assign(k, c, 0, 1) for k, c in data])  # [L, B, Hkv, T]
+    stores = [BucketIndex.storage_for(2, 3, 7, 400, kbs.device) if kept else None for _ in data]
+    reads = _HostReads(monkeypatch)
+    many = BucketIndex.from_assignments_many(kbs, [c for _, c in data], sink=1, recent=16, storages=stores)
+    assert reads.count == (0 if kept else 3)  # fresh lists size themselves: one read per layer
+    monkeypatch.undo()
+    for layer, ((keys, cents), idx) in enumerate(zip(data, many)):
+        alone = BucketIndex.build(keys, cents, sink=1, recent=16)
+        assert torch.equal(idx.key_bucket, alone.key_bucket) and idx.searchable_hi == alone.searchable_hi
+        assert torch.equal(idx.csr()[0], alone.csr()[0]) and torch.equal(idx.csr()[1], alone.csr()[1])
+        assert torch.equal(idx.slot_start, alone.slot_start) and torch.equal(idx.bucket_count, alone.bucket_count)
+        assert idx.fixed == kept and (not kept or idx.slots.data_ptr() == stores[layer][2].data_ptr())
+    more = _data(t=t + 40, seed=7)[0][:, :, t:]
+    many[1].append(more)
+    full = BucketIndex.build(torch.cat([data[1][0], more], 2), data[1][1], sink=1, recent=16)
+    assert torch.equal(many[1].csr()[1], full.csr()[1]) and torch.equal(many[0].csr()[1], BucketIndex.build(
+        *data[0], sink=1, recent=16).csr()[1])  # layer 0 untouched by layer 1's append
+
+
+def test_layers_indexed_together_need_one_bucket_count():
+    kbs = torch.zeros(2, 1, 1, 30, dtype=torch.int32)
+    with pytest.raises(ValueError, match="the same number of buckets"):
+        BucketIndex.from_assignments_many(kbs, [torch.zeros(1, 5, 4), torch.zeros(1, 6, 4)], sink=1, recent=4,
+                                          storages=[None, None])
+    with pytest.raises(ValueError, match="2 layers of assignments, 1 centroids"):
+        BucketIndex.from_assignments_many(kbs, [torch.zeros(1, 5, 4)], sink=1, recent=4, storages=[None, None])

@@ -17,6 +17,7 @@ from runtime_kernels.saap.reference import (
     SaapLayerParams,
     classifier_input,
     classify_queries,
+    nearest_centroid,
     rank_buckets,
     saap_decode_attention_reference,
 )
@@ -92,6 +93,7 @@ class AttentionPositions:
 
 
 INDEX_CHUNK = 8192  # cache positions de-RoPE'd and assigned at a time when an index is built from the cache
+INDEX_CHUNK_LAYERS = 4  # an index build of several layers stacks this many chunks' keys: fewer, larger launches
 
 
 class SaapDecode:
@@ -267,16 +269,21 @@ class SaapDecode:
         """``x [B, Hkv, T, D]`` (RoPE'd, positions ``first ..`` or ``ctx.position_ids``) de-RoPE'd. Inside
         :meth:`before_graph` the cos/sin of consecutive positions are computed once for every layer."""
         b, _, t, _ = x.shape
-        key = (first, t, b, str(x.device), id(ctx.rotary_emb))
+        cos, sin = self._trig_for(ctx, b, first, t, x.device)
+        return derope(x, cos[:, None], sin[:, None])  # cos, sin [B, 1, T, D] against x [B, Hkv, T, D]
+
+    def _trig_for(self, ctx, b: int, first: int, t: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary ``cos, sin [B, T, D]`` of positions ``first ..`` (or ``ctx.position_ids``), memoized
+        during :meth:`before_graph`."""
+        key = (first, t, b, str(device), id(ctx.rotary_emb))
         memo = self._trig if getattr(ctx, "position_ids", None) is None else None
         trig = None if memo is None else memo.get(key)
         if trig is None:
-            pos = self._positions(ctx, b, first, t, x.device)
-            trig = ctx.rotary_emb(torch.empty(0, dtype=torch.float32, device=x.device), pos)
+            pos = self._positions(ctx, b, first, t, device)
+            trig = ctx.rotary_emb(torch.empty(0, dtype=torch.float32, device=device), pos)
             if memo is not None:
                 memo[key] = trig
-        cos, sin = trig
-        return derope(x, cos[:, None], sin[:, None])  # cos, sin [B, 1, T, D] against x [B, Hkv, T, D]
+        return trig
 
     def cost_signature(self, layer: int) -> str | None:
         """What a decode step of ``layer`` costs depends on (:mod:`runtime_kernels.serving_policy`); None
@@ -330,6 +337,45 @@ class SaapDecode:
         kb = torch.cat(kb, -1) if kb else torch.empty(*k.shape[:2], 0, dtype=torch.int32, device=k.device)
         storage = None if cache is None else self._storage_for(layer, cache)
         self.index[layer] = BucketIndex.from_assignments(kb, pp.centroids, sink=p.sink, recent=p.recent, storage=storage)
+
+    def _build_indexes(self, layers: list[int], cache: Any, target: int) -> None:
+        """Index the first ``target`` cache keys of every layer in ``layers`` (as :meth:`build_index` with
+        ``cache``), layers of one bucket count, sink and window together: their keys de-RoPE'd and
+        assigned as one stack, their lists laid out in one batched pass
+        (:meth:`BucketIndex.from_assignments_many`), so a request's first step pays a few dozen launches
+        for all its layers rather than as many per layer. A stack holds ``INDEX_CHUNK_LAYERS ·
+        INDEX_CHUNK`` positions' keys (bounded memory whatever the length)."""
+        groups: dict[tuple[int, int, int], list[int]] = {}
+        for layer in layers:
+            p = self.layers[layer]
+            groups.setdefault((p.num_clusters, p.sink, p.recent), []).append(layer)
+        for (_, sink, recent), group in groups.items():
+            if len(group) == 1:
+                self.build_index(group[0], cache.keys[group[0]][:, :, :target], self._prefill_ctx, cache=cache)
+                continue
+            keys = [cache.keys[layer][:, :, :target] for layer in group]
+            params = [self._params(layer, keys[0].device) for layer in group]
+            centroids = torch.cat([pp.centroids for pp in params])  # [L·Hkv, C, D]
+            b, hkv = keys[0].shape[:2]
+            step = max(1, INDEX_CHUNK_LAYERS * INDEX_CHUNK // len(group))
+            kb = [self._assign_stack([k[:, :, s:s + step] for k in keys], centroids, s, sink)
+                  for s in range(0, target, step)]
+            kb = torch.cat(kb, -1) if kb else torch.empty(len(group), b, hkv, 0, dtype=torch.int32,
+                                                          device=keys[0].device)
+            built = BucketIndex.from_assignments_many(kb, [pp.centroids for pp in params], sink=sink, recent=recent,
+                                                      storages=[self._storage_for(layer, cache) for layer in group])
+            self.index.update(zip(group, built))
+
+    def _assign_stack(self, keys: list[torch.Tensor], centroids: torch.Tensor, first: int, sink: int) -> torch.Tensor:
+        """Bucket ids ``[L, B, Hkv, n]`` int32 of the RoPE'd keys ``keys[l] [B, Hkv, n, D]`` at positions
+        ``first ..`` of L layers (``centroids [L·Hkv, C, D]``); sink positions get -1."""
+        x = torch.stack(keys)  # [L, B, Hkv, n, D]
+        n_layers, b, hkv, n, d = x.shape
+        cos, sin = self._trig_for(self._prefill_ctx, b, first, n, x.device)
+        x = derope(x, cos[None, :, None], sin[None, :, None]).transpose(1, 2).reshape(n_layers * hkv, b * n, d)
+        kb = nearest_centroid(x, centroids).view(n_layers, hkv, b, n).transpose(1, 2).to(torch.int32)
+        kb[..., :max(0, min(n, sink - first))] = -1
+        return kb
 
     def _storage_for(self, layer: int, cache: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Layer ``layer``'s index storage for ``cache`` (``keys[layer] [B, Hkv, T, D]``: any index of at
@@ -386,17 +432,19 @@ class SaapDecode:
         target = valid - 1 if stable is None else min(valid - 1, stable)
         self._trig = {}  # every layer de-RoPEs the same positions
         try:
+            rebuild = []
             for layer, p in enumerate(self.layers):
                 if (p.dense or p.w1 is None or self.reads_every_key(layer)
                         or (layers is not None and layer not in layers)):
                     self.index.pop(layer, None)
                     continue
                 idx = self.index.get(layer)
-                keys = cache.keys[layer]
                 if idx is None or idx.length > target or not idx.fixed:  # (re)built in this cache's storage
-                    self.build_index(layer, keys[:, :, :target], self._prefill_ctx, cache=cache)
+                    rebuild.append(layer)
                 elif target > idx.length:
-                    idx.append(self._derope(keys[:, :, idx.length:target], self._prefill_ctx, idx.length))
+                    keys = cache.keys[layer][:, :, idx.length:target]
+                    idx.append(self._derope(keys, self._prefill_ctx, idx.length))
+            self._build_indexes(rebuild, cache, target)
         finally:
             self._trig = None
         self._view_aligned = not self.index or (stable is not None and target == stable

@@ -19,7 +19,8 @@ import torch
 from runtime_kernels import hf
 from runtime_kernels.generate import FlashDecode, StaticGenerator, eager_generate
 from runtime_kernels.santa.runtime import SantaDecode
-from tests.runtime.test_generate import C, _model, _prompt, _saap
+from tests.runtime.saap.test_saap_reference import _params
+from tests.runtime.test_generate import C, D, HKV, HQ, _model, _prompt, _saap
 
 pytest.importorskip("transformers")
 
@@ -290,3 +291,57 @@ def test_the_layers_of_one_hook_call_share_the_rotary_cos_sin(monkeypatch):
             alone.build_index(layer, gen.cache.keys[layer][:, :, :40], rt._prefill_ctx)
             assert torch.equal(idx.key_bucket, alone.index[layer].key_bucket)
             assert all(torch.equal(x, y) for x, y in zip(idx.csr(), alone.index[layer].csr()))
+
+
+class _Cache:
+    """A static cache's keys, one ``[B, Hkv, T, D]`` buffer per layer (weakly referenceable, as the loop's)."""
+
+    def __init__(self, layers: int, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.keys = [torch.randn(2, HKV, 64, D, generator=g) for _ in range(layers)]
+
+
+def _launches_of_a_request_build(layers: int, one_by_one: bool) -> int:
+    """Kernel-running ops (views excluded) of the hook's index build for a second request, ``layers``
+    SAAP layers after a dense one (the first request allocated the kept storage)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from runtime_kernels.saap import SaapDecode, SaapLayerParams
+    from runtime_kernels.saap.api import AttentionPositions
+
+    class Launches(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += 0 if func.is_view else 1
+            return func(*args, **(kwargs or {}))
+
+    rt = SaapDecode([SaapLayerParams(sink=1, recent=8, dense=True)]
+                    + [_params(HQ, HKV, D, C, 8, 1, 8, seed=i) for i in range(1, layers + 1)], top_l=1, stats=False)
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=HQ, num_key_value_heads=HKV, head_dim=D)
+    rt._prefill_ctx = AttentionPositions(LlamaRotaryEmbedding(cfg))
+    cache, sparse = _Cache(layers + 1), list(range(1, layers + 1))
+
+    def build() -> None:
+        rt._trig = {}
+        if one_by_one:
+            for layer in sparse:
+                rt.build_index(layer, cache.keys[layer][:, :, :40], rt._prefill_ctx, cache=cache)
+        else:
+            rt._build_indexes(sparse, cache, 40)
+
+    build()
+    with Launches() as seen:
+        build()
+    return seen.count
+
+
+def test_a_requests_indexes_cost_three_launches_per_layer_beyond_a_fixed_few():
+    """The hook indexes a new request's layers together: every extra layer adds only its lists' three
+    writes into its kept storage (slots, starts, counts), where layer by layer each costs a few dozen
+    launches (de-RoPE, assignment, layout), each a host launch on a GPU before the second token."""
+    four, eight = (_launches_of_a_request_build(n, one_by_one=False) for n in (4, 8))
+    assert eight - four == 4 * 3
+    assert eight < _launches_of_a_request_build(8, one_by_one=True) / 4

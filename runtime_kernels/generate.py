@@ -61,6 +61,8 @@ class StepTimes:
     capture_ms: float = 0.0  # host time spent warming up and capturing (not in step_ms nor compile_ms)
     compiles: int = 0  # frames torch.compile compiled (compiled decoding: the first two view lengths)
     compile_ms: float = 0.0  # host time of the warm-ups (or steps, without graphs) that compiled
+    view_ms: float = 0.0  # host time bringing the cache and method state to each new view (a method's index
+    # upkeep; the serving policy's layer timing at a shape's first use), outside the graphs
 
     def add_compiles(self, frames_before: int, ms: float) -> bool:
         """Count the frames compiled since ``frames_before`` (:func:`frames_compiled`) and, if any, the
@@ -272,7 +274,10 @@ class StaticGenerator:
     def _graph_at(self, view: int, times: StepTimes | None) -> None:
         """Make the step graph for ``view`` current: the cache and method state brought to ``view``
         (:meth:`_before_view`), then a kept graph for it, else a new capture (kept where allowed)."""
+        t0 = time.perf_counter()
         self._before_view(view)
+        if times is not None:
+            times.view_ms += (time.perf_counter() - t0) * 1e3
         state = self._state()
         kept = self._kept_graphs(state)
         runtime = getattr(state, "decode", None)
@@ -401,7 +406,10 @@ class StaticGenerator:
                 continue
             first_at_view = view != self.cache.view
             if first_at_view:
+                t0 = time.perf_counter()
                 self._before_view(view)
+                if times is not None:
+                    times.view_ms += (time.perf_counter() - t0) * 1e3
             frames, t0 = frames_compiled(), time.perf_counter()
             with self._decoding(view):
                 self._step()

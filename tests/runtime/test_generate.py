@@ -481,3 +481,29 @@ def test_a_warm_ragged_generation_times_nothing_and_runs_the_path_that_won(metho
     chooser = state.prefill_chooser
     assert (chooser.method_calls, chooser.dense_calls) == ((2 * 3, 1 * 3) if method_wins else (0, 0))
     assert torch.equal(got, want)
+
+
+def test_step_times_count_the_host_time_of_bringing_the_method_to_each_view(monkeypatch):
+    """``StepTimes.view_ms`` holds the runtime's view hook (a SAAP request's index build, then its upkeep
+    at each new view): a hook slowed by 20 ms, run at the two views that 12 steps from a 40-token prompt
+    reach with a bucket of 8 (cache lengths 41-48 and 49-52), shows at least 40 ms, and no more than
+    the whole decode took."""
+    import time as _time
+
+    from runtime_kernels.generate import StepTimes
+
+    model = _model()
+    rt = _saap(top_l=1)
+    hook = rt.before_graph
+    monkeypatch.setattr(rt, "before_graph", lambda *a, **k: (_time.sleep(0.02), hook(*a, **k)))
+    hf.attach(model, decode=rt)
+    try:
+        gen = StaticGenerator(model, batch=2, max_len=64, graphs=False, bucket=8)
+        gen.prefill(_prompt(2, 40))
+        times = StepTimes()
+        t0 = _time.perf_counter()
+        gen.decode(12, times)
+        total_ms = (_time.perf_counter() - t0) * 1e3
+    finally:
+        hf.remove(model)
+    assert 2 * 20 <= times.view_ms <= total_ms

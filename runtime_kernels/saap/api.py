@@ -148,7 +148,7 @@ class SaapDecode:
         self._prefill_ctx: AttentionPositions | None = None  # the rotary module, for before_graph
         self._rot: torch.Tensor | None = None  # [B, 2, D] de-RoPE coefficients of this step's query position
         self._rot_layer = -1  # the layer that used it last: a lower or equal one starts a new step
-        self._on_device: dict[tuple[int, str], SaapLayerParams] = {}
+        self._on_device: dict[tuple, Any] = {}  # (layer, device, dtype) -> params; (layer, device, "centroids")
         self._sums: torch.Tensor | None = None  # [selectivity, selectivity_with_window, count] summed
         # static index storage: per cache (freed with it), per layer
         self._storage: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -331,12 +331,20 @@ class SaapDecode:
         and reused by every later request (:meth:`_storage_for`)."""
         p = self.layers[layer]
         self._prefill_ctx = AttentionPositions(ctx.rotary_emb)
-        pp = self._params(layer, k.device)
-        kb = [BucketIndex._assign(self._derope(k[:, :, s:s + INDEX_CHUNK], self._prefill_ctx, s), pp.centroids, s, p.sink)
+        centroids = self._centroids(layer, k.device)
+        kb = [BucketIndex._assign(self._derope(k[:, :, s:s + INDEX_CHUNK], self._prefill_ctx, s), centroids, s, p.sink)
               for s in range(0, k.shape[2], INDEX_CHUNK)]
         kb = torch.cat(kb, -1) if kb else torch.empty(*k.shape[:2], 0, dtype=torch.int32, device=k.device)
         storage = None if cache is None else self._storage_for(layer, cache)
-        self.index[layer] = BucketIndex.from_assignments(kb, pp.centroids, sink=p.sink, recent=p.recent, storage=storage)
+        self.index[layer] = BucketIndex.from_assignments(kb, centroids, sink=p.sink, recent=p.recent, storage=storage)
+
+    def _centroids(self, layer: int, device: torch.device) -> torch.Tensor:
+        """Layer ``layer``'s centroids ``[Hkv, C, D]`` float32 on ``device``, moved once: an index build needs
+        them alone (not a float32 copy of the classifier weights beside the serving dtype's)."""
+        key = (layer, str(device), "centroids")
+        if key not in self._on_device:
+            self._on_device[key] = self.layers[layer].centroids.to(device, torch.float32)
+        return self._on_device[key]
 
     def _build_indexes(self, layers: list[int], cache: Any, target: int) -> None:
         """Index the first ``target`` cache keys of every layer in ``layers`` (as :meth:`build_index` with
@@ -354,15 +362,15 @@ class SaapDecode:
                 self.build_index(group[0], cache.keys[group[0]][:, :, :target], self._prefill_ctx, cache=cache)
                 continue
             keys = [cache.keys[layer][:, :, :target] for layer in group]
-            params = [self._params(layer, keys[0].device) for layer in group]
-            centroids = torch.cat([pp.centroids for pp in params])  # [L·Hkv, C, D]
+            per_layer = [self._centroids(layer, keys[0].device) for layer in group]
+            centroids = torch.cat(per_layer)  # [L·Hkv, C, D]
             b, hkv = keys[0].shape[:2]
             step = max(1, INDEX_CHUNK_LAYERS * INDEX_CHUNK // len(group))
             kb = [self._assign_stack([k[:, :, s:s + step] for k in keys], centroids, s, sink)
                   for s in range(0, target, step)]
             kb = torch.cat(kb, -1) if kb else torch.empty(len(group), b, hkv, 0, dtype=torch.int32,
                                                           device=keys[0].device)
-            built = BucketIndex.from_assignments_many(kb, [pp.centroids for pp in params], sink=sink, recent=recent,
+            built = BucketIndex.from_assignments_many(kb, per_layer, sink=sink, recent=recent,
                                                       storages=[self._storage_for(layer, cache) for layer in group])
             self.index.update(zip(group, built))
 

@@ -345,3 +345,18 @@ def test_a_requests_indexes_cost_three_launches_per_layer_beyond_a_fixed_few():
     four, eight = (_launches_of_a_request_build(n, one_by_one=False) for n in (4, 8))
     assert eight - four == 4 * 3
     assert eight < _launches_of_a_request_build(8, one_by_one=True) / 4
+
+
+def test_an_index_build_moves_the_centroids_alone():
+    """Building a request's indexes moves each layer's centroids to the device once and nothing else of
+    its classifier: no float32 copy of the (here bf16) MLP weights beside the one the steps use."""
+    with _prefilled_saap() as (rt, gen):
+        for layer in range(1, len(rt.layers)):
+            rt.layers[layer].w1, rt.layers[layer].w2 = (w.bfloat16() for w in (rt.layers[layer].w1,
+                                                                                 rt.layers[layer].w2))
+        rt._on_device.clear()
+        rt.before_graph(gen.cache, 41, 48, stable=40)
+        assert len(rt.index) == len(rt.layers) - 1
+        moved = list(rt._on_device.values())
+        assert moved and all(isinstance(x, torch.Tensor) and x.dtype == torch.float32 for x in moved)
+        assert sum(x.numel() for x in moved) == sum(rt.layers[layer].centroids.numel() for layer in rt.index)

@@ -3,6 +3,7 @@
     python scripts/bench/bench_prefill.py                      # GPU: Llama-3.1-8B shapes, T = 16k 32k 64k 128k
     python scripts/bench/bench_prefill.py --lengths 131072     # one length
     python scripts/bench/bench_prefill.py --smoke              # CPU, tiny shapes, Triton interpreter: checks the script
+    python scripts/bench/bench_prefill.py --lengths 131072 --parts sale --sale-launch 128,32,8,3   # SALE launch shapes
 
 One layer's prefill (B = 1, Hq = 32, Hkv = 8, D = 128, bf16); every time is a median device time
 (``benchutil.py``; the repeat count adapts to ``--budget-ms`` per row). Rows: ``sdpa`` (causal SDPA, its
@@ -343,8 +344,28 @@ def bench_sale(timer: Timer, sh: Shapes, t: int, device: str, dtype, sdpa_ms: fl
     cfg = SaleSelectionConfig(bits=args.sale_bits)
     tau = torch.full((sh.hq,), args.sale_tau, device=device)
     note = f"tau={args.sale_tau} {cfg.precision}, {_gpu_module('runtime_kernels.sale.triton')}"
-    return _method_rows(timer, sh, "sale", lambda: sale_select(q, k, tau, config=cfg),
-                        lambda: sale_prefill_attention(q, k, v, tau, config=cfg), q, k, v, sdpa_ms, note)
+    select = lambda: sale_select(q, k, tau, config=cfg)  # noqa: E731
+    rows = _method_rows(timer, sh, "sale", select, lambda: sale_prefill_attention(q, k, v, tau, config=cfg),
+                        q, k, v, sdpa_ms, note)
+    return rows + [sale_launch_row(timer, t, select, launch, rows[0]) for launch in args.sale_launch]
+
+
+def sale_launch_row(timer: Timer, t: int, select: Callable, launch: tuple[int, int, int, int], default: Row) -> Row:
+    """The selection pass under another launch shape of its kernel (``rows, block_n, warps, stages``,
+    :class:`runtime_kernels.sale.triton.SelectLaunch`), checked to keep the blocks the default keeps."""
+    from runtime_kernels.sale import triton as sale_triton
+
+    base = sale_triton.LAUNCH
+    try:
+        want = sale_triton.block_table(select())
+        sale_triton.LAUNCH = sale_triton.SelectLaunch(*launch)
+        same = torch.equal(sale_triton.block_table(select()), want)
+        ms = timer(select)
+    finally:
+        sale_triton.LAUNCH = base
+    shape = "/".join(str(x) for x in launch)
+    return report(Row(t, "sale", f"select {shape}", default.blocks, default.density, ms, None, default.sdpa_ms,
+                      f"rows/block_n/warps/stages; {'same blocks' if same else 'DIFFERENT blocks'}"))
 
 
 def bench_sampleattention(timer: Timer, sh: Shapes, t: int, device: str, dtype, sdpa_ms: float, args) -> list[Row]:
@@ -406,6 +427,17 @@ def targets(rows: list[Row], sh: Shapes) -> list[tuple[str, float | None, float]
 
 
 # ------------------------------------------------------------------------------------------------ main
+def _launch(text: str) -> tuple[int, int, int, int]:
+    """``R,N,W,S`` -> four positive ints (``--sale-launch``)."""
+    try:
+        shape = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) != 4 or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"expected four positive integers R,N,W,S, got {text!r}")
+    return shape  # type: ignore[return-value]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
@@ -416,6 +448,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="skip timing the forced flash / cuDNN SDPA backends")
     p.add_argument("--sale-tau", type=float, default=0.008)
     p.add_argument("--sale-bits", type=int, default=8, choices=[4, 8])
+    p.add_argument("--sale-launch", type=_launch, action="append", default=[], metavar="R,N,W,S",
+                   help="also time SALE's selection with R rows per program, N keys per tile, W warps, S stages "
+                        "(repeatable; each checked to keep the default's blocks)")
     p.add_argument("--sa-alpha-c", type=float, default=0.95)
     p.add_argument("--sa-alpha-s", type=float, default=0.90)
     p.add_argument("--sa-chunks", type=int, default=2)

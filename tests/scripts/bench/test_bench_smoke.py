@@ -18,10 +18,10 @@ ROOT = Path(__file__).resolve().parents[3]
 pytest.importorskip("triton")  # the benches time the Triton kernels (the `dev` extra installs triton)
 
 
-def _smoke(script: str) -> str:
+def _smoke(script: str, *args: str) -> str:
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench" / script), "--smoke"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench" / script), "--smoke", *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 
@@ -36,6 +36,18 @@ def test_bench_smoke_runs_every_part(script, must):
     missing = [word for word in must if word not in out]
     assert not missing, f"{script} --smoke printed no {missing}:\n{out[-2000:]}"
     assert "Traceback" not in out
+
+
+def test_sale_launch_shapes_are_timed_and_checked_against_the_default():
+    """``--sale-launch R,N,W,S`` adds a selection row per launch shape, saying whether it kept the
+    default's blocks (the selection does not depend on the launch); a malformed shape is refused."""
+    out = _smoke("bench_prefill.py", "--parts", "sale", "--sale-launch", "64,32,4,2")
+    rows = [line for line in out.splitlines() if "select 64/32/4/2" in line]
+    assert rows and all("same blocks" in line for line in rows)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench" / "bench_prefill.py"), "--smoke",
+                           "--sale-launch", "64,32,4"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "expected four positive integers R,N,W,S" in proc.stderr
 
 
 def test_report_reprints_a_saved_run(tmp_path, capsys):

@@ -17,7 +17,6 @@ from runtime_kernels.saap.reference import (
     SaapLayerParams,
     classifier_input,
     classify_queries,
-    nearest_centroid,
     rank_buckets,
     saap_decode_attention_reference,
 )
@@ -363,7 +362,7 @@ class SaapDecode:
                 continue
             keys = [cache.keys[layer][:, :, :target] for layer in group]
             per_layer = [self._centroids(layer, keys[0].device) for layer in group]
-            centroids = torch.cat(per_layer)  # [L·Hkv, C, D]
+            centroids = torch.stack(per_layer)  # [L, Hkv, C, D]
             b, hkv = keys[0].shape[:2]
             step = max(1, INDEX_CHUNK_LAYERS * INDEX_CHUNK // len(group))
             kb = [self._assign_stack([k[:, :, s:s + step] for k in keys], centroids, s, sink)
@@ -376,14 +375,10 @@ class SaapDecode:
 
     def _assign_stack(self, keys: list[torch.Tensor], centroids: torch.Tensor, first: int, sink: int) -> torch.Tensor:
         """Bucket ids ``[L, B, Hkv, n]`` int32 of the RoPE'd keys ``keys[l] [B, Hkv, n, D]`` at positions
-        ``first ..`` of L layers (``centroids [L·Hkv, C, D]``); sink positions get -1."""
+        ``first ..`` of L layers (``centroids [L, Hkv, C, D]``), de-RoPE'd as one stack."""
         x = torch.stack(keys)  # [L, B, Hkv, n, D]
-        n_layers, b, hkv, n, d = x.shape
-        cos, sin = self._trig_for(self._prefill_ctx, b, first, n, x.device)
-        x = derope(x, cos[None, :, None], sin[None, :, None]).transpose(1, 2).reshape(n_layers * hkv, b * n, d)
-        kb = nearest_centroid(x, centroids).view(n_layers, hkv, b, n).transpose(1, 2).to(torch.int32)
-        kb[..., :max(0, min(n, sink - first))] = -1
-        return kb
+        cos, sin = self._trig_for(self._prefill_ctx, x.shape[1], first, x.shape[3], x.device)
+        return BucketIndex._assign(derope(x, cos[None, :, None], sin[None, :, None]), centroids, first, sink)
 
     def _storage_for(self, layer: int, cache: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Layer ``layer``'s index storage for ``cache`` (``keys[layer] [B, Hkv, T, D]``: any index of at

@@ -328,10 +328,12 @@ class BucketIndex:
 
     @staticmethod
     def _assign(keys_derope: torch.Tensor, centroids: torch.Tensor, first_pos: int, sink: int) -> torch.Tensor:
-        """Bucket ids ``[B, Hkv, n]`` int32 of keys at positions ``first_pos ...``; sink positions get -1."""
-        b, hkv, n, d = keys_derope.shape
-        x = keys_derope.transpose(0, 1).reshape(hkv, b * n, d)  # [Hkv, B*n, D]
-        kb = nearest_centroid(x, centroids.to(keys_derope.device)).view(hkv, b, n).transpose(0, 1)
+        """Bucket ids ``[..., B, Hkv, n]`` int32 of keys ``[..., B, Hkv, n, D]`` at positions ``first_pos ...``
+        (centroids ``[..., Hkv, C, D]``: leading dims are several layers, each with its own); sink positions
+        get -1."""
+        *lead, b, hkv, n, d = keys_derope.shape
+        x = keys_derope.transpose(-4, -3).reshape(*lead, hkv, b * n, d)  # [..., Hkv, B*n, D]
+        kb = nearest_centroid(x, centroids.to(keys_derope.device)).view(*lead, hkv, b, n).transpose(-3, -2)
         kb = kb.to(torch.int32).contiguous()
         n_sink = max(0, min(n, sink - first_pos))
         kb[..., :n_sink] = -1

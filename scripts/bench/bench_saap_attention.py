@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -23,8 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_decode import Shapes, Timer, print_launch_times, _randn, saap_setup  # noqa: E402
-from bench_saap_classifier import per_kv_head  # noqa: E402
-from runtime_kernels.saap import triton_config  # noqa: E402
+from bench_saap_classifier import per_kv_head, with_config  # noqa: E402
 from runtime_kernels.saap.reference import searchable_range  # noqa: E402
 
 # runtime_kernels.saap.triton is imported in main(), after the check for CUDA: without it (and perhaps without
@@ -39,18 +37,6 @@ VARIANTS = {  # triton_config.CONFIG overrides compared by --variants
     "window budget 128 programs": dict(win_programs=128),
     "window budget 512 programs": dict(win_programs=512),
 }
-
-
-def _under(overrides: dict, fn):
-    """``fn`` run under ``triton_config.CONFIG`` with ``overrides`` (restored afterwards)."""
-    def call():
-        base = triton_config.CONFIG
-        triton_config.CONFIG = replace(base, **overrides)
-        try:
-            return fn()
-        finally:
-            triton_config.CONFIG = base
-    return call
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     whole = lambda: st.saap_sparse_attention_triton(q, k, v, index, sel, lo, hi, scale)  # noqa: E731
     step = lambda: st.saap_decode_attention_triton(q, qd, k, v, index, params, top_l=args.top_l)  # noqa: E731
     cls_mb = (params.w1.numel() + params.w2.numel()) * params.w2.element_size() / 1e6
-    cases += [(f"attention, {name}", _under(cfg, whole), win_mb + bkt_mb)
+    cases += [(f"attention, {name}", with_config(whole, **cfg), win_mb + bkt_mb)
               for name, cfg in (VARIANTS.items() if args.variants else ())]
     cases.append(("decode step: select + attention", step, cls_mb + win_mb + bkt_mb))
     timer = Timer(True, 5, 30)

@@ -34,7 +34,7 @@ from runtime_kernels.saap.triton_config import pow2  # noqa: E402
 # perhaps without Triton) the script says it needs a GPU.
 
 
-def _with_config(fn: Callable[[], object], **overrides: int) -> Callable[[], None]:
+def with_config(fn: Callable[[], object], **overrides: int) -> Callable[[], None]:
     """``fn`` run under ``triton_config.CONFIG`` with ``overrides`` (restored afterwards)."""
     def call() -> None:
         base = triton_config.CONFIG
@@ -114,11 +114,11 @@ def main(argv: list[str] | None = None) -> int:
         (f"layer 1, 3 terms ({rows} rows)", lambda: small.layer1_terms(qd, p), w1_mb),
         ("layer 2, w2 stream + b2", lambda: small.layer2_logits(hidden, p, bsz), w2_mb),
         ("rank", rank, rank_mb),
-        ("rank, every key sorted", _with_config(rank, rank_filter=0), rank_mb),
+        ("rank, every key sorted", with_config(rank, rank_filter=0), rank_mb),
         ("whole select", select, w1_mb + w2_mb),
-        ("whole select, large-batch path", _with_config(select, small_batch_max_b=0), w1_mb + w2_mb),
+        ("whole select, large-batch path", with_config(select, small_batch_max_b=0), w1_mb + w2_mb),
     ]
-    cases += [(f"whole select, {name}", _with_config(select, **cfg), w1_mb + w2_mb)
+    cases += [(f"whole select, {name}", with_config(select, **cfg), w1_mb + w2_mb)
               for name, cfg in (VARIANTS.items() if args.variants else ())]
     cases += [
         ("cublas bmm, 1 bf16 term", lambda: torch.bmm(one_term, p.w2), w2_mb),

@@ -153,6 +153,7 @@ class SaapDecode:
         self._storage: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._view_aligned = True  # every static index ends where the view puts it (before_graph)
         self._trig: dict | None = None  # cos/sin by positions, shared by the layers during before_graph
+        self._signatures: dict[tuple, tuple[SaapLayerParams, str]] = {}  # cost_signature's, by layer and settings
 
     def layer_top_l(self, layer: int) -> int:
         """ℓ of layer ``layer``: its ``top_l_layers`` entry, else ``top_l``."""
@@ -290,9 +291,14 @@ class SaapDecode:
         p = self.layers[layer]
         if p.dense or p.w1 is None or self.reads_every_key(layer):
             return None
-        return (f"saap|C{p.w2.shape[-1]}|l{self.layer_top_l(layer)}|hidden{p.w1.shape[-1]}|"
-                f"classifiers{p.num_classifiers}|sink{p.sink}|"
-                f"recent{p.recent}|stats{int(self.stats)}|{self.impl}")
+        # asked for every layer at every new view of the static loop: built once per (layer, settings)
+        key = (layer, self.layer_top_l(layer), self.stats, self.impl)
+        known = self._signatures.get(key)
+        if known is None or known[0] is not p:
+            known = self._signatures[key] = (p, f"saap|C{p.w2.shape[-1]}|l{key[1]}|hidden{p.w1.shape[-1]}|"
+                                                f"classifiers{p.num_classifiers}|sink{p.sink}|"
+                                                f"recent{p.recent}|stats{int(self.stats)}|{self.impl}")
+        return known[1]
 
     def _query_rotation(self, layer: int, q: torch.Tensor, ctx, first: int) -> torch.Tensor:
         """De-RoPE coefficients ``[B, 2, D]`` of the position of ``q [B, Hq, 1, D]``

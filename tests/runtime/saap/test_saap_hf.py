@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -116,6 +118,19 @@ def test_from_artifact_layout():
     rt = SaapDecode.from_artifact(art, SimpleNamespace(config=SimpleNamespace(num_hidden_layers=3)), stats=True,
                                   top_l=2, top_l_layers={2: C})  # every bucket in layer 2: all keys, i.e. dense
     assert rt.stats and rt.cost_signature(1) is not None and rt.cost_signature(2) is None
+    # signatures are kept per (layer, settings): a setting changed on the same runtime changes the answer
+    before = rt.cost_signature(1)
+    rt.top_l_layers[1] = 1
+    assert rt.cost_signature(1) != before and "|l1|" in rt.cost_signature(1)
+    rt.stats = False
+    assert "|stats0|" in rt.cost_signature(1)
+    rt.top_l_layers[1] = C
+    assert rt.cost_signature(1) is None
+    del rt.top_l_layers[1]
+    rt.stats = True
+    assert rt.cost_signature(1) == before
+    rt.layers[1] = replace(rt.layers[1], recent=4)  # new parameters for a layer: signed anew
+    assert rt.cost_signature(1) == before.replace("|recent8|", "|recent4|")
 
 
 def test_stats_count_the_visited_bucket_keys_by_hand():

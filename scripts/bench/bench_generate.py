@@ -124,7 +124,7 @@ def smoke_model(device: str):
 
 # ------------------------------------------------------------------------------------------ methods
 def saap_runtime(model, cache, t: int, *, top_l: int, clusters: int, hidden: int, window: int, seed: int = 0,
-                 classifiers: str = "query"):
+                 classifiers: str = "kv"):
     """A SAAP runtime whose centroids are a 5-iteration k-means (calib's torch backend, on the GPU) of
     each KV head's own de-RoPE'd prompt keys outside the window, as calibration would fit them (layer 0
     dense), with every layer's index built from ``cache`` (``t`` prompt keys); random classifiers, one
@@ -433,8 +433,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--density", type=float, default=0.10, help="planted prefill mask density (0: the selection's)")
     ap.add_argument("--saap-top-l", type=int, default=32, help="SAAP's buckets per step (l)")
     ap.add_argument("--saap-window", type=int, default=2048, help="SAAP's dense window (sink + recent keys)")
-    ap.add_argument("--saap-classifiers", choices=("query", "kv"), default="query",
-                    help="one SAAP classifier per query head, or per KV head (the paper's batched search, §5)")
+    ap.add_argument("--saap-classifiers", choices=("query", "kv"), default="kv",
+                    help="one SAAP classifier per KV head (calib's default, the paper's batched search, §5) or per query head")
     ap.add_argument("--layers", type=int, default=None, help="fewer layers than the model's (debugging)")
     ap.add_argument("--json", type=Path, default=None, help="write every row here")
     ap.add_argument("--profile", action="store_true", help="print each cell's kernel times (stderr)")

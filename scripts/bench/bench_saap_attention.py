@@ -44,8 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=8, help="decode batch B (default 8)")
     ap.add_argument("--length", type=int, default=8192, help="cache length T (default 8192)")
     ap.add_argument("--top-l", type=int, default=32, help="buckets visited per KV head (default 32)")
-    ap.add_argument("--classifiers", choices=("query", "kv"), default="query",
-                    help="the step's classifiers: one per query head (default) or per KV head")
+    ap.add_argument("--classifiers", choices=("query", "kv"), default="kv",
+                    help="the step's classifiers: one per KV head (default) or per query head")
     ap.add_argument("--variants", action="store_true", help="also time the whole attention under VARIANTS")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

@@ -2,7 +2,7 @@
 
     python scripts/bench/bench_saap_classifier.py             # Llama-3.1-8B shapes, B = 1
     python scripts/bench/bench_saap_classifier.py --batch 8
-    python scripts/bench/bench_saap_classifier.py --batch 8 --classifiers kv   # one classifier per KV head
+    python scripts/bench/bench_saap_classifier.py --batch 8 --classifiers query   # one classifier per query head
 
 The path these rows take (B rows per classifier; B·G with a classifier per KV head): for
 ``rows <= small_batch_max_b`` layer 1 writing three bf16 hidden terms, layer 2 as one pass over w2
@@ -84,8 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, default=1, help="decode batch B (default 1)")
     ap.add_argument("--top-l", type=int, default=32, help="buckets selected per KV head (default 32)")
-    ap.add_argument("--classifiers", choices=("query", "kv"), default="query",
-                    help="one classifier per query head (default) or per KV head (its G queries as rows)")
+    ap.add_argument("--classifiers", choices=("query", "kv"), default="kv",
+                    help="one classifier per KV head (default; its G queries as rows) or per query head")
     ap.add_argument("--variants", action="store_true", help="also time the whole select under VARIANTS")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

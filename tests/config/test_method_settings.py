@@ -55,9 +55,9 @@ SANTA_SMOLLM2_LADDER = {"method.deploy.budgets_per_layer": [32, 64, 128, 256, 51
 CHANGED = {("saap", "smollm2"): SAAP_BOOKS, **{("sampleattention", m): c for m, c in SAMPLEATTENTION_BOOKS.items()},
            **{("santa", m): SANTA_BOUND for m in MODELS},
            ("santa", "smollm2"): {**SANTA_BOUND, **SANTA_SMOLLM2_LADDER}}
-# Keys added since, with the value every model gets: SAAP's classifier layout (one per query head; "kv" is
-# the paper's classifier per KV head).
-ADDED = {"saap": {"method.classifier.heads": "query"}}
+# Keys added since, with the value every model gets: SAAP's classifier layout, one per KV head (the paper's
+# batched search; "query" is one per query head).
+ADDED = {"saap": {"method.classifier.heads": "kv"}}
 # The data a method selects for a real model instead of the model's own: (data.tasks, data.synthetic_share).
 BOOKS_DATA = {"saap": (["book_needle", "book_needle_word", "book_multineedle"], 0.5),
               "sampleattention": (["book_needle"], 0.667)}

@@ -82,8 +82,10 @@ def test_result_metrics_and_artifact(result):
     assert hp["top_l_layers"] == {}
     assert not any(k.startswith("layers.0.") for k in art.tensors)  # layer 0 is dense
     shapes = {k: tuple(v.shape) for k, v in art.tensors.items()}
-    assert shapes["layers.1.centroids"] == (2, C, 16) and shapes["layers.1.w1"] == (4, 16, 32)
-    assert shapes["layers.1.w2"] == (4, 32, C) and shapes["layers.1.bn_var"] == (4, 32)
+    # one classifier per KV head (the default): ARCH's 2 KV heads, not its 4 query heads
+    assert shapes["layers.1.centroids"] == (2, C, 16) and shapes["layers.1.w1"] == (2, 16, 32)
+    assert shapes["layers.1.w2"] == (2, 32, C) and shapes["layers.1.bn_var"] == (2, 32)
+    assert hp["classifier"]["heads"] == "kv"
     assert art.manifest.data.count == 3 and art.manifest.data.lengths == [384]
 
 
@@ -282,19 +284,19 @@ def test_per_layer_default_l_is_written_and_applied(model_dir, loaded, tmp_path)
     torch.testing.assert_close(sparse, dense, atol=2e-4, rtol=1e-4)
 
 
-def test_one_classifier_per_kv_head_is_trained_written_and_served(model_dir, loaded, tmp_path):
-    """``method.classifier.heads=kv`` (the paper's batched search): the artifact holds one classifier per KV
-    head, the runtime applies it to each of the group's query heads (ℓ = C: decode equals dense attention;
-    ℓ = 1: it reads a fraction of the keys), and the report's table has every ℓ."""
+def test_one_classifier_per_query_head_is_trained_written_and_served(model_dir, loaded, tmp_path):
+    """``method.classifier.heads=query``: the artifact holds one classifier per query head, the runtime
+    sums the group's outputs per KV head (ℓ = C: decode equals dense attention; ℓ = 1: it reads a
+    fraction of the keys), and the report's table has every ℓ."""
     from runtime_kernels import hf
     from runtime_kernels.artifact import load_artifact
     from runtime_kernels.saap import SaapDecode
 
-    res = run_recipe(tmp_path, overrides(model_dir, "method.classifier.heads=kv"))
+    res = run_recipe(tmp_path, overrides(model_dir, "method.classifier.heads=query"))
     art = load_artifact(res["artifact_dir"], method="saap")
-    assert art.manifest.hyperparameters["classifier"]["heads"] == "kv"
+    assert art.manifest.hyperparameters["classifier"]["heads"] == "query"
     layer = SaapDecode.from_artifact(art, loaded.model).layers[1]
-    assert layer.w1.shape[0] == ARCH["num_kv_heads"] and layer.w2.shape == (ARCH["num_kv_heads"], 32, C)
+    assert layer.w1.shape[0] == ARCH["num_heads"] and layer.w2.shape == (ARCH["num_heads"], 32, C)
     saap = {r["l"]: r for r in art.manifest.payload["eval_table"] if r["method"] == "saap"}
     assert saap[C]["selectivity"] == pytest.approx(1.0) and saap[1]["selectivity"] < 1.0
     model = loaded.model

@@ -21,7 +21,7 @@ import logging
 import numpy as np
 import torch
 
-from runtime_kernels.saap.reference import nearest_centroid
+from runtime_kernels.saap.bucket_index import nearest_centroid
 
 # faiss is imported where used: it is optional (the `cpu` / `gpu` extras); without it the torch backend runs.
 

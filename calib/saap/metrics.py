@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from runtime_kernels.saap.reference import SaapLayerParams, classify_queries, nearest_centroid
+from runtime_kernels.saap.bucket_index import nearest_centroid
+from runtime_kernels.saap.reference import SaapLayerParams, classify_queries
 
 _BUDGET = 1 << 24  # elements of one [Hq, chunk, T] buffer
 

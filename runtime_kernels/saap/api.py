@@ -12,8 +12,8 @@ import torch
 
 from runtime_kernels.errors import ArtifactError
 from runtime_kernels.rope import derope, derope_coefficients
+from runtime_kernels.saap.bucket_index import BucketIndex
 from runtime_kernels.saap.reference import (
-    BucketIndex,
     SaapLayerParams,
     classifier_input,
     classify_queries,

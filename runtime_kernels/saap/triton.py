@@ -36,8 +36,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without triton
 from runtime_kernels._triton_support import interpreting as _interpreting
 from runtime_kernels._triton_support import patch_interpreter
 from runtime_kernels.saap import triton_config as _tc
+from runtime_kernels.saap.bucket_index import BucketIndex
 from runtime_kernels.saap.reference import (
-    BucketIndex,
     SaapLayerParams,
     check_index_fits,
     classifier_input,

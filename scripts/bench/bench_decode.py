@@ -44,7 +44,7 @@ from torch.nn.attention import SDPBackend  # noqa: E402
 from benchutil import cuda_time, floor_ms, measured_copy_tbps, print_targets  # noqa: E402
 from runtime_kernels.rope import derope_coefficients  # noqa: E402
 from runtime_kernels.saap import BucketIndex, SaapLayerParams  # noqa: E402
-from runtime_kernels.saap.reference import searchable_range  # noqa: E402
+from runtime_kernels.saap.bucket_index import searchable_range  # noqa: E402
 from runtime_kernels.santa import api as santa_api  # noqa: E402
 from runtime_kernels.santa import reference as santa_reference  # noqa: E402
 from runtime_kernels.santa.api import santa_decode_attention  # noqa: E402

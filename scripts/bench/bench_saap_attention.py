@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_decode import Shapes, Timer, print_launch_times, _randn, saap_setup  # noqa: E402
 from bench_saap_classifier import per_kv_head, with_config  # noqa: E402
-from runtime_kernels.saap.reference import searchable_range  # noqa: E402
+from runtime_kernels.saap.bucket_index import searchable_range  # noqa: E402
 
 # runtime_kernels.saap.triton is imported in main(), after the check for CUDA: without it (and perhaps without
 # Triton) the script says it needs a GPU.

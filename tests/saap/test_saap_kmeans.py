@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from calib.saap.kmeans import _split_empty, assign, faiss_available, fit_kmeans, fit_kmeans_heads, inertia
-from runtime_kernels.saap.reference import BucketIndex
+from runtime_kernels.saap.bucket_index import BucketIndex
 from tests.saap.saap_synth import derope, rope, rope_cos_sin
 
 BACKENDS = ["torch", pytest.param("faiss", marks=pytest.mark.skipif(not faiss_available(), reason="no faiss"))]

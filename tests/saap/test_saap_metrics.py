@@ -16,7 +16,8 @@ from calib.saap.metrics import (
     recall_at_selectivity,
     selectivity,
 )
-from runtime_kernels.saap.reference import BucketIndex, SaapLayerParams, saap_decode_attention_reference
+from runtime_kernels.saap.bucket_index import BucketIndex
+from runtime_kernels.saap.reference import SaapLayerParams, saap_decode_attention_reference
 from tests.saap.saap_synth import derope, synthetic_prompt
 
 SINK, RECENT, C = 1, 31, 8
@@ -107,7 +108,8 @@ def test_saap_error_matches_runtime_reference(prompt):
 def test_saap_per_head_ranks_each_heads_own_buckets(prompt):
     """Per-head SAAP visits, for query head h, the keys of the ℓ buckets its own classifier scores highest
     (brute force over the classifier's logits); the group-probe report has no such method."""
-    from runtime_kernels.saap.reference import classify_queries, nearest_centroid
+    from runtime_kernels.saap.bucket_index import nearest_centroid
+    from runtime_kernels.saap.reference import classify_queries
 
     p, params, qidx, ell = prompt, _params(8, 2, 16), torch.tensor([200, 399]), 3
     ev = _eval(p, params, qidx, top_ls=[ell])
@@ -160,7 +162,7 @@ def test_oracle_bounds_every_ranking_of_its_partition(prompt):
         for other in others:
             assert (group(oracle) >= group(other) - 1e-6).all(), (oracle, other)
     # by hand: KV head 0, the first query, ℓ = 1
-    from runtime_kernels.saap.reference import nearest_centroid
+    from runtime_kernels.saap.bucket_index import nearest_centroid
 
     i = int(qidx[0])
     kb = nearest_centroid(p["k_de"], _params(8, 2, 16).centroids)[0, : i + 1]  # KV head 0's buckets

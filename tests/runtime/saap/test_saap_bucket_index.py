@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime_kernels.saap.reference import BucketIndex, nearest_centroid, searchable_range
+from runtime_kernels.saap.bucket_index import BucketIndex, nearest_centroid, searchable_range
 
 
 def _data(b=2, hkv=3, t=200, d=8, c=7, seed=0):

@@ -147,7 +147,8 @@ class SaapDecode:
         self._prefill_ctx: AttentionPositions | None = None  # the rotary module, for before_graph
         self._rot: torch.Tensor | None = None  # [B, 2, D] de-RoPE coefficients of this step's query position
         self._rot_layer = -1  # the layer that used it last: a lower or equal one starts a new step
-        self._on_device: dict[tuple, Any] = {}  # (layer, device, dtype) -> params; (layer, device, "centroids")
+        self._params_on: dict[tuple[int, str, torch.dtype], SaapLayerParams] = {}  # (layer, device, weight dtype)
+        self._centroids_on: dict[tuple[int, str], torch.Tensor] = {}  # (layer, device)
         self._sums: torch.Tensor | None = None  # [selectivity, selectivity_with_window, count] summed
         # static index storage: per cache (freed with it), per layer
         self._storage: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -254,9 +255,9 @@ class SaapDecode:
         ``tests/runtime/saap`` bound the effect on the ranked buckets), converted once."""
         wdt = dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
         key = (layer, str(device), wdt)
-        if key not in self._on_device:
-            self._on_device[key] = self.layers[layer].to(device, weight_dtype=wdt)
-        return self._on_device[key]
+        if key not in self._params_on:
+            self._params_on[key] = self.layers[layer].to(device, weight_dtype=wdt)
+        return self._params_on[key]
 
     @staticmethod
     def _positions(ctx, batch: int, first: int, n: int, device: torch.device) -> torch.Tensor:
@@ -346,10 +347,10 @@ class SaapDecode:
     def _centroids(self, layer: int, device: torch.device) -> torch.Tensor:
         """Layer ``layer``'s centroids ``[Hkv, C, D]`` float32 on ``device``, moved once: an index build needs
         them alone (not a float32 copy of the classifier weights beside the serving dtype's)."""
-        key = (layer, str(device), "centroids")
-        if key not in self._on_device:
-            self._on_device[key] = self.layers[layer].centroids.to(device, torch.float32)
-        return self._on_device[key]
+        key = (layer, str(device))
+        if key not in self._centroids_on:
+            self._centroids_on[key] = self.layers[layer].centroids.to(device, torch.float32)
+        return self._centroids_on[key]
 
     def _build_indexes(self, layers: list[int], cache: Any, target: int) -> None:
         """Index the first ``target`` cache keys of every layer in ``layers`` (as :meth:`build_index` with

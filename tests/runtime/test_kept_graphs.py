@@ -354,9 +354,11 @@ def test_an_index_build_moves_the_centroids_alone():
         for layer in range(1, len(rt.layers)):
             rt.layers[layer].w1, rt.layers[layer].w2 = (w.bfloat16() for w in (rt.layers[layer].w1,
                                                                                  rt.layers[layer].w2))
-        rt._on_device.clear()
+        rt._params_on.clear()
+        rt._centroids_on.clear()
         rt.before_graph(gen.cache, 41, 48, stable=40)
         assert len(rt.index) == len(rt.layers) - 1
-        moved = list(rt._on_device.values())
+        assert not rt._params_on  # no layer's classifier moved
+        moved = list(rt._centroids_on.values())
         assert moved and all(isinstance(x, torch.Tensor) and x.dtype == torch.float32 for x in moved)
         assert sum(x.numel() for x in moved) == sum(rt.layers[layer].centroids.numel() for layer in rt.index)

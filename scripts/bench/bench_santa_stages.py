@@ -3,8 +3,10 @@
     python scripts/bench/bench_santa_stages.py                          # GPU: B in {1, 8}, T in {8k, 32k, 128k}
     python scripts/bench/bench_santa_stages.py --ptxas                  # no GPU: sm_90 registers / spills / smem
     python scripts/bench/bench_santa_stages.py --smoke                  # CPU, interpreter, tiny shapes
+    python scripts/bench/bench_santa_stages.py --model smollm2 --batches 32 --lengths 8192
 
-Llama-3.1-8B shapes (Hq = 32, Hkv = 8, D = 128, bf16, tile 256), prop S = 128, flash S = 2048. Stages
+Llama-3.1-8B shapes (Hq = 32, Hkv = 8, D = 128, bf16, tile 256), or ``--model smollm2``'s (Hq = 9, Hkv = 3,
+D = 64: head_dim 64 and GQA group 3), prop S = 128, flash S = 2048. Stages
 (``runtime_kernels.santa.triton.santa_stages``; each launch alone, on buffers a full run filled):
 
 * prop: ``scores`` (K pass: scores + tile statistics), ``budgets`` (largest remainder per head),
@@ -44,6 +46,7 @@ if "--ptxas" in sys.argv:
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+import yaml  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
@@ -61,6 +64,12 @@ class Shape:
     tile: int = 256
     s_prop: int = 128
     s_flash: int = 2048
+
+
+def model_shape(model: str) -> Shape:
+    """The attention shapes of ``conf/model/<model>.yaml``'s ``arch`` (heads, KV heads, head_dim)."""
+    arch = yaml.safe_load((ROOT / "conf" / "model" / f"{model}.yaml").read_text())["arch"]
+    return Shape(hq=arch["num_heads"], hkv=arch["num_kv_heads"], d=arch["head_dim"])
 
 
 def _inputs(sh: Shape, b: int, t: int, device: str, dtype: torch.dtype):
@@ -223,9 +232,12 @@ def main() -> None:
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     p.add_argument("--lengths", nargs="+", type=int, default=[8192, 32768, 131072])
     p.add_argument("--tilings", nargs="+", choices=["prop", "flash"], default=["prop", "flash"])
+    p.add_argument("--model", choices=sorted(f.stem for f in (ROOT / "conf" / "model").glob("*.yaml")),
+                   default="llama31", help="whose attention shapes (conf/model/<model>.yaml; default llama31)")
     args = p.parse_args()
+    shape = model_shape(args.model)
     if args.ptxas:
-        ptxas_report(Shape())
+        ptxas_report(shape)
         return
     if args.smoke:
         sh = Shape(hq=4, hkv=2, d=32, tile=64, s_prop=16, s_flash=64)
@@ -234,7 +246,7 @@ def main() -> None:
         if not torch.cuda.is_available():
             raise SystemExit("needs CUDA (or --smoke / --ptxas)")
         print(f"{torch.cuda.get_device_name()}  {time.strftime('%Y-%m-%d')}  torch {torch.__version__}")
-        rows = bench(args.batches, args.lengths, Shape(), smoke=False, tilings=tuple(args.tilings))
+        rows = bench(args.batches, args.lengths, shape, smoke=False, tilings=tuple(args.tilings))
     print_table(rows)
 
 

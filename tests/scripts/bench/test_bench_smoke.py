@@ -82,3 +82,14 @@ def test_generate_bench_runs_saap_with_a_classifier_per_kv_head():
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "a classifier per kv head" in proc.stdout and "Traceback" not in proc.stdout
+
+
+def test_santa_stages_take_a_model_s_attention_shapes():
+    """``bench_santa_stages.py --model M`` times SANTA at M's attention shapes, read from its conf/model file:
+    SmolLM2-135M has 9 query heads, 3 KV heads of head_dim 64 (its published config); Llama-3.1-8B 32 / 8 / 128."""
+    pytest.importorskip("triton")
+    sys.path.insert(0, str(ROOT / "scripts" / "bench"))
+    import bench_santa_stages as bss
+
+    assert (bss.model_shape("smollm2").hq, bss.model_shape("smollm2").hkv, bss.model_shape("smollm2").d) == (9, 3, 64)
+    assert bss.model_shape("llama31") == bss.Shape(hq=32, hkv=8, d=128)

@@ -89,7 +89,8 @@ def prompts(tokenizer, count: int, length: int, seed: int) -> list[torch.Tensor]
 
 def summary(rows: dict[int, list[dict[str, float]]]) -> dict[str, Any]:
     """Per layer the mean of each share over prompts; over layers the mean of each."""
-    layers = {str(layer): {key: statistics.mean(r[key] for r in rs) for key in rs[0]} for layer, rs in sorted(rows.items())}
+    layers = {str(layer): {key: statistics.mean(r[key] for r in rs) for key in rs[0]}
+              for layer, rs in sorted(rows.items())}
     keys = next(iter(layers.values())).keys()
     return {"layers": layers, "mean": {key: statistics.mean(row[key] for row in layers.values()) for key in keys}}
 

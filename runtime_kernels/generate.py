@@ -163,7 +163,14 @@ class StaticGenerator:
         self.token.copy_(logits.argmax(-1, keepdim=True))
         self.pos.add_(1)
 
-    def _before_view(self, view: int) -> None:
+    def _before_view(self, view: int, times: StepTimes | None = None) -> None:
+        """:meth:`_bring_to_view`, its host time added to ``times.view_ms``."""
+        t0 = time.perf_counter()
+        self._bring_to_view(view)
+        if times is not None:
+            times.view_ms += (time.perf_counter() - t0) * 1e3
+
+    def _bring_to_view(self, view: int) -> None:
         """Bring the cache view and method state to ``view`` keys (outside any graph) and, under
         ``serve="fastest"``, choose the layers the step runs densely (:mod:`runtime_kernels.serving_policy`)."""
         self.cache.view = view
@@ -274,10 +281,7 @@ class StaticGenerator:
     def _graph_at(self, view: int, times: StepTimes | None) -> None:
         """Make the step graph for ``view`` current: the cache and method state brought to ``view``
         (:meth:`_before_view`), then a kept graph for it, else a new capture (kept where allowed)."""
-        t0 = time.perf_counter()
-        self._before_view(view)
-        if times is not None:
-            times.view_ms += (time.perf_counter() - t0) * 1e3
+        self._before_view(view, times)
         state = self._state()
         kept = self._kept_graphs(state)
         runtime = getattr(state, "decode", None)
@@ -406,10 +410,7 @@ class StaticGenerator:
                 continue
             first_at_view = view != self.cache.view
             if first_at_view:
-                t0 = time.perf_counter()
-                self._before_view(view)
-                if times is not None:
-                    times.view_ms += (time.perf_counter() - t0) * 1e3
+                self._before_view(view, times)
             frames, t0 = frames_compiled(), time.perf_counter()
             with self._decoding(view):
                 self._step()

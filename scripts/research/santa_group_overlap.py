@@ -28,13 +28,14 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts" / "bench"))  # bench_serving's prompt windows
 
 from omegaconf import OmegaConf  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import calib.config  # noqa: E402,F401  (registers the ${calib_root:} resolver the model files use)
+from bench_serving import text_rows  # noqa: E402
 from calib.models import load_model  # noqa: E402
-from calib.perplexity import real_text_path  # noqa: E402
 from runtime_kernels import hf  # noqa: E402
 from runtime_kernels.santa.reference import decode_samples  # noqa: E402
 
@@ -77,16 +78,6 @@ class OverlapProbe:
         return None
 
 
-def prompts(tokenizer, count: int, length: int, seed: int) -> list[torch.Tensor]:
-    """``count`` windows of ``length`` tokens of the shipped novel (text no calibration reads)."""
-    ids = tokenizer(real_text_path().read_text(encoding="utf-8"), add_special_tokens=False, verbose=False)["input_ids"]
-    if len(ids) <= length:
-        raise SystemExit(f"error: the shipped text has {len(ids)} tokens, fewer than --length {length}")
-    gen = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, len(ids) - length, (count,), generator=gen).tolist()
-    return [torch.tensor([ids[s:s + length]]) for s in starts]
-
-
 def summary(rows: dict[int, list[dict[str, float]]]) -> dict[str, Any]:
     """Per layer the mean of each share over prompts; over layers the mean of each."""
     layers = {str(layer): {key: statistics.mean(r[key] for r in rs) for key in rs[0]}
@@ -113,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     probe = OverlapProbe(args.samples, args.tiling, args.tile, args.seed)
     hf.attach(model, decode=probe)
     with torch.inference_mode():
-        for ids in tqdm(prompts(tok, args.prompts, args.length, args.seed), desc="prompts", unit="prompt"):
+        # windows of the shipped novel, text no calibration reads
+        for ids in tqdm(text_rows(tok, args.prompts, args.length, args.seed).split(1), desc="prompts", unit="prompt"):
             out = model(input_ids=ids[:, :-1], use_cache=True)
             model(input_ids=ids[:, -1:], past_key_values=out.past_key_values, use_cache=True)
     hf.remove(model)

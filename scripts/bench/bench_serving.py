@@ -27,7 +27,10 @@ All through :class:`runtime_kernels.generate.StaticGenerator` with ``hf.apply``'
 generation) with the method and one with its prefill switched off: where the host and the device spend the time.
 
 Methods: ``dense`` (the loop's default: flash-decoding on the valid length), ``sdpa`` (transformers' SDPA on
-the masked cache view), ``no-attention``, and each ``--artifact``. Results: docs/results/serving.md.
+the masked cache view), ``no-attention``, and each ``--artifact``. Speed only, no held-out accuracy:
+``--saap-top-l L`` serves the SAAP artifact with ℓ = L in every layer; ``--santa-samples S`` serves SANTA
+without an artifact, S samples in every layer (what a sampled step costs where no artifact is at hand).
+Results: docs/results/serving.md.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ from calib.perplexity import real_text_path  # noqa: E402
 from runtime_kernels import hf  # noqa: E402
 from runtime_kernels.generate import StaticGenerator, StepTimes  # noqa: E402
 from runtime_kernels.ragged import ragged_runs  # noqa: E402
+from runtime_kernels.santa.runtime import SantaDecode  # noqa: E402
 
 PREFILL_METHODS = ("sale", "sampleattention")
 TTFT_REPEATS = 15  # timed prefills per TTFT point and path (the medians are reported)
@@ -103,6 +107,7 @@ class Setup:
     smoke: bool
     profile: Path | None = None
     saap_top_l: int | None = None  # ℓ in every SAAP layer instead of the artifact's (speed only)
+    santa_samples: int | None = None  # SANTA with this many samples in every layer, no artifact (speed only)
     copy_tbps: float | None = None
     rows: list[Row] = field(default_factory=list)
 
@@ -135,6 +140,9 @@ def attach(model, method: str, setup: Setup) -> None:
         if method == "saap" and setup.saap_top_l:
             options = {"saap": {"top_l": setup.saap_top_l, "top_l_layers": {}}}
         hf.apply(model, setup.artifacts[method], options=options)
+    elif method == "santa" and setup.santa_samples:  # the flash tiling at its defaults, policy as hf.apply's
+        schedule = [setup.santa_samples] * model.config.num_hidden_layers
+        hf.attach(model, decode=SantaDecode(schedule), serve="fastest")
     elif method == "no-attention":  # the floor of a decode step and of a prefill
         floor = NoAttention()
         hf.attach(model, prefill=floor, decode=floor)
@@ -382,9 +390,11 @@ def run_config(method: str, compiled: bool, setup: Setup) -> list[Row]:
                 guarded(second_row, model, tok, method, t, b, setup)
         if setup.ragged and method != "no-attention":
             guarded(ragged_row, model, tok, method, t, setup.ragged, compiled, setup)
-    if method == "saap" and setup.saap_top_l:
+    speed_only = {"saap": setup.saap_top_l and f"ℓ = {setup.saap_top_l} in every layer: speed only",
+                  "santa": setup.santa_samples and f"S = {setup.santa_samples} in every layer, no artifact: speed only"}
+    if speed_only.get(method):
         for r in rows:
-            r.note = "; ".join(x for x in (r.note, f"ℓ = {setup.saap_top_l} in every layer: speed only") if x)
+            r.note = "; ".join(x for x in (r.note, speed_only[method]) if x)
     return rows
 
 
@@ -448,11 +458,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--saap-top-l", type=int, default=None,
                     help="serve SAAP with this ℓ in every layer instead of the artifact's (what a sparse step costs; "
                          "its accuracy is not the artifact's, so no --accuracy for saap)")
+    ap.add_argument("--santa-samples", type=int, default=None,
+                    help="serve SANTA with this many samples in every layer, without an artifact (what a sampled step "
+                         "costs; no held-out accuracy, so no --accuracy for santa)")
     ap.add_argument("--smoke", action="store_true", help="CPU, the tiny model, short prompts: checks the script")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # METHOD:compiled in this process
     args = ap.parse_args(argv)
     if args.saap_top_l is not None and (args.saap_top_l < 1 or any(a.startswith("saap=") for a in args.accuracy)):
         ap.error("--saap-top-l takes an ℓ >= 1, and the artifact's held-out accuracy (--accuracy saap=) does not apply to it")
+    if args.santa_samples is not None and (args.santa_samples < 1 or any(a.startswith("santa=") for a in args.accuracy)):
+        ap.error("--santa-samples takes an S >= 1, and no held-out accuracy (--accuracy santa=) applies to it")
     if args.smoke:
         args.model, args.lengths, args.batches, args.ttft_batches, args.ragged, args.steps, args.compile = (
             "tiny", "256", "1,2", "1", 2, 4, "off")
@@ -463,7 +478,7 @@ def setup_of(args: argparse.Namespace) -> Setup:
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     artifacts = dict(a.split("=", 1) for a in args.artifact)
     return Setup(args.model, artifacts, ints(args.lengths), ints(args.batches), ints(args.ttft_batches),
-                 args.ragged, args.steps, args.gguf, args.smoke, args.profile, args.saap_top_l)
+                 args.ragged, args.steps, args.gguf, args.smoke, args.profile, args.saap_top_l, santa_samples=args.santa_samples)
 
 
 def run_child(method: str, compiled: bool, argv: list[str], timeout: float) -> list[Row]:
@@ -495,7 +510,8 @@ def main(argv: list[str] | None = None) -> int:
         method, compiled = args.one.split(":")
         print(json.dumps([asdict(r) for r in run_config(method, compiled == "1", setup)]))
         return 0
-    methods = args.methods.split(",") if args.methods else ["dense", "sdpa", "no-attention", *setup.artifacts]
+    extra = ["santa"] if setup.santa_samples and "santa" not in setup.artifacts else []
+    methods = args.methods.split(",") if args.methods else ["dense", "sdpa", "no-attention", *setup.artifacts, *extra]
     modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.compile]
     print(f"# bench_serving {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, torch "
           f"{torch.__version__}, {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}", file=sys.stderr)

@@ -186,3 +186,21 @@ def test_saap_top_l_serves_every_layer_at_that_l_and_says_its_rows_are_speed_onl
     for bad in (["--saap-top-l", "0"], ["--saap-top-l", "8", "--accuracy", "saap=eval.json"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
+
+
+def test_santa_samples_attaches_a_uniform_schedule_with_the_serving_policy_and_says_speed_only(monkeypatch):
+    """``--santa-samples S``: SANTA attached without an artifact, S samples in each of the model's layers,
+    under the never-slower policy (as ``hf.apply``); listed among the default methods; refused below 1
+    and beside a held-out accuracy for santa."""
+    seen = {}
+    monkeypatch.setattr(bench.hf, "attach", lambda model, decode=None, serve="method": seen.update(rt=decode, serve=serve))
+    monkeypatch.setattr(bench.hf, "remove", lambda model: None)
+    setup = bench.setup_of(bench.parse_args(["--santa-samples", "2048"]))
+    model = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=3))
+    bench.attach(model, "santa", setup)
+    rt = seen["rt"]
+    assert seen["serve"] == "fastest" and rt.schedule == [2048, 2048, 2048]
+    assert (rt.estimator, rt.tiling, rt.tile) == ("sys", "flash", 256)
+    for bad in (["--santa-samples", "0"], ["--santa-samples", "64", "--accuracy", "santa=eval.json"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)

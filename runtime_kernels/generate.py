@@ -119,6 +119,9 @@ class StaticGenerator:
         self.bucket = int(bucket)
         self.token = torch.zeros(batch, 1, dtype=torch.long, device=self.device)  # the step's input token
         self.pos = torch.zeros(batch, dtype=torch.long, device=self.device)  # each row's position
+        # the shortest and longest rows' positions, kept on the host (every step advances all rows by one),
+        # so the loop never reads them back from the device (a host sync per request and view)
+        self._shortest = self._longest = 0
         self._graph: torch.cuda.CUDAGraph | None = None
         self._graph_view = -1
         self._kept: dict[int, tuple[Any, dict]] = {}  # id(decode runtime) -> (it, its kept graphs), _kept_graphs
@@ -183,8 +186,8 @@ class StaticGenerator:
         def prepare(layers: set[int] | None) -> None:
             if hook is not None:
                 # keys the shortest row holds at this step (a ragged batch's longer rows attend the rest
-                # densely, runtime_kernels.saap.api.SaapDecode.before_graph): one host sync per view
-                hook(self.cache, int(self.pos.min().item()) + 1, view, layers, stable=max(0, view - self.bucket))
+                # densely, runtime_kernels.saap.api.SaapDecode.before_graph)
+                hook(self.cache, self._shortest + 1, view, layers, stable=max(0, view - self.bucket))
 
         if state.serve != "fastest":
             state.serve_dense = frozenset()
@@ -337,6 +340,7 @@ class StaticGenerator:
                 self.token.index_copy_(0, torch.tensor(run, device=self.device), first)
         self.cache.length.copy_(torch.tensor(lengths))
         self.pos.copy_(self.cache.length)
+        self._shortest, self._longest = min(lengths), max(lengths)
         self._graph_view = -1  # the graph itself goes at the next capture: its pool must outlive it
         return self.token.clone()
 
@@ -396,9 +400,8 @@ class StaticGenerator:
         timed separately.
         """
         out = torch.empty(self.cache.batch, steps, dtype=torch.long, device=self.device)
-        valid = int(self.pos.max().item())  # keys in the longest row before the first step
         for i in range(steps):
-            valid += 1
+            valid = self._longest + 1  # keys in the longest row at this step
             if valid > self.cache.max_len:
                 raise ValueError(f"the cache holds {self.cache.max_len} positions; generation ran past it")
             view = round_up(valid, self.bucket)
@@ -407,16 +410,22 @@ class StaticGenerator:
                 if view != self._graph_view:
                     self._graph_at(view, times)
                 self._replay(times)
-                continue
-            first_at_view = view != self.cache.view
-            if first_at_view:
-                self._before_view(view, times)
-            frames, t0 = frames_compiled(), time.perf_counter()
-            with self._decoding(view):
-                self._step()
-            if first_at_view and times is not None:
-                times.add_compiles(frames, (time.perf_counter() - t0) * 1e3)
+            else:
+                self._eager_step(view, times)
+            self._shortest += 1
+            self._longest += 1
         return out
+
+    def _eager_step(self, view: int, times: StepTimes | None) -> None:
+        """One step without CUDA graphs: the view brought first when it changed, compiles counted."""
+        first_at_view = view != self.cache.view
+        if first_at_view:
+            self._before_view(view, times)
+        frames, t0 = frames_compiled(), time.perf_counter()
+        with self._decoding(view):
+            self._step()
+        if first_at_view and times is not None:
+            times.add_compiles(frames, (time.perf_counter() - t0) * 1e3)
 
     def _replay(self, times: StepTimes | None) -> None:
         if times is None:

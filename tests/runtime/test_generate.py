@@ -507,3 +507,41 @@ def test_step_times_count_the_host_time_of_bringing_the_method_to_each_view(monk
     finally:
         hf.remove(model)
     assert 2 * 20 <= times.view_ms <= total_ms
+
+
+class _ViewHook:
+    """A decode runtime that runs nowhere (the model's attention) and records its view hook's arguments."""
+
+    method, phase = "recorder", "decode"
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int]] = []
+
+    def observe_prefill(self, layer, q, k, v, ctx) -> None:
+        pass
+
+    def decode(self, layer, q, k, v, scale, ctx) -> None:
+        return None
+
+    def before_graph(self, cache, shortest: int, view: int, layers, stable: int = 0) -> None:
+        self.calls.append((shortest, view))
+
+
+def test_the_loop_keeps_positions_on_the_host_and_reads_none_back(monkeypatch):
+    """Rows of 20, 13 and 30 prompt tokens, 12 steps, views of 8 keys: the view hook gets the keys the
+    shortest row holds at each new view (14, 16 and 24 at views 32, 40 and 48) and the loop itself reads
+    no tensor back from the device (each read would be a GPU sync per request and view)."""
+    from tests.runtime.saap.test_saap_bucket_index import _HostReads
+
+    model, hook = _model(), _ViewHook()
+    hf.attach(model, decode=hook)
+    try:
+        gen = StaticGenerator(model, batch=3, max_len=64, graphs=False, bucket=8)
+        gen.prefill([[5] * 20, [6] * 13, [7] * 30])
+        monkeypatch.setattr(gen, "_step", lambda: gen.pos.add_(1))  # the step's own kernels aside
+        reads = _HostReads(monkeypatch)
+        gen.decode(12)
+        assert hook.calls == [(14, 32), (16, 40), (24, 48)]
+        assert reads.count == 0
+    finally:
+        hf.remove(model)

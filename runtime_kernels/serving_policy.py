@@ -37,6 +37,9 @@ PREFILL_GUARD_MS = 250.0  # a whole prefill is repeated to check the layers' cho
 _LOCK = threading.Lock()
 _MEMORY: dict[str, list[float]] = {}  # key -> [method_ms, dense_ms]
 _LOADED = False
+# (layer signatures, shape, GPU) -> (layers prepared, layers dense): choose_dense_layers' answers once every
+# group is measured (asked at every new view of the static loop: a lookup instead of a walk over the layers)
+_DECIDED: dict[tuple, tuple[frozenset[int], frozenset[int]]] = {}
 
 
 def cache_path() -> Path:
@@ -84,6 +87,7 @@ def record(key: str, method_ms: float, dense_ms: float) -> None:
     with _LOCK:
         _load()
         _store(key, method_ms, dense_ms)
+        _DECIDED.clear()
 
 
 def forget_all() -> None:
@@ -91,6 +95,7 @@ def forget_all() -> None:
     global _LOADED
     with _LOCK:
         _MEMORY.clear()
+        _DECIDED.clear()
         _LOADED = True
 
 
@@ -140,30 +145,47 @@ def graph_ms(fn: Callable[[], Any], replays: int = REPLAYS) -> float:
     return start.elapsed_time(end) / replays
 
 
+def layer_signatures(runtime: Any, num_layers: int) -> tuple[str | None, ...] | None:
+    """Every layer's cost signature: the runtime's ``cost_signatures()`` where it keeps them, else one
+    ``cost_signature(layer)`` per layer; None for a runtime without signatures."""
+    many = getattr(runtime, "cost_signatures", None)
+    if many is not None:
+        return many()
+    one = getattr(runtime, "cost_signature", None)
+    return None if one is None else tuple(one(layer) for layer in range(num_layers))
+
+
 def choose_dense_layers(runtime: Any, num_layers: int, shape_key: str, device: torch.device,
                         prepare: Callable[[set[int]], None],
                         time_layer: Callable[[int], tuple[float, float] | None]) -> frozenset[int]:
-    """The layers a static decode step should run densely: those whose ``runtime.cost_signature(layer)``
-    is None, and every layer of a signature group whose method time measured no faster than dense.
+    """The layers a static decode step should run densely: those whose cost signature
+    (:func:`layer_signatures`) is None, and every layer of a signature group whose method time measured no
+    faster than dense.
 
     ``prepare(layers)`` readies the method's state for the layers that may run it (SAAP builds their
     bucket index), before ``time_layer(layer) -> (method_ms, dense_ms)`` times one representative of each
     group not yet measured for ``(device, signature, shape_key)``; ``None`` from it (nothing can be timed
-    here, e.g. no GPU) runs the method in that group, unrecorded. A runtime without ``cost_signature``
-    runs in every layer."""
-    signature = getattr(runtime, "cost_signature", None)
-    if signature is None:
+    here, e.g. no GPU) runs the method in that group, unrecorded. A runtime without signatures runs in
+    every layer. A shape whose groups are all measured is answered from memory."""
+    signatures = layer_signatures(runtime, num_layers)
+    if signatures is None:
         prepare(set(range(num_layers)))
         return frozenset()
+    memo = (signatures, shape_key, device_key(device))
+    decided = _DECIDED.get(memo)
+    if decided is not None:
+        prepare(decided[0])
+        return decided[1]
     groups: dict[str, list[int]] = {}
-    for layer in range(num_layers):
-        sig = signature(layer)
+    for layer, sig in enumerate(signatures):
         if sig is not None:
             groups.setdefault(sig, []).append(layer)
-    keys = {sig: f"decode|{device_key(device)}|{sig}|{shape_key}" for sig in groups}
+    keys = {sig: f"decode|{memo[2]}|{sig}|{shape_key}" for sig in groups}
     costs = {sig: measured(key) for sig, key in keys.items()}
-    prepare({layer for sig, members in groups.items() for layer in members
-             if costs[sig] is None or costs[sig][0] < costs[sig][1]})
+    all_measured = all(cost is not None for cost in costs.values())
+    prepared = frozenset(layer for sig, members in groups.items() for layer in members
+                         if costs[sig] is None or costs[sig][0] < costs[sig][1])
+    prepare(prepared)
     for sig, members in groups.items():
         if costs[sig] is None:
             timed = time_layer(members[0])
@@ -171,7 +193,10 @@ def choose_dense_layers(runtime: Any, num_layers: int, shape_key: str, device: t
             if timed is not None:
                 record(keys[sig], *timed)
     method_layers = {layer for sig, members in groups.items() for layer in members if costs[sig][0] < costs[sig][1]}
-    return frozenset(set(range(num_layers)) - method_layers)
+    dense = frozenset(set(range(num_layers)) - method_layers)
+    if all_measured:
+        _DECIDED[memo] = (prepared, dense)
+    return dense
 
 
 class PrefillChooser:

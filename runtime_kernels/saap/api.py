@@ -155,6 +155,7 @@ class SaapDecode:
         self._view_aligned = True  # every static index ends where the view puts it (before_graph)
         self._trig: dict | None = None  # cos/sin by positions, shared by the layers during before_graph
         self._signatures: dict[tuple, tuple[SaapLayerParams, str]] = {}  # cost_signature's, by layer and settings
+        self._all_signatures: tuple | None = None  # cost_signatures': (settings, layers, signatures)
 
     def layer_top_l(self, layer: int) -> int:
         """ℓ of layer ``layer``: its ``top_l_layers`` entry, else ``top_l``."""
@@ -301,6 +302,18 @@ class SaapDecode:
                                                 f"recent{p.recent}|stats{int(self.stats)}|{self.impl}")
         return known[1]
 
+    def cost_signatures(self) -> tuple[str | None, ...]:
+        """:meth:`cost_signature` of every layer, kept while the settings (ℓ, per-layer ℓ, statistics,
+        kernels) and every layer's parameters stay the same objects: the static loop asks at every new
+        view, and a walk over the layers there costs more host time than the step's upkeep."""
+        settings = (self.top_l, tuple(sorted(self.top_l_layers.items())), self.stats, self.impl)
+        kept = self._all_signatures
+        if (kept is None or kept[0] != settings or len(kept[1]) != len(self.layers)
+                or any(a is not b for a, b in zip(kept[1], self.layers))):
+            kept = self._all_signatures = (settings, tuple(self.layers),
+                                           tuple(self.cost_signature(layer) for layer in range(len(self.layers))))
+        return kept[2]
+
     def _query_rotation(self, layer: int, q: torch.Tensor, ctx, first: int) -> torch.Tensor:
         """De-RoPE coefficients ``[B, 2, D]`` of the position of ``q [B, Hq, 1, D]``
         (:func:`runtime_kernels.rope.derope_coefficients`): built once per step, at the first SAAP layer
@@ -439,6 +452,10 @@ class SaapDecode:
         graph reads (the lists' addresses, where they end) depends on the view alone and the graph may
         serve later requests (:attr:`reads_request_state`); the keys between ``stable`` and ``valid`` are
         attended exactly, with the window."""
+        if layers is not None and not layers:  # every layer dense at this step: no index to keep
+            self.index.clear()
+            self._view_aligned = True
+            return
         target = valid - 1 if stable is None else min(valid - 1, stable)
         self._trig = {}  # every layer de-RoPEs the same positions
         try:

@@ -362,3 +362,13 @@ def test_an_index_build_moves_the_centroids_alone():
         moved = list(rt._centroids_on.values())
         assert moved and all(isinstance(x, torch.Tensor) and x.dtype == torch.float32 for x in moved)
         assert sum(x.numel() for x in moved) == sum(rt.layers[layer].centroids.numel() for layer in rt.index)
+
+
+def test_a_step_with_every_layer_dense_drops_the_indexes_and_keeps_its_graph():
+    """The policy chose dense in every layer: the hook drops the request's indexes at once, and the
+    step then reads nothing of the request (its graph may serve later requests)."""
+    with _prefilled_saap() as (rt, gen):
+        rt.before_graph(gen.cache, 41, 48, stable=40)
+        assert rt.index and rt.reads_request_state is False
+        rt.before_graph(gen.cache, 44, 48, layers=set(), stable=40)
+        assert rt.index == {} and rt.reads_request_state is False

@@ -224,3 +224,36 @@ def test_the_guard_does_not_repeat_a_long_prefill(monkeypatch):
     assert sp.measured("prefill-model|long") == [sp.PREFILL_GUARD_MS, sp.PREFILL_GUARD_MS]
     monkeypatch.setattr(sp, "_wall_ms", lambda fn: pytest.fail("decided: nothing to time"))
     assert sp.PrefillGuard().run("prefill-model|long", lambda on: on) is True
+
+
+def test_a_measured_shape_is_answered_from_memory_until_a_cost_changes(monkeypatch):
+    """Once every group of a shape is measured, the next choice is a lookup: the records are not read
+    again (the static loop asks at every new view); ``cost_signatures()`` is preferred to asking per
+    layer; a new record or ``forget_all`` drops the remembered answers."""
+
+    class Many(_Runtime):
+        asked = 0
+
+        def cost_signatures(self):
+            Many.asked += 1
+            return tuple(self.cost_signature(layer) for layer in range(5))
+
+    rt, prepared = Many(), []
+    first = sp.choose_dense_layers(rt, 5, "B1|T256", torch.device("cpu"), prepared.append,
+                                   lambda layer: (1.0, 2.0) if layer == 1 else (3.0, 2.0))
+    second = sp.choose_dense_layers(rt, 5, "B1|T256", torch.device("cpu"), prepared.append,
+                                    lambda layer: pytest.fail("timed again"))
+    monkeypatch.setattr(sp, "measured", lambda key: pytest.fail("records read again"))
+    third = sp.choose_dense_layers(rt, 5, "B1|T256", torch.device("cpu"), prepared.append,
+                                   lambda layer: pytest.fail("timed again"))
+    assert first == second == third == frozenset({0, 3, 4}) and Many.asked == 3
+    assert prepared == [{1, 2, 4}, {1, 2}, {1, 2}]
+    monkeypatch.undo()
+    sp.record(f"decode|{sp.device_key(torch.device('cpu'))}|b|B1|T256", 1.0, 2.0)  # group b now wins
+    assert sp.choose_dense_layers(rt, 5, "B1|T256", torch.device("cpu"), prepared.append,
+                                  lambda layer: pytest.fail("timed again")) == frozenset({0, 3})
+    sp.forget_all()
+    timed = []
+    sp.choose_dense_layers(rt, 5, "B1|T256", torch.device("cpu"), prepared.append,
+                           lambda layer: timed.append(layer) or (3.0, 2.0))
+    assert timed == [1, 4]

@@ -133,6 +133,22 @@ def test_from_artifact_layout():
     assert rt.cost_signature(1) == before.replace("|recent8|", "|recent4|")
 
 
+def test_all_layers_signatures_follow_every_setting_and_layer_change():
+    """``cost_signatures()`` (what the serving policy asks at each new view) is kept between calls and
+    equals the per-layer signatures after any change of ℓ, per-layer ℓ, statistics or a layer's parameters."""
+    rt = SaapDecode([SaapLayerParams(sink=1, recent=8, dense=True)] + [_params(4, 2, 16, 4, 8, 1, 8, seed=i)
+                                                                      for i in (1, 2)], top_l=2, stats=False)
+    each = lambda: tuple(rt.cost_signature(layer) for layer in range(3))  # noqa: E731
+    first = rt.cost_signatures()
+    assert first == each() and first[0] is None and rt.cost_signatures() is first
+    for change in (lambda: setattr(rt, "top_l", 1), lambda: rt.top_l_layers.update({2: 4}),
+                   lambda: setattr(rt, "stats", True),
+                   lambda: rt.layers.__setitem__(1, replace(rt.layers[1], recent=4))):
+        before = rt.cost_signatures()
+        change()
+        assert rt.cost_signatures() == each() != before
+
+
 def test_stats_count_the_visited_bucket_keys_by_hand():
     """One KV head, 2 query heads, buckets holding 3/1/0/4 keys; both heads' classifiers rank bucket 3 first
     and bucket 1 second (bias only), so ℓ = 1 visits its 4 keys of 8: selectivity 1/2; with the 4 keys of

@@ -96,6 +96,7 @@ class SantaDecode:
         self.reseed(seed)
         self._stats = [0.0, 0.0, 0]  # sum of S, sum of sample fractions, calls (eager calls)
         self._sums: torch.Tensor | None = None  # the same sums of static-cache decode steps, on the device
+        self._all_signatures: tuple | None = None  # cost_signatures': (schedule and settings, signatures)
 
     @classmethod
     def from_artifact(cls, artifact: Any, model: Any, *, seed: int | None = 0,
@@ -137,6 +138,14 @@ class SantaDecode:
     def cost_signature(self, layer: int) -> str:
         """What a decode step of ``layer`` costs depends on (:mod:`runtime_kernels.serving_policy`)."""
         return f"santa|S{self.budget(layer)}|{self.tiling}|tile{self.tile}|{self.estimator}|{self.backend}"
+
+    def cost_signatures(self) -> tuple[str, ...]:
+        """:meth:`cost_signature` of every layer, kept while the schedule and settings stay the same: the
+        static loop asks at every new view."""
+        settings = (tuple(self.schedule), self.tiling, self.tile, self.estimator, self.backend)
+        if self._all_signatures is None or self._all_signatures[0] != settings:
+            self._all_signatures = (settings, tuple(self.cost_signature(layer) for layer in range(len(self.schedule))))
+        return self._all_signatures[1]
 
     def budget(self, layer: int) -> int:
         """S of ``layer`` as run: ``max(1, schedule[layer])``."""

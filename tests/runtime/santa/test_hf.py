@@ -62,6 +62,19 @@ def test_decode_uses_each_layers_budget_and_zero_runs_as_one():
     assert rt.pop_stats() == {}
 
 
+def test_all_layers_signatures_are_kept_and_follow_the_schedule_and_settings():
+    """``cost_signatures()`` (what the serving policy asks at each new view) equals the per-layer
+    signatures, is kept between calls, and follows a changed schedule or tiling."""
+    rt = SantaDecode([0, 40, 40], tiling="flash", tile=256)
+    first = rt.cost_signatures()
+    assert first == tuple(rt.cost_signature(layer) for layer in range(3)) and rt.cost_signatures() is first
+    assert first[1] == first[2] != first[0] and "|S1|" in first[0]
+    rt.schedule[2] = 64
+    assert rt.cost_signatures()[2] != first[2] and "|S64|" in rt.cost_signatures()[2]
+    rt.tiling = "prop"
+    assert all("|prop|" in sig for sig in rt.cost_signatures())
+
+
 def test_static_step_runs_dense_only_where_the_budget_covers_the_view():
     """A static-cache step sees a view longer than its rows' valid keys: S covering the view runs dense for
     every row (counted on the device as reading every key); S below the view samples, even for a row

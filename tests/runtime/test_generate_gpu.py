@@ -266,3 +266,22 @@ def test_saap_ragged_batch_under_graphs_equals_the_reference_loop(tiny):
         out[impl] = StaticGenerator(tiny, batch=3, max_len=251 + 24 + 1, graphs=graphs).generate(rows, 24)
     hf.remove(tiny)
     assert torch.equal(out["auto"], out["reference"]), (out["auto"].tolist(), out["reference"].tolist())
+
+
+def test_a_request_replaying_kept_graphs_decodes_without_a_host_sync(tiny):
+    """A second request of the same length replays the kept dense graphs: its decode waits on the GPU
+    nowhere (the rows' positions are kept on the host), so the host can run ahead of the device."""
+    ids = _prompt(2, 300, tiny.config.vocab_size)
+    try:
+        gen = StaticGenerator(tiny, batch=2, max_len=400, bucket=16)
+        want = gen.generate(ids, 24)
+        gen.prefill(ids)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = gen.decode(24)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert torch.equal(got, want)
+    finally:
+        hf.remove(tiny)

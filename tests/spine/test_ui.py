@@ -109,7 +109,10 @@ def test_serve_stops_the_whole_process_group(sig):
     proc = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": python_path()})
     try:
         deadline, pgid = time.time() + 60, None
-        while time.time() < deadline and (pgid is None or len(_group_members(pgid)) < 3):  # sh + 2 sleeps
+        # until the shell is in its own group (a child seen between fork and setpgid still has its parent's,
+        # whose members are the test run's own processes) and that group holds sh + 2 sleeps
+        while time.time() < deadline and (pgid is None or pgid == os.getpgid(proc.pid)
+                                          or len(_group_members(pgid)) < 3):
             table = _processes()
             shells = [pid for pid, (_, ppid, _) in table.items() if ppid == proc.pid]
             pgid = table[shells[0]][2] if shells else None

@@ -154,7 +154,6 @@ class SaapDecode:
         self._storage: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._view_aligned = True  # every static index ends where the view puts it (before_graph)
         self._trig: dict | None = None  # cos/sin by positions, shared by the layers during before_graph
-        self._signatures: dict[tuple, tuple[SaapLayerParams, str]] = {}  # cost_signature's, by layer and settings
         self._all_signatures: tuple | None = None  # cost_signatures': (settings, layers, signatures)
 
     def layer_top_l(self, layer: int) -> int:
@@ -293,14 +292,8 @@ class SaapDecode:
         p = self.layers[layer]
         if p.dense or p.w1 is None or self.reads_every_key(layer):
             return None
-        # asked for every layer at every new view of the static loop: built once per (layer, settings)
-        key = (layer, self.layer_top_l(layer), self.stats, self.impl)
-        known = self._signatures.get(key)
-        if known is None or known[0] is not p:
-            known = self._signatures[key] = (p, f"saap|C{p.w2.shape[-1]}|l{key[1]}|hidden{p.w1.shape[-1]}|"
-                                                f"classifiers{p.num_classifiers}|sink{p.sink}|"
-                                                f"recent{p.recent}|stats{int(self.stats)}|{self.impl}")
-        return known[1]
+        return (f"saap|C{p.w2.shape[-1]}|l{self.layer_top_l(layer)}|hidden{p.w1.shape[-1]}|"
+                f"classifiers{p.num_classifiers}|sink{p.sink}|recent{p.recent}|stats{int(self.stats)}|{self.impl}")
 
     def cost_signatures(self) -> tuple[str | None, ...]:
         """:meth:`cost_signature` of every layer, kept while the settings (ℓ, per-layer ℓ, statistics,

@@ -118,7 +118,7 @@ def test_from_artifact_layout():
     rt = SaapDecode.from_artifact(art, SimpleNamespace(config=SimpleNamespace(num_hidden_layers=3)), stats=True,
                                   top_l=2, top_l_layers={2: C})  # every bucket in layer 2: all keys, i.e. dense
     assert rt.stats and rt.cost_signature(1) is not None and rt.cost_signature(2) is None
-    # signatures are kept per (layer, settings): a setting changed on the same runtime changes the answer
+    # a setting changed on the same runtime changes the answer
     before = rt.cost_signature(1)
     rt.top_l_layers[1] = 1
     assert rt.cost_signature(1) != before and "|l1|" in rt.cost_signature(1)

@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from transformers.cache_utils import DynamicCache
 
-from runtime_kernels import hf
+from runtime_kernels import fused_linears, hf
 from runtime_kernels.ragged import batch_rows, ragged_runs
 from runtime_kernels.serving_policy import can_time, choose_dense_layers, device_key, graph_ms, length_bucket
 from runtime_kernels.static_cache import StaticKVCache
@@ -95,8 +95,13 @@ class StaticGenerator:
 
     ``graphs=False`` runs the same steps eagerly (CPU, debugging, and the reference the graph path is
     tested against). With calib methods attached (``runtime_kernels.hf.apply`` before or after
-    construction) the decode runtime sees ``ctx.cache_len``; dense layers and models run SDPA (or the
-    model's attention) on the masked view.
+    construction) the decode runtime sees ``ctx.cache_len``; dense layers and models run flash-decoding on
+    the valid length.
+
+    ``fuse_projections=True`` (the default) rewrites the model in place so that each layer's query, key
+    and value projections, and its MLP's gate and up projections, run as one GEMM each
+    (:func:`runtime_kernels.fused_linears.fuse_projections`: same weights, same ``state_dict``, no copy);
+    a decode step pays three fewer weight GEMMs per layer. Place the model on its device first.
 
     ``compile=True`` runs each decode step's model call through ``torch.compile`` (module docstring:
     what is fused, what stays eager, the bounded compile count); it costs compile time at the first two
@@ -104,8 +109,10 @@ class StaticGenerator:
     """
 
     def __init__(self, model: Any, *, batch: int, max_len: int, graphs: bool | None = None,
-                 bucket: int = DEFAULT_BUCKET, compile: bool = False) -> None:
+                 bucket: int = DEFAULT_BUCKET, compile: bool = False, fuse_projections: bool = True) -> None:
         self.model = model
+        if fuse_projections:
+            fused_linears.fuse_projections(model)
         if getattr(model, "calib_attention", None) is None:  # dense decode steps run flash-decoding on the
             hf.attach(model)                                  # valid length, not SDPA on the masked view
         # decode steps only: prefill calls self.model, eagerly

@@ -266,7 +266,8 @@ def run_cell(method: str, t: int, b: int, compiled: bool, args: argparse.Namespa
         planted.install()
         hf.attach(model, prefill=prefill_runtime(prefill_name, cfg.num_hidden_layers, cfg.num_attention_heads))
         row.planted = args.density or None
-    gen = StaticGenerator(model, batch=b, max_len=t + args.steps + 8, graphs=cuda, compile=compiled)
+    gen = StaticGenerator(model, batch=b, max_len=t + args.steps + 8, graphs=cuda, compile=compiled,
+                          fuse_projections=not args.unfused)
     if b == 1:
         gen.prefill(prompt)  # warm-up: compilation, autotuning, allocator
         _, row.ttft_ms = _timed(lambda: gen.prefill(prompt), cuda)
@@ -301,6 +302,8 @@ def run_cell(method: str, t: int, b: int, compiled: bool, args: argparse.Namespa
         row.ms_per_token = statistics.median(times.step_ms)
         row.host_ms = statistics.median(times.host_ms)
     row.steps, row.captures = len(times.step_ms), times.captures
+    if args.unfused:
+        row.notes_info = "; ".join(x for x in (row.notes_info, "projections unfused") if x)
     if compiled:
         row.compiles, row.compile_s = times.compiles, times.compile_ms / 1e3
     return row
@@ -370,6 +373,7 @@ def run_child(method: str, t: int, b: int, compiled: bool, args: argparse.Namesp
             "--saap-classifiers", args.saap_classifiers]
     cmd += ["--smoke"] if args.smoke else []
     cmd += ["--profile"] if args.profile else []
+    cmd += ["--unfused"] if args.unfused else []
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     if args.profile:
         sys.stderr.write(proc.stderr)
@@ -441,6 +445,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--smoke", action="store_true", help="CPU, a 2-layer model, short prompts: checks the script")
     ap.add_argument("--compile", nargs="?", const="on", default="off", choices=("off", "on", "both"),
                     help="decode steps through torch.compile (bare flag: on); both: every cell both ways")
+    ap.add_argument("--unfused", action="store_true",
+                    help="keep the model's q/k/v and gate/up projections as separate GEMMs (StaticGenerator's "
+                         "fuse_projections off: what fusing them gains)")
     ap.add_argument("--table", type=Path, nargs="+", default=None, help="print the table of saved --json files")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # method@TxB: run one cell in this process
     args = ap.parse_args(argv)

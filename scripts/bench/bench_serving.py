@@ -108,6 +108,7 @@ class Setup:
     profile: Path | None = None
     saap_top_l: int | None = None  # ℓ in every SAAP layer instead of the artifact's (speed only)
     santa_samples: int | None = None  # SANTA with this many samples in every layer, no artifact (speed only)
+    unfused: bool = False  # the model's q/k/v and gate/up projections as separate GEMMs (the loop fuses them)
     copy_tbps: float | None = None
     rows: list[Row] = field(default_factory=list)
 
@@ -175,8 +176,9 @@ def kv_floor_ms(model, batch: int, length: int, tbps: float | None) -> float | N
 
 
 # -------------------------------------------------------------------------------------------- cells
-def generator(model, batch: int, max_len: int, compiled: bool, method: str, cuda: bool):
-    gen = StaticGenerator(model, batch=batch, max_len=max_len, graphs=cuda, compile=compiled)
+def generator(model, batch: int, max_len: int, compiled: bool, method: str, setup: Setup):
+    gen = StaticGenerator(model, batch=batch, max_len=max_len, graphs=not setup.smoke, compile=compiled,
+                          fuse_projections=not setup.unfused)
     if method == "sdpa":
         hf.remove(model)  # the loop then runs the model's own attention on the masked view
     return gen
@@ -186,7 +188,7 @@ def decode_row(model, tok, method: str, t: int, b: int, compiled: bool, setup: S
     cuda = not setup.smoke
     row = Row(method, "decode", t, b, compiled, kv_floor_ms=kv_floor_ms(model, b, t, setup.copy_tbps))
     prompts = text_rows(tok, b, t).to(model.device)
-    gen = generator(model, b, t + 2 * setup.steps + 8, compiled, method, cuda)
+    gen = generator(model, b, t + 2 * setup.steps + 8, compiled, method, setup)
     gen.prefill(prompts)
     gen.decode(setup.steps // 2)  # warm-up: the first views' captures, compiles and serving timings
     times = StepTimes()
@@ -244,7 +246,7 @@ def ttft_row(model, tok, method: str, t: int, b: int, setup: Setup) -> Row:
     of a small model is launch-bound, and its time moves more between processes than between the two paths)."""
     cuda = not setup.smoke
     prompts = text_rows(tok, b, t, seed=1).to(model.device)
-    gen = generator(model, b, t + 8, False, method, cuda)
+    gen = generator(model, b, t + 8, False, method, setup)
     ms, dense_ms = _paired_ms(model, lambda: _event_ms(lambda: gen.prefill(prompts), cuda), TTFT_REPEATS)
     if setup.profile is not None:
         profile_prefill(model, lambda: gen.prefill(prompts), setup.profile / f"ttft_{method}_T{t}_B{b}.txt")
@@ -323,7 +325,7 @@ def second_row(model, tok, method: str, t: int, b: int, setup: Setup) -> Row:
     switches the decode method off too)."""
     cuda = not setup.smoke
     prompts = text_rows(tok, b, t, seed=2).to(model.device)
-    gen = generator(model, b, t + 8, False, method, cuda)
+    gen = generator(model, b, t + 8, False, method, setup)
 
     view_ms: list[float] = []  # the method's calls only (not those under dense_prefill)
 
@@ -345,7 +347,7 @@ def ragged_row(model, tok, method: str, t: int, b: int, compiled: bool, setup: S
     gen_lengths = torch.Generator().manual_seed(2)
     lengths = torch.randint(t // 4, t + 1, (b,), generator=gen_lengths).tolist()
     rows = [text_rows(tok, 1, n, seed=3 + i)[0].tolist() for i, n in enumerate(lengths)]
-    gen = generator(model, b, t + setup.steps + 8, compiled, method, cuda)
+    gen = generator(model, b, t + setup.steps + 8, compiled, method, setup)
     generate = lambda: gen.generate(rows, setup.steps)  # noqa: E731
     try:
         ms, dense_ms = _paired_ms(model, lambda: _event_ms(generate, cuda), RAGGED_REPEATS)
@@ -461,6 +463,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--santa-samples", type=int, default=None,
                     help="serve SANTA with this many samples in every layer, without an artifact (what a sampled step "
                          "costs; no held-out accuracy, so no --accuracy for santa)")
+    ap.add_argument("--unfused", action="store_true",
+                    help="keep the q/k/v and gate/up projections separate GEMMs (what StaticGenerator's fusing gains)")
     ap.add_argument("--smoke", action="store_true", help="CPU, the tiny model, short prompts: checks the script")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # METHOD:compiled in this process
     args = ap.parse_args(argv)
@@ -478,7 +482,7 @@ def setup_of(args: argparse.Namespace) -> Setup:
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     artifacts = dict(a.split("=", 1) for a in args.artifact)
     return Setup(args.model, artifacts, ints(args.lengths), ints(args.batches), ints(args.ttft_batches),
-                 args.ragged, args.steps, args.gguf, args.smoke, args.profile, args.saap_top_l, santa_samples=args.santa_samples)
+                 args.ragged, args.steps, args.gguf, args.smoke, args.profile, args.saap_top_l, santa_samples=args.santa_samples, unfused=args.unfused)
 
 
 def run_child(method: str, compiled: bool, argv: list[str], timeout: float) -> list[Row]:

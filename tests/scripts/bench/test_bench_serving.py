@@ -204,3 +204,13 @@ def test_santa_samples_attaches_a_uniform_schedule_with_the_serving_policy_and_s
     for bad in (["--santa-samples", "0"], ["--santa-samples", "64", "--accuracy", "santa=eval.json"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
+
+
+def test_unfused_keeps_the_projections_apart_in_every_generator_of_the_run(monkeypatch):
+    """``--unfused``: every configuration's loop keeps q/k/v and gate/up as separate GEMMs (the A/B of
+    StaticGenerator's fusing, which is on by default)."""
+    built = []
+    monkeypatch.setattr(bench, "StaticGenerator", lambda model, **kw: built.append(kw) or SimpleNamespace())
+    for argv, fused in (([], True), (["--unfused"], False)):
+        bench.generator(object(), 2, 64, False, "dense", bench.setup_of(bench.parse_args(argv)))
+        assert built[-1]["fuse_projections"] is fused

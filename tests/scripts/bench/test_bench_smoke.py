@@ -84,6 +84,16 @@ def test_generate_bench_runs_saap_with_a_classifier_per_kv_head():
     assert "a classifier per kv head" in proc.stdout and "Traceback" not in proc.stdout
 
 
+def test_generate_bench_times_the_loop_with_its_projections_unfused():
+    """``bench_generate.py --unfused``: the same cell with StaticGenerator's projection fusing off, labelled."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench" / "bench_generate.py"), "--smoke",
+                           "--methods", "dense-flash", "--points", "300x1", "--unfused"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "dense-flash (projections unfused)" in proc.stdout
+
+
 def test_santa_stages_take_a_model_s_attention_shapes():
     """``bench_santa_stages.py --model M`` times SANTA at M's attention shapes, read from its conf/model file:
     SmolLM2-135M has 9 query heads, 3 KV heads of head_dim 64 (its published config); Llama-3.1-8B 32 / 8 / 128."""

@@ -18,6 +18,10 @@ import torch
 
 from calib.paths import artifacts_dir
 
+# what the dense forward itself is, beyond the versions in the key: bump when the loop computes it
+# differently (rounding included), so results of the old path are not paired with new ones
+DENSE_PATH = "static loop with fused q/k/v and gate/up projections"
+
 
 def cache_key(loaded: Any, settings: list[Any], items: Iterable[Any]) -> str | None:
     """The key of a dense result of ``loaded`` under ``settings`` over ``items`` (each JSON-serializable);
@@ -27,7 +31,7 @@ def cache_key(loaded: Any, settings: list[Any], items: Iterable[Any]) -> str | N
         return None
     digest = hashlib.sha256()
     digest.update(json.dumps([model_hash, str(loaded.model.dtype), loaded.device.type, torch.__version__,
-                              metadata.version("transformers"), *settings]).encode())
+                              metadata.version("transformers"), DENSE_PATH, *settings]).encode())
     for item in items:
         digest.update(json.dumps(item).encode())
     return digest.hexdigest()[:32]

@@ -141,3 +141,15 @@ def test_the_static_loop_fuses_by_default_and_decodes_what_an_unfused_loop_decod
     assert isinstance(fused.model.layers[0].mlp.up_proj, FusedPart)
     assert type(plain.model.layers[0].mlp.up_proj) is nn.Linear
     assert torch.equal(got, want)
+
+
+def test_a_fused_model_saves_and_loads_as_the_plain_model(tmp_path):
+    """``save_pretrained`` writes the projections' own weights (views of the group's matrix), which load
+    into an unfused model that computes the same logits."""
+    model, ids = _llama(dtype=torch.float32), _ids()
+    want = model(ids).logits
+    fuse_projections(model)
+    model.save_pretrained(tmp_path)
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(loaded.model.layers[0].self_attn.k_proj) is nn.Linear
+    torch.testing.assert_close(loaded(ids).logits, want)

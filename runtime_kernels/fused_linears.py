@@ -12,7 +12,9 @@ same ``weight`` / ``bias`` (so ``state_dict`` keys, hooks on the projection and 
 weight see what they saw) whose forward is its slice of the group's one GEMM. The model's own forward is
 untouched: it still calls ``q_proj(x)``, ``k_proj(x)``, ``v_proj(x)``; the first call computes the group's
 output and the next ones, given the same ``x`` (by identity), return their slices of it. Any other call
-order or input recomputes, so the result is always each projection of its own input.
+order or input recomputes, so the result is always each projection of its own input, provided the input is
+not modified in place between the siblings' calls (no transformers model does; a version-counter check
+would break torch.compile's graph).
 
 Each output element is the same dot product as before, summed in whatever order the GEMM picks for the
 wider matrix, so outputs can differ from the unfused ones by the dtype's rounding.

@@ -77,7 +77,7 @@ class FusedPart(nn.Module):
 
 
 def _fusable(linears: list[Any]) -> bool:
-    """Plain ``nn.Linear`` siblings of one input size, dtype and device, all with a bias or none."""
+    """Plain ``nn.Linear`` siblings (none missing) of one input size, dtype and device, all with a bias or none."""
     if not all(type(m) is nn.Linear for m in linears):
         return False
     first = linears[0]
@@ -105,8 +105,7 @@ def fuse_projections(model: nn.Module) -> int:
     fused = 0
     for owner in list(model.modules()):
         for names in SIBLINGS:
-            if all(isinstance(getattr(owner, n, None), nn.Module) for n in names) \
-                    and _fusable([getattr(owner, n) for n in names]):
+            if _fusable([getattr(owner, n, None) for n in names]):
                 _fuse(owner, names)
                 fused += 1
     return fused

@@ -266,11 +266,11 @@ class StaticGenerator:
         A later request that reaches a view replays the kept graph instead of warming up and capturing
         (the first-to-second-token time of a request). A step may be kept when it reads only the loop's
         own buffers (cache, token, positions, lengths), the weights and buffers a runtime never replaces
-        (its statistics sums): a dense step, a ``reads_request_state = False`` runtime's (FlashDecode;
-        SAAP whose indexes end where the view puts them, in storage it keeps), or one in which the attached
-        method ran in no layer (SAAP's layers at ℓ = C, SANTA's samples covering every key, every layer
-        chosen dense). A step that read this request's state (SANTA's seeds, a SAAP index of a ragged
-        batch's short row) is captured anew for each request (:meth:`_keeps`). Graphs are kept per
+        (its statistics sums, seeds): a dense step, a ``reads_request_state = False`` runtime's (FlashDecode;
+        S²ANTA, whose draws are keyed on seed and position; SAAP whose indexes end where the view puts them,
+        in storage it keeps), or one in which the attached method ran in no layer (SAAP's layers at ℓ = C,
+        every layer chosen dense). A step that read this request's state (a SAAP index of a ragged batch's
+        short row) is captured anew for each request (:meth:`_keeps`). Graphs are kept per
         runtime object (held here, so its id is not reused): a state whose decode runtime is switched off
         and on again (a benchmark's in-process dense) keeps both sets."""
         runtime = getattr(state, "decode", None)

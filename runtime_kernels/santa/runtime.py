@@ -83,6 +83,10 @@ class SantaDecode:
     """
 
     method = "santa"
+    # A static step reads the loop's buffers (cache, positions, lengths), this runtime's statistics sums and
+    # seeds and constants of its settings: nothing of one request, so the loop replays a step graph
+    # captured for an earlier request (keyed by graph_variant).
+    reads_request_state = False
 
     def __init__(self, schedule: "torch.Tensor | list[int] | tuple[int, ...]", *, estimator: str = "sys",
                  tiling: str = "flash", tile: int = 256, phases: Any = ("decode",), seed: int | None = None,
@@ -134,6 +138,16 @@ class SantaDecode:
         self._seeds = SamplingSeeds(seed)
         self._draws: torch.Tensor | None = None
         self._draws_key: tuple | None = None
+        self._draws_layer = -1  # the layer of the last offsets() call: a layer not after it starts a new step
+
+    @property
+    def graph_variant(self) -> tuple:
+        """What a step graph bakes in beside the view and the dense layers: the seed (an int seed is a
+        constant of the graph; per-row seeds a device tensor, read by address, so the seeds object itself:
+        the loop's key then keeps it, and its tensor, alive as long as the graph, and a reseed captures
+        anew) and the settings the kernels were launched with."""
+        seeds = self._seeds if self._seeds.value is None else self._seeds.value
+        return (seeds, tuple(self.schedule), self.tiling, self.tile, self.estimator, self.backend)
 
     def cost_signature(self, layer: int) -> str:
         """What a decode step of ``layer`` costs depends on (:mod:`runtime_kernels.serving_policy`)."""
@@ -259,20 +273,24 @@ class SantaDecode:
         (seed, layer, position, row, head, slot); ``[B, heads, ceil(keys / tile)]`` for the prop and
         flash tilings, ``[B, heads, 1]`` (sys) or ``[B, heads, 1, s]`` (iid, strat) for ``"none"``.
 
-        The tiled draws of every layer are made at once, when layer 0 asks (one set of element-wise
-        kernels per step instead of one per layer) and kept for the other layers of the step; a
-        ``host_position`` (eager calls) also keys that cache, so a call out of order recomputes."""
+        The tiled draws of every layer are made at once, by the step's first call (one set of element-wise
+        kernels per step instead of one per layer) and kept for its later layers. A step's first call is
+        the one whose layer is not after the previous call's: with layers served densely (the serving
+        policy, :meth:`reads_every_key`) a step may start at any layer, and a CUDA graph captured then must
+        compute its own step's draws, not read an earlier step's. A ``host_position`` (eager calls) also
+        keys the cache."""
         if self.tiling == "none":
             n = 1 if self.estimator == "sys" else s
             u = keyed_uniforms(self._seeds.key(position.device, position.shape[0]), layer, position, heads, n)[0]
             return u if self.estimator == "sys" else u.unsqueeze(2)
         slots = -(-keys // self.tile)
         key = (str(position.device), tuple(position.shape), heads, slots, host_position)
-        if layer == 0 or self._draws is None or self._draws_key != key:
+        if layer <= self._draws_layer or self._draws is None or self._draws_key != key:
             layers = torch.arange(len(self.schedule), device=position.device)
             seed = self._seeds.key(position.device, position.shape[0])
             self._draws = keyed_uniforms(seed, layers, position, heads, slots)  # [L, B, H, n]
             self._draws_key = key
+        self._draws_layer = layer
         return self._draws[layer]
 
     def stats_checkpoint(self) -> torch.Tensor | None:

@@ -61,6 +61,8 @@ def _runtimes(model, name: str):
         return None, None
     if name == "saap":
         return None, _saap(model, top_l=16)
+    if name == "santa-after-layer-0":  # layer 0's budget covers every key: each step starts sampling at layer 1
+        return None, SantaDecode([4096, 32, 48, 16][:layers], tiling="flash", tile=256, seed=3)
     if name.startswith("santa"):
         return None, SantaDecode([64, 32, 48, 16][:layers], tiling=name.split("-")[1], tile=256, seed=3)
     if name == "sale":
@@ -68,7 +70,8 @@ def _runtimes(model, name: str):
     return SampleAttentionPrefill(BucketRow(0.95, 0.9, 2), report_cra=False), _saap(model, top_l=16)
 
 
-@pytest.mark.parametrize("name", ["dense", "saap", "santa-prop", "santa-flash", "sale", "sampleattention+saap"])
+@pytest.mark.parametrize("name", ["dense", "saap", "santa-prop", "santa-flash", "santa-after-layer-0", "sale",
+                                  "sampleattention+saap"])
 @pytest.mark.parametrize("b,t", [(1, 700), (2, 520)], ids=["B1-T700", "B2-T520"])
 def test_graphed_static_loop_generates_the_eager_tokens(tiny, name: str, b: int, t: int):
     ids = _prompt(b, t, tiny.config.vocab_size)
@@ -137,9 +140,9 @@ def test_compiled_graphed_static_loop_generates_the_eager_tokens(tiny, name: str
 
 def test_later_requests_replay_the_kept_dense_graphs_and_generate_the_eager_tokens(tiny):
     """Dense decoding keeps each view's step graph across requests: a second prompt of the same length
-    captures nothing, a longer one only its new views, and every request gets its eager tokens. A method
-    that reads its request's state (SANTA's draws) captures for each request; one that runs in no layer
-    (SAAP at ℓ = C) keeps its graphs too, and so does sparse SAAP (its indexes in kept storage)."""
+    captures nothing, a longer one only its new views, and every request gets its eager tokens. SANTA
+    (draws keyed on seed and position, read from kept buffers) keeps its graphs; so does SAAP that runs in
+    no layer (ℓ = C), and sparse SAAP (its indexes in kept storage)."""
     vocab = tiny.config.vocab_size
     prompts = [_prompt(2, 520, vocab), _prompt(2, 520, vocab).flip(1), _prompt(2, 540, vocab)]
     try:
@@ -151,9 +154,10 @@ def test_later_requests_replay_the_kept_dense_graphs_and_generate_the_eager_toke
         assert [t.captures for t in times] == [3, 0, 2]
         assert all(torch.equal(g, w) for g, w in zip(got, want))
         hf.attach(tiny, decode=_runtimes(tiny, "santa-prop")[1])
-        again = StepTimes()
-        gen.generate(prompts[0], 40, again)
-        assert again.captures == 3
+        sampled = [StepTimes() for _ in prompts[:2]]
+        got = [gen.generate(ids, 40, t) for ids, t in zip(prompts[:2], sampled)]
+        assert [t.captures for t in sampled] == [3, 0]
+        assert all(torch.equal(g, eager_generate(tiny, ids, 40)) for g, ids in zip(got, prompts[:2]))
         # SAAP at ℓ = C runs dense attention in every layer: nothing of a request in its step, graphs kept
         hf.attach(tiny, decode=SaapDecode(_saap(tiny, top_l=16).layers, top_l=16, stats=False))
         kept = [StepTimes() for _ in prompts[:2]]

@@ -114,16 +114,54 @@ def test_a_step_that_reads_no_request_state_serves_later_requests(captures, runt
         assert rt.pop_stats() == {"selectivity": 1.0, "selectivity_with_window": 1.0}
 
 
-def test_a_step_that_reads_the_request_state_is_captured_for_each_request(captures):
-    """S²ANTA's draws belong to one request: every request captures its own graphs."""
+def test_santa_sampling_steps_serve_later_requests_under_the_same_seeds(captures):
+    """S²ANTA's draws are a function of (seed, layer, position, row, head, slot): a step reads the loop's
+    positions, the seed and the runtime's kept buffers, nothing of one request, so later requests replay
+    its graphs and still get their eager tokens. A reseed changes what a graph bakes in (the seed): the
+    next request captures anew; reseeding back replays the first seed's graphs."""
     model = _model()
-    hf.attach(model, decode=SantaDecode([3, 2, 5], tile=16, seed=7, backend="reference"))
+    rt = SantaDecode([3, 2, 5], tile=16, seed=7, backend="reference")
+    hf.attach(model, decode=rt)
     try:
-        per_request, _, _ = _two_requests(model, captures)
+        per_request, prompts, tokens = _two_requests(model, captures)
         assert model.calib_attention.static_method_layers  # the method ran in the step
+        assert all(torch.equal(t, eager_generate(model, ids, 12)) for t, ids in zip(tokens, prompts))
+        gen, ids = _generator(model, 2, 64), prompts[0]
+        runs = {}
+        for seed in (7, 8, 7):
+            rt.reseed(seed)
+            before = len(captures)
+            runs.setdefault(seed, []).append((gen.generate(ids, 12), captures[before:]))
+            assert torch.equal(runs[seed][-1][0], eager_generate(model, ids, 12))
     finally:
         hf.remove(model)
-    assert per_request == [[48, 56], [48, 56], [56, 64]]
+    assert per_request == [[48, 56], [], [64]]
+    assert [c for _, c in runs[7]] == [[48, 56], []] and runs[8][0][1] == [48, 56]
+    assert not torch.equal(runs[7][0][0], runs[8][0][0])  # the seed matters: the replay is not the other seed's
+
+
+def test_santa_per_row_seeds_keep_graphs_until_a_reseed(captures):
+    """Per-row seeds are read by a step graph from a device tensor, by address: later requests under the
+    same seeds replay the graphs; after a reseed (even back to the same values, a new tensor) the next
+    request captures anew, and the graph kept for the old seeds still holds their tensor alive."""
+    model, ids = _model(), _prompt(2, 40)
+    rt = SantaDecode([3, 2, 5], tile=16, seed=[5, 6], backend="reference")
+    hf.attach(model, decode=rt)
+    try:
+        gen, per_request = _generator(model, 2, 64), []
+        for seeds in ([5, 6], None, [5, 6]):
+            if seeds is not None:
+                rt.reseed(seeds)
+            before = len(captures)
+            got = gen.generate(ids, 12)
+            per_request.append(captures[before:])
+            assert torch.equal(got, eager_generate(model, ids, 12))
+        first = rt._seeds
+        rt.reseed([9, 10])
+        assert any(first in key[2] for key in gen._kept_graphs(model.calib_attention))
+    finally:
+        hf.remove(model)
+    assert per_request == [[48, 56], [], [48, 56]]
 
 
 def test_saap_indexes_ending_where_the_view_puts_them_serve_later_requests(captures):

@@ -114,6 +114,24 @@ def test_seed_makes_decode_reproducible_and_reseed_restarts():
     assert torch.equal(a.decode(0, q, k, v, 0.3), first)
 
 
+def test_a_step_starting_after_layer_0_draws_for_its_own_positions():
+    """A static step reads its positions from a buffer the loop advances in place, and with layer 0 served
+    densely its first sampled layer is a later one: each step's first call must draw for the positions it
+    sees now (a CUDA graph captured then computes them), not return the previous step's draws. Expected
+    values from keyed_uniforms directly: (seed, layer, position, row, head, slot)."""
+    from runtime_kernels.santa.draws import keyed_uniforms
+
+    rt = SantaDecode([300, 4, 4], tiling="flash", tile=64, seed=11)
+    pos = torch.tensor([200, 250])
+    seen = []
+    for _ in range(3):  # three steps in which layers 1 and 2 sample
+        seen.append([rt.offsets(layer, pos, 4, 300, 4).clone() for layer in (1, 2)])
+        want = keyed_uniforms(11, torch.arange(3), pos, 4, 5)  # 300 keys in tiles of 64: 5 slots
+        assert all(torch.equal(got, want[layer]) for got, layer in zip(seen[-1], (1, 2)))
+        pos.add_(1)
+    assert not torch.equal(seen[0][0], seen[1][0]) and not torch.equal(seen[1][1], seen[2][1])
+
+
 def test_prefill_samples_causally_when_phases_include_prefill():
     q, k, v = _qkv(tq=20, tk=20)
     rt = SantaDecode([1], phases=["prefill", "decode"], seed=0)

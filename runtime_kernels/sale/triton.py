@@ -42,7 +42,8 @@ class SelectLaunch:
 
     rows: int = 128  # query rows per program: HPP = rows // block_q heads of one KV group share each K tile
     block_n: int = 128  # keys per walk tile (a multiple of block_k; = block_k avoids the in-tile reshape)
-    num_warps: int = 8
+    num_warps: int = 8  # block scores and the float estimate
+    keep_warps: int = 4  # the int8 keep-table walk of sale_select (one warpgroup: its reductions stay in it)
     num_stages: int = 3
 
 
@@ -140,6 +141,63 @@ def _fill_rest(out_ptr, row_base, hp, start, stop, hi, SCORES: tl.constexpr, HPP
 
 
 @triton.jit
+def _bit_or(a, b):
+    return a | b
+
+
+@triton.jit
+def _flush_segment(bits, seg0, walk_end, out_ptr, row_base, HPP: tl.constexpr, BQ: tl.constexpr,
+                   SEG: tl.constexpr):
+    """OR one segment's hit bits ``[M, 4]`` over each head's rows and lanes (one reduction for ``SEG`` key
+    blocks), store the segment's keep entries; returns the kept count per head ``[HPP]``."""
+    head_bits = tl.reduce(tl.reshape(bits, [HPP, BQ * 4]), 1, _bit_or)  # [HPP]
+    j = tl.arange(0, SEG)
+    keep = (head_bits[:, None] >> j[None, :]) & 1
+    blk = seg0 + j
+    ok = (blk < walk_end)[None, :] & (row_base >= 0)[:, None]
+    tl.store(out_ptr + row_base[:, None] + blk[None, :], keep.to(tl.int8), mask=ok)
+    return tl.sum(tl.where(ok, keep, 0), axis=1)
+
+
+@triton.jit
+def _keep_walk(qv, qrow, shift, c, row_ok, lt_row, kv_base, svkt, ks_base, out_ptr, row_base, n_sink, walk_end,
+               Tk, NK, M: tl.constexpr, HPP: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, D: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """The int8 walk of ``sale_select``: kept counts per head ``[HPP]``, keep entries stored per segment.
+
+    App. G's segment-level all-reduce: per tile each thread reduces only the products it holds (a block's
+    columns in its registers), dequantizes those few maxima and compares them with its row's threshold; the
+    hits go into one bit per key block of an int32 per (row, lane), and a whole segment of 32 key blocks is
+    OR-reduced across the program once. The dequantization is monotone, so a block is kept exactly when its
+    largest product's score clears ``ln tau``: the same keep table as a per-block maximum."""
+    NBT: tl.constexpr = BLOCK_N // BK
+    SEG: tl.constexpr = 32  # key blocks per segment: one bit each in an int32
+    TPS: tl.constexpr = SEG // NBT
+    rd = tl.arange(0, D)
+    cc = tl.where(row_ok, c, float("inf"))  # a row past Tq never hits
+    cnt = tl.zeros([HPP], dtype=tl.int32)
+    bits = tl.zeros([M, 4], dtype=tl.int32)
+    n_tiles = (walk_end - n_sink + NBT - 1) // NBT
+    for i in range(0, n_tiles):
+        kb0 = n_sink + i * NBT
+        kt = kb0 * BK + tl.arange(0, BLOCK_N)
+        kk = tl.load(kv_base + kt[:, None] * svkt + rd[None, :], mask=(kt < Tk)[:, None], other=0)
+        acc = tl.dot(qv, tl.trans(kk), out_dtype=tl.int32)  # [M, BLOCK_N]
+        kbs = kb0 + tl.arange(0, NBT)
+        ksc = tl.load(ks_base + kbs, mask=kbs < NK, other=1.0)
+        # [M, NBT, 4]: per key block, the maxima over column groups a thread holds (exact: < 2**24)
+        part = tl.max(tl.max(tl.reshape(acc, [M, NBT, BK // 8, 4, 2]), axis=4), axis=2).to(tl.float32)
+        sv = part * ksc[None, :, None] * qrow[:, None, None] + shift[:, None, None]
+        hit = (sv - cc[:, None, None]) >= lt_row[:, None, None]
+        slot = (i % TPS) * NBT + tl.arange(0, NBT)
+        bits |= tl.sum(tl.where(hit, (1 << slot)[None, :, None], 0), axis=1)
+        if (i % TPS == TPS - 1) | (i == n_tiles - 1):
+            cnt += _flush_segment(bits, n_sink + (i // TPS) * SEG, walk_end, out_ptr, row_base, HPP, BQ, SEG)
+            bits = tl.zeros([M, 4], dtype=tl.int32)
+    return cnt
+
+
+@triton.jit
 def _sale_select_kernel(
     q_ptr, k_ptr, qv_ptr, kv_ptr, qs_ptr, ks_ptr, shift_ptr, logtau_ptr, out_ptr, count_ptr,
     sqb, sqh, sqt, skb, skh, skt, svqb, svqh, svqt, svkb, svkh, svkt,
@@ -153,11 +211,12 @@ def _sale_select_kernel(
     One program per (batch, ``HPP`` query heads of one KV group, query block), each int8 K tile loaded once
     for all of them: exact ``m~, l~`` of every row over its causal sink/local keys (float, online), then a
     walk over the key blocks between sink and local window in int8 (``tl.dot`` -> int32) that never
-    materializes scores: per tile only the row maximum of the integer products per key block becomes float
-    (App. G: scales are constant over a (row, key block)). Block score ``max_rows(S~max - m~ - ln l~)``,
-    kept iff ``>= ln tau``. Writes the tau-free block scores (``SCORES``: ``sale_block_scores``) or a uint8
-    keep table plus a count per row (``sale_select``); sink/local blocks kept, blocks above the diagonal
-    dropped; heads whose programs have every ``tau == 0`` skip the walk (dense).
+    materializes scores: per tile only maxima of the integer products per key block become float (App. G:
+    scales are constant over a (row, key block)). Block score ``max_rows(S~max - m~ - ln l~)``, kept iff
+    ``>= ln tau``. Writes the tau-free block scores (``SCORES``: ``sale_block_scores``) or a uint8 keep table
+    plus a count per row (``sale_select``; int8: :func:`_keep_walk`, hit bits reduced once per segment);
+    sink/local blocks kept, blocks above the diagonal dropped; heads whose programs have every ``tau == 0``
+    skip the walk (dense).
     """
     M: tl.constexpr = HPP * BQ
     NBT: tl.constexpr = BLOCK_N // BK
@@ -216,7 +275,13 @@ def _sale_select_kernel(
     row_base = ((b * Hq + h0 + hp) * NQ + qb) * NK  # [HPP]
     kv_base = kv_ptr + b * svkb + hk * svkh
     cnt = tl.zeros([HPP], dtype=tl.int32)
-    for kb0 in range(n_sink, walk_end, NBT):
+    score_walk_end = walk_end
+    if INT8 and not SCORES:
+        cnt = _keep_walk(qv, qrow, shift, c, row_ok, tl.load(logtau_ptr + head), kv_base, svkt,
+                         ks_ptr + (b * (Hq // G) + hk) * NK, out_ptr, row_base, n_sink, walk_end, Tk, NK,
+                         M, HPP, BQ, BK, D, BLOCK_N)
+        score_walk_end = n_sink
+    for kb0 in range(n_sink, score_walk_end, NBT):  # block scores, the float estimate
         kt = kb0 * BK + tl.arange(0, BLOCK_N)
         kk = tl.load(kv_base + kt[:, None] * svkt + rd[None, :], mask=(kt < Tk)[:, None], other=0)
         kbs = kb0 + tl.arange(0, NBT)
@@ -370,7 +435,8 @@ def _launch_select(q: torch.Tensor, k: torch.Tensor, cfg: SaleSelectionConfig, s
         hq, tq, tk, nq, nk, n_sink, cfg.local, sm_scale,
         G=group, HPP=hpp, BQ=bq, BK=bk, D=d, BLOCK_N=block_n, SINK_PAD=sink_pad, LOCAL_N=64, FILL=128,
         INT8=int8, SCORES=scores, UPCAST=up, IEEE=q.dtype == torch.float32,
-        num_warps=LAUNCH.num_warps if hpp * bq * block_n >= 64 * 64 else 4, num_stages=LAUNCH.num_stages)
+        num_warps=(LAUNCH.keep_warps if int8 and not scores else LAUNCH.num_warps) if hpp * bq * block_n >= 64 * 64
+        else 4, num_stages=LAUNCH.num_stages)
     return out, None if scores else counts
 
 

@@ -154,6 +154,23 @@ def test_select_matches_reference_8bit(hq, hkv, tau):
     assert 0.0 < float(mask.density()[0, -1]) < 1.0  # the largest tau really drops blocks
 
 
+@pytest.mark.parametrize("block_n", [32, 128, 256], ids=["1-block-tiles", "4-block-tiles", "8-block-tiles"])
+@pytest.mark.parametrize(("hq", "hkv", "tq"), [(4, 1, 1200), (4, 4, 1200), (4, 2, 700)],
+                         ids=["G4", "G1", "G2-past-keys"])
+def test_select_over_several_segments_matches_reference(monkeypatch, block_n, hq, hkv, tq):
+    """1200 keys: a late query block walks ~35 key blocks, so the int8 keep walk ORs its hit bits over more
+    than one 32-block segment (the last one partial); tiles of one, four and eight key blocks; a dense head
+    (tau = 0) beside sparse ones; 700 queries over 1200 keys end in a partial query block."""
+    monkeypatch.setattr(triton_mod, "LAUNCH", triton_mod.SelectLaunch(block_n=block_n))
+    q, k = _qk(1, hq, hkv, tq, 1200, 64, seed=block_n + hq + tq)
+    tau = torch.tensor([0.0, 0.3, 0.4, 0.6])  # block maxima of P~ here spread over ~0.2..0.8
+    mask = triton_mod.sale_select(q, k, tau, bits=8, local=64)
+    cfg = SaleSelectionConfig(bits=8, local=64)
+    _assert_masks_match(mask, reference.sale_block_scores(q, k, config=cfg), tau, SCORE_ATOL)
+    density = mask.density()[0]
+    assert float(density[0]) == 1.0 and 0.0 < float(density[-1]) < float(density[1]) < 1.0
+
+
 def test_four_bit_config_runs_int8_and_says_so_once(caplog, monkeypatch):
     monkeypatch.setattr(triton_mod, "_warned_int4", False)
     q, k = _qk(1, 2, 1, 130, 130, 64, seed=3)

@@ -351,14 +351,17 @@ def bench_sale(timer: Timer, sh: Shapes, t: int, device: str, dtype, sdpa_ms: fl
 
 
 def sale_launch_row(timer: Timer, t: int, select: Callable, launch: tuple[int, int, int, int], default: Row) -> Row:
-    """The selection pass under another launch shape of its kernel (``rows, block_n, warps, stages``,
-    :class:`runtime_kernels.sale.triton.SelectLaunch`), checked to keep the blocks the default keeps."""
+    """The selection pass under another launch shape of its kernel (``rows, block_n, warps, stages``; the
+    warps of its keep walk, :class:`runtime_kernels.sale.triton.SelectLaunch`), checked to keep the blocks
+    the default keeps."""
     from runtime_kernels.sale import triton as sale_triton
 
     base = sale_triton.LAUNCH
     try:
         want = sale_triton.block_table(select())
-        sale_triton.LAUNCH = sale_triton.SelectLaunch(*launch)
+        rows, block_n, warps, stages = launch
+        sale_triton.LAUNCH = sale_triton.SelectLaunch(rows=rows, block_n=block_n, keep_warps=warps,
+                                                      num_stages=stages)
         same = torch.equal(sale_triton.block_table(select()), want)
         ms = timer(select)
     finally:

@@ -482,7 +482,8 @@ def setup_of(args: argparse.Namespace) -> Setup:
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     artifacts = dict(a.split("=", 1) for a in args.artifact)
     return Setup(args.model, artifacts, ints(args.lengths), ints(args.batches), ints(args.ttft_batches),
-                 args.ragged, args.steps, args.gguf, args.smoke, args.profile, args.saap_top_l, santa_samples=args.santa_samples, unfused=args.unfused)
+                 args.ragged, args.steps, args.gguf, args.smoke, args.profile, args.saap_top_l,
+                 santa_samples=args.santa_samples, unfused=args.unfused)
 
 
 def run_child(method: str, compiled: bool, argv: list[str], timeout: float) -> list[Row]:

@@ -10,12 +10,13 @@ All through :class:`runtime_kernels.generate.StaticGenerator` with ``hf.apply``'
 (``serve="fastest"``: a method runs only in the layers and shapes where it times faster than dense):
 
 * decode: median device ms of ``--steps`` graph replays at each ``B x T``; tokens/s = B / that;
-* TTFT: the prompt's forward pass and first token at ``--ttft-batches``: the median of 15 after one untimed,
-  the garbage collector off; every row also times dense alternately in its own process, and its × dense is
-  to that figure: for the ``dense`` row that is dense against itself, the noise of a ratio at that point
+* TTFT: the prompt's forward pass and first token at ``--ttft-batches``: the median of 15 or more (two
+  seconds of calls) after one untimed, the garbage collector off; every row also times dense alternately
+  (ABBA) in its own process, and its × dense is to that figure: for the ``dense`` row that is dense against
+  itself, the noise of a ratio at that point
 * second: from the first token to the second at ``--ttft-batches`` (a kept graph's replay, or the method's
   per-request set-up: SAAP's index build, the step's warm-up and graph capture), host wall time, the median of
-  3, paired likewise;
+  3 or more (a quarter second of timed steps), paired likewise;
 * ragged: ``--ragged`` rows of lengths spread over [T/4, T], prefilled in runs of close lengths (a row alone
   where none is close) and decoded together; tokens/s of the whole generation (prefill included), the median
   of 7 (host-bound: it moves with the host), paired likewise;
@@ -72,6 +73,9 @@ PREFILL_METHODS = ("sale", "sampleattention")
 TTFT_REPEATS = 15  # timed prefills per TTFT point and path (the medians are reported)
 SECOND_REPEATS = 3  # timed first-to-second-token intervals per point and path (each with a prefill before it)
 RAGGED_REPEATS = 7  # timed generations of the ragged batch per path (host-bound: its wall time moves with the host)
+PAIRED_MIN_S = 2.0  # and more pairs until the timed calls of both paths add up to this many seconds
+SECOND_MIN_S = 0.25  # the same for second tokens (each timed step follows an untimed prefill)
+PAIRED_MAX_REPEATS = 400  # pairs at most (a sub-millisecond call would otherwise repeat thousands of times)
 
 
 @dataclass
@@ -220,22 +224,34 @@ def dense_prefill(model) -> Iterator[None]:
         state.prefill, state.decode = saved
 
 
-def _paired_ms(model, timed, repeats: int) -> tuple[float, float]:
-    """Medians of ``repeats`` calls of ``timed()`` (ms) and of the same under :func:`dense_prefill`
-    (for dense itself: the same path twice, an A/A pair whose ratio is the measurement's noise),
-    alternated, each path warmed up once first, with the garbage collector off (a host-bound prefill
-    would otherwise pay a collection in some repeats)."""
+def _paired_ms(model, timed, repeats: int, min_s: float = PAIRED_MIN_S) -> tuple[float, float]:
+    """Medians of calls of ``timed()`` (ms) and of the same under :func:`dense_prefill` (for dense itself:
+    the same path twice, an A/A pair whose ratio is the measurement's noise), each path warmed up once
+    first, with the garbage collector off (a host-bound prefill would otherwise pay a collection in some
+    repeats). Pairs run in ABBA order (method, dense, dense, method, ...), so neither path always goes
+    first after the other, and repeat until ``repeats`` pairs and ``min_s`` seconds of timed calls: a
+    launch-bound prefill of a few ms moves by a tenth between calls, and a few dozen pairs settle it."""
     timed()
     with dense_prefill(model):
         timed()
+
+    def dense() -> float:
+        with dense_prefill(model):
+            return timed()
+
     method_ms, dense_ms = [], []
     gc.collect()
     gc.disable()
     try:
-        for _ in range(repeats):
-            method_ms.append(timed())
-            with dense_prefill(model):
-                dense_ms.append(timed())
+        while len(method_ms) < repeats or sum(method_ms) + sum(dense_ms) < min_s * 1e3:
+            if len(method_ms) % 2 == 0:
+                method_ms.append(timed())
+                dense_ms.append(dense())
+            else:
+                dense_ms.append(dense())
+                method_ms.append(timed())
+            if len(method_ms) >= PAIRED_MAX_REPEATS:
+                break
     finally:
         gc.enable()
     return statistics.median(method_ms), statistics.median(dense_ms)
@@ -337,7 +353,7 @@ def second_row(model, tok, method: str, t: int, b: int, setup: Setup) -> Row:
             view_ms.append(times.view_ms)
         return ms
 
-    ms, dense_ms = _paired_ms(model, second, SECOND_REPEATS)
+    ms, dense_ms = _paired_ms(model, second, SECOND_REPEATS, SECOND_MIN_S)
     note = f"of which view upkeep {statistics.median(view_ms):.2f} ms" if view_ms else ""
     return Row(method, "second", t, b, False, ms=ms, peak_gb=_peak_gb(cuda), dense_ms=dense_ms, note=note)
 

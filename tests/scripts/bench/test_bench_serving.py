@@ -77,9 +77,10 @@ def test_dense_prefill_switches_the_method_off_and_always_back_on():
         pass
 
 
-def test_paired_timing_alternates_the_two_paths_with_the_collector_off():
-    """A method's calls and dense's alternate after one warm-up each; each median is its own path's; the
-    garbage collector is off while timing and on again after; with nothing attached the pair is A/A."""
+def test_paired_timing_alternates_the_two_paths_abba_with_the_collector_off():
+    """A method's calls and dense's alternate in ABBA order after one warm-up each; each median is its own
+    path's; the garbage collector is off while timing and on again after; with nothing attached the pair
+    is A/A."""
     import gc
 
     state = SimpleNamespace(prefill="sale", decode=None)
@@ -90,10 +91,29 @@ def test_paired_timing_alternates_the_two_paths_with_the_collector_off():
         seen.append((state.prefill, gc.isenabled()))
         return next(times[state.prefill])
 
-    assert bench._paired_ms(SimpleNamespace(calib_attention=state), timed, 3) == (2.0, 6.0)
-    assert seen == [("sale", True), (None, True)] + [("sale", False), (None, False)] * 3 and gc.isenabled()
+    assert bench._paired_ms(SimpleNamespace(calib_attention=state), timed, 3, min_s=0) == (2.0, 6.0)
+    on, off = ("sale", False), (None, False)
+    assert seen == [("sale", True), (None, True), on, off, off, on, on, off] and gc.isenabled()
     calls = iter([4.0, 4.0, 3.0, 5.0, 3.0, 4.0])
-    assert bench._paired_ms(object(), lambda: next(calls), 2) == (3.0, 4.5)  # dense against itself
+    # dense against itself: pair 1 takes 3 then 5, pair 2 (dense first) 3 then 4
+    assert bench._paired_ms(object(), lambda: next(calls), 2, min_s=0) == (3.5, 4.0)
+
+
+def test_paired_timing_repeats_until_the_timed_calls_fill_the_minimum_time():
+    """Past ``repeats`` pairs, more pairs until both paths' timed calls add up to ``min_s``: 10 ms calls
+    and 0.1 s need five pairs; a cap bounds the count for calls too short to fill it."""
+    count = 0
+
+    def timed() -> float:
+        nonlocal count
+        count += 1
+        return 10.0
+
+    bench._paired_ms(object(), timed, 2, min_s=0.1)
+    assert count == 2 + 2 * 5
+    count = 0
+    bench._paired_ms(object(), timed, 2, min_s=1e9)
+    assert count == 2 + 2 * bench.PAIRED_MAX_REPEATS
 
 
 @pytest.mark.slow

@@ -230,7 +230,7 @@ def _paired_ms(model, timed, repeats: int, min_s: float = PAIRED_MIN_S) -> tuple
     first, with the garbage collector off (a host-bound prefill would otherwise pay a collection in some
     repeats). Pairs run in ABBA order (method, dense, dense, method, ...), so neither path always goes
     first after the other, and repeat until ``repeats`` pairs and ``min_s`` seconds of timed calls: a
-    launch-bound prefill of a few ms moves by a tenth between calls, and a few dozen pairs settle it."""
+    launch-bound prefill's time moves with the host from call to call, and a few dozen pairs settle the ratio."""
     timed()
     with dense_prefill(model):
         timed()

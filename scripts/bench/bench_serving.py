@@ -20,6 +20,9 @@ All through :class:`runtime_kernels.generate.StaticGenerator` with ``hf.apply``'
 * ragged: ``--ragged`` rows of lengths spread over [T/4, T], prefilled in runs of close lengths (a row alone
   where none is close) and decoded together; tokens/s of the whole generation (prefill included), the median
   of 7 (host-bound: it moves with the host), paired likewise;
+* traffic (``--prompts FILE``, JSONL as ``calib eval data=jsonl`` reads): your own prompts, ``--ragged`` rows
+  at a time (the last batch filled from the file's start), ``--steps`` new tokens each; ms for the whole
+  file and tokens/s of the new tokens, paired likewise (``--lengths ''`` for this row alone);
 * beside every row: the KV-read floor (the dense K+V bytes of a step / the copy rate measured here),
   the ``no-attention`` step or prefill (everything but attention: the floor of any method), peak GPU memory,
   and the held-out accuracy of the same artifact given with ``--accuracy`` (a ``calib eval`` result JSON).
@@ -62,12 +65,15 @@ from omegaconf import OmegaConf  # noqa: E402
 import calib.config  # noqa: E402,F401  (registers the ${calib_root:} resolver the model files use)
 from bench_generate import NoAttention  # noqa: E402  (the no-attention step: every decode method's floor)
 from benchutil import measured_copy_tbps  # noqa: E402
+from calib.data.rows import read_jsonl  # noqa: E402
+from calib.errors import UserError  # noqa: E402
 from calib.models import load_model  # noqa: E402
 from calib.perplexity import real_text_path  # noqa: E402
 from runtime_kernels import hf  # noqa: E402
 from runtime_kernels.generate import StaticGenerator, StepTimes  # noqa: E402
 from runtime_kernels.ragged import ragged_runs  # noqa: E402
 from runtime_kernels.santa.runtime import SantaDecode  # noqa: E402
+from traffic import batches, prompt_ids  # noqa: E402
 
 PREFILL_METHODS = ("sale", "sampleattention")
 TTFT_REPEATS = 15  # timed prefills per TTFT point and path (the medians are reported)
@@ -80,7 +86,7 @@ PAIRED_MAX_REPEATS = 400  # pairs at most (a sub-millisecond call would otherwis
 
 @dataclass
 class Row:
-    """One measurement: ``kind`` decode, ttft or ragged at (T, B)."""
+    """One measurement: ``kind`` decode, ttft, second, ragged or traffic at (T, B)."""
 
     method: str
     kind: str
@@ -113,6 +119,7 @@ class Setup:
     saap_top_l: int | None = None  # ℓ in every SAAP layer instead of the artifact's (speed only)
     santa_samples: int | None = None  # SANTA with this many samples in every layer, no artifact (speed only)
     unfused: bool = False  # the model's q/k/v and gate/up projections as separate GEMMs (the loop fuses them)
+    prompts: Path | None = None  # a JSONL file of the user's own prompts: the traffic row
     copy_tbps: float | None = None
     rows: list[Row] = field(default_factory=list)
 
@@ -375,6 +382,24 @@ def ragged_row(model, tok, method: str, t: int, b: int, compiled: bool, setup: S
                dense_ms=dense_ms, note=ragged_prefill_layers(model, generate, lengths))
 
 
+def traffic_row(model, tok, method: str, compiled: bool, setup: Setup) -> Row:
+    """The user's prompts (``--prompts``), ``--ragged`` rows at a time, ``--steps`` new tokens each: ms for
+    the whole file and tokens/s of the new tokens; ``T`` is the longest prompt."""
+    cuda = not setup.smoke
+    ids = prompt_ids(setup.prompts, tok, model.config.max_position_embeddings - setup.steps - 8)
+    groups = batches(ids, setup.ragged)
+    longest = max(len(row) for row in ids)
+    gen = generator(model, setup.ragged, longest + setup.steps + 8, compiled, method, setup)
+    whole = lambda: sum(_event_ms(lambda: gen.generate(g, setup.steps), cuda) for g in groups)  # noqa: E731
+    try:
+        ms, dense_ms = _paired_ms(model, whole, RAGGED_REPEATS)
+    except ValueError as exc:  # a runtime that keeps one length per batch (SAAP)
+        return Row(method, "traffic", longest, setup.ragged, compiled, note=str(exc).split(";")[0])
+    new_tokens = setup.ragged * setup.steps * len(groups)
+    return Row(method, "traffic", longest, setup.ragged, compiled, ms=ms, tokens_per_s=new_tokens / ms * 1e3,
+               peak_gb=_peak_gb(cuda), dense_ms=dense_ms, note=f"{len(ids)} prompts in {len(groups)} batches")
+
+
 def run_config(method: str, compiled: bool, setup: Setup) -> list[Row]:
     """Every point of the grid for one configuration, in this process."""
     cuda = not setup.smoke
@@ -408,6 +433,8 @@ def run_config(method: str, compiled: bool, setup: Setup) -> list[Row]:
                 guarded(second_row, model, tok, method, t, b, setup)
         if setup.ragged and method != "no-attention":
             guarded(ragged_row, model, tok, method, t, setup.ragged, compiled, setup)
+    if setup.prompts is not None and method != "no-attention":
+        guarded(traffic_row, model, tok, method, compiled, setup)
     speed_only = {"saap": setup.saap_top_l and f"ℓ = {setup.saap_top_l} in every layer: speed only",
                   "santa": setup.santa_samples and f"S = {setup.santa_samples} in every layer, no artifact: speed only"}
     if speed_only.get(method):
@@ -465,6 +492,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--ttft-batches", default="1,8", help="TTFT batch sizes")
     ap.add_argument("--ragged", type=int, default=16, help="rows of the ragged batch (0: none)")
     ap.add_argument("--steps", type=int, default=32, help="decode steps timed per point")
+    ap.add_argument("--prompts", type=Path, default=None,
+                    help="a JSONL file of your own prompts (\"prompt\" or \"text\" per line): the traffic row, "
+                         "generated --ragged rows at a time")
     ap.add_argument("--compile", default="both", choices=("off", "on", "both"))
     ap.add_argument("--config-timeout", type=float, default=900.0,
                     help="seconds one configuration may run; past it its stacks are printed and it is a failed row")
@@ -488,6 +518,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--saap-top-l takes an ℓ >= 1, and the artifact's held-out accuracy (--accuracy saap=) does not apply to it")
     if args.santa_samples is not None and (args.santa_samples < 1 or any(a.startswith("santa=") for a in args.accuracy)):
         ap.error("--santa-samples takes an S >= 1, and no held-out accuracy (--accuracy santa=) applies to it")
+    if args.prompts is not None:
+        if not args.prompts.is_file():
+            ap.error(f"--prompts {args.prompts}: no such file")
+        try:
+            read_jsonl(args.prompts)  # a bad file fails here, in one line, before any model loads
+        except UserError as exc:
+            ap.error(str(exc))
+        if args.ragged < 1:
+            ap.error("--prompts generates --ragged rows at a time: give --ragged 1 or more")
     if args.smoke:
         args.model, args.lengths, args.batches, args.ttft_batches, args.ragged, args.steps, args.compile = (
             "tiny", "256", "1,2", "1", 2, 4, "off")
@@ -499,7 +538,7 @@ def setup_of(args: argparse.Namespace) -> Setup:
     artifacts = dict(a.split("=", 1) for a in args.artifact)
     return Setup(args.model, artifacts, ints(args.lengths), ints(args.batches), ints(args.ttft_batches),
                  args.ragged, args.steps, args.gguf, args.smoke, args.profile, args.saap_top_l,
-                 santa_samples=args.santa_samples, unfused=args.unfused)
+                 santa_samples=args.santa_samples, unfused=args.unfused, prompts=args.prompts)
 
 
 def run_child(method: str, compiled: bool, argv: list[str], timeout: float) -> list[Row]:

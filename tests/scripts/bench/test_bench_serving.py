@@ -26,6 +26,17 @@ def test_accuracy_column_reads_a_calib_eval_result(tmp_path):
                                                "selectivity 0.30")
 
 
+def test_a_prompts_file_that_cannot_be_read_is_a_one_line_error_before_any_model_loads(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--prompts", str(tmp_path / "missing.jsonl")])
+    assert "no such file" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"answer": 1}\n')
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--prompts", str(bad)])
+    assert 'bad.jsonl:1: needs a non-empty string field "prompt"' in capsys.readouterr().err
+
+
 def test_table_ratios_are_to_dense_at_the_same_point_and_loop(capsys):
     rows = [bench.Row("dense", "decode", 8000, 64, False, ms=8.0, kv_floor_ms=4.0),
             bench.Row("saap", "decode", 8000, 64, False, ms=6.4, dense_layers=5),
@@ -117,14 +128,17 @@ def test_paired_timing_repeats_until_the_timed_calls_fill_the_minimum_time():
 
 
 @pytest.mark.slow
-def test_smoke_run_on_the_cpu_prints_every_kind_of_row():
+def test_smoke_run_on_the_cpu_prints_every_kind_of_row(tmp_path):
     script = ROOT / "scripts" / "bench" / "bench_serving.py"
-    proc = subprocess.run([sys.executable, str(script), "--smoke", "--methods", "dense,no-attention"],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    prompts = tmp_path / "traffic.jsonl"
+    prompts.write_text('{"prompt": "What is the capital of France?"}\n{"text": "Say hello."}\n{"prompt": "Hi"}\n')
+    proc = subprocess.run([sys.executable, str(script), "--smoke", "--methods", "dense,no-attention",
+                           "--prompts", str(prompts)], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     cells = [[c.strip() for c in line.split("|")[1:5]] for line in proc.stdout.splitlines()
              if line.startswith("| ") and "---" not in line]
-    assert {"decode", "ttft", "second", "ragged"} <= {c[0] for c in cells if c[3] == "dense"}
+    assert {"decode", "ttft", "second", "ragged", "traffic"} <= {c[0] for c in cells if c[3].split(" (")[0] == "dense"}
+    assert "dense (3 prompts in 2 batches)" in {c[3] for c in cells if c[0] == "traffic"}  # --smoke: 2 rows a batch
     assert {"decode", "ttft"} == {c[0] for c in cells if c[3] == "no-attention"}  # the step's and the prefill's floor
 
 

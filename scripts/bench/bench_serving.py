@@ -22,7 +22,8 @@ All through :class:`runtime_kernels.generate.StaticGenerator` with ``hf.apply``'
   of 7 (host-bound: it moves with the host), paired likewise;
 * traffic (``--prompts FILE``, JSONL as ``calib eval data=jsonl`` reads): your own prompts, ``--ragged`` rows
   at a time (the last batch filled from the file's start), ``--steps`` new tokens each; ms for the whole
-  file and tokens/s of the new tokens, paired likewise (``--lengths ''`` for this row alone);
+  file and tokens/s of the new tokens, paired likewise, and how many prompts the method continues exactly as
+  dense does (greedy, ``--steps`` tokens: no labels needed); ``--lengths ''`` for this row alone;
 * beside every row: the KV-read floor (the dense K+V bytes of a step / the copy rate measured here),
   the ``no-attention`` step or prefill (everything but attention: the floor of any method), peak GPU memory,
   and the held-out accuracy of the same artifact given with ``--accuracy`` (a ``calib eval`` result JSON).
@@ -396,8 +397,23 @@ def traffic_row(model, tok, method: str, compiled: bool, setup: Setup) -> Row:
     except ValueError as exc:  # a runtime that keeps one length per batch (SAAP)
         return Row(method, "traffic", longest, setup.ragged, compiled, note=str(exc).split(";")[0])
     new_tokens = setup.ragged * setup.steps * len(groups)
+    same = continued_as_dense(model, gen, groups, setup.steps, len(ids))
     return Row(method, "traffic", longest, setup.ragged, compiled, ms=ms, tokens_per_s=new_tokens / ms * 1e3,
-               peak_gb=_peak_gb(cuda), dense_ms=dense_ms, note=f"{len(ids)} prompts in {len(groups)} batches")
+               peak_gb=_peak_gb(cuda), dense_ms=dense_ms,
+               note=f"{len(ids)} prompts in {len(groups)} batches, {same} continued as dense does")
+
+
+def continued_as_dense(model, gen, groups: list[list[list[int]]], steps: int, count: int) -> int:
+    """How many of the first ``count`` prompts of ``groups`` (the file's own; later rows only fill the last
+    batch) get the same ``steps`` greedy tokens with the method as with dense attention: on unlabelled
+    traffic, the share of answers the artifact leaves as they were."""
+    def continuations() -> list[list[int]]:
+        return [row for g in groups for row in gen.generate(g, steps).tolist()][:count]
+
+    method = continuations()
+    with dense_prefill(model):
+        dense = continuations()
+    return sum(a == b for a, b in zip(method, dense))
 
 
 def run_config(method: str, compiled: bool, setup: Setup) -> list[Row]:

@@ -37,6 +37,23 @@ def test_a_prompts_file_that_cannot_be_read_is_a_one_line_error_before_any_model
     assert 'bad.jsonl:1: needs a non-empty string field "prompt"' in capsys.readouterr().err
 
 
+def test_continued_as_dense_counts_the_file_prompts_whose_tokens_the_method_leaves_unchanged():
+    """Three prompts in batches of two (the last filled with the first prompt again): the method changes the
+    second prompt's tokens only, so two of three continue as dense does; the filler row is not counted."""
+    state = SimpleNamespace(prefill="sale", decode=None)
+    model = SimpleNamespace(calib_attention=state)
+
+    class Gen:
+        def generate(self, rows, steps):
+            changed = lambda r: state.prefill is not None and r[0] == 2  # noqa: E731
+            return torch.tensor([[9 if changed(r) else r[0]] * steps for r in rows])
+
+    groups = [[[1], [2]], [[3], [1]]]
+    assert bench.continued_as_dense(model, Gen(), groups, steps=2, count=3) == 2
+    assert state.prefill == "sale"  # switched back on after dense's run
+    assert bench.continued_as_dense(model, Gen(), [[[1], [3]]], steps=2, count=2) == 2
+
+
 def test_table_ratios_are_to_dense_at_the_same_point_and_loop(capsys):
     rows = [bench.Row("dense", "decode", 8000, 64, False, ms=8.0, kv_floor_ms=4.0),
             bench.Row("saap", "decode", 8000, 64, False, ms=6.4, dense_layers=5),
@@ -138,7 +155,8 @@ def test_smoke_run_on_the_cpu_prints_every_kind_of_row(tmp_path):
     cells = [[c.strip() for c in line.split("|")[1:5]] for line in proc.stdout.splitlines()
              if line.startswith("| ") and "---" not in line]
     assert {"decode", "ttft", "second", "ragged", "traffic"} <= {c[0] for c in cells if c[3].split(" (")[0] == "dense"}
-    assert "dense (3 prompts in 2 batches)" in {c[3] for c in cells if c[0] == "traffic"}  # --smoke: 2 rows a batch
+    # --smoke: 2 rows a batch; dense against itself continues every prompt the same
+    assert "dense (3 prompts in 2 batches, 3 continued as dense does)" in {c[3] for c in cells if c[0] == "traffic"}
     assert {"decode", "ttft"} == {c[0] for c in cells if c[3] == "no-attention"}  # the step's and the prefill's floor
 
 

@@ -10,16 +10,13 @@ All through :class:`runtime_kernels.generate.StaticGenerator` with ``hf.apply``'
 (``serve="fastest"``: a method runs only in the layers and shapes where it times faster than dense):
 
 * decode: median device ms of ``--steps`` graph replays at each ``B x T``; tokens/s = B / that;
-* TTFT: the prompt's forward pass and first token at ``--ttft-batches``: the median of 15 or more (two
-  seconds of calls) after one untimed, the garbage collector off; every row also times dense alternately
-  (ABBA) in its own process, and its × dense is to that figure: for the ``dense`` row that is dense against
-  itself, the noise of a ratio at that point
-* second: from the first token to the second at ``--ttft-batches`` (a kept graph's replay, or the method's
-  per-request set-up: SAAP's index build, the step's warm-up and graph capture), host wall time, the median of
-  3 or more (a quarter second of timed steps), paired likewise;
-* ragged: ``--ragged`` rows of lengths spread over [T/4, T], prefilled in runs of close lengths (a row alone
-  where none is close) and decoded together; tokens/s of the whole generation (prefill included), the median
-  of 7 (host-bound: it moves with the host), paired likewise;
+* TTFT: the prompt's forward pass and first token at ``--ttft-batches``, the median of 15 or more (two seconds
+  of calls), the garbage collector off, timed in ABBA pairs with dense in the same process; × dense is to that
+  (for the ``dense`` row: dense against itself, the noise of a ratio at that point);
+* second: first token to second (a kept graph's replay, or the method's per-request set-up: SAAP's index
+  build, the step's warm-up and capture), host wall time, 3 or more (a quarter second of steps), paired likewise;
+* ragged: ``--ragged`` rows of lengths spread over [T/4, T], prefilled in runs of close lengths and decoded
+  together; tokens/s of the whole generation (prefill included), 7 or more (host-bound), paired likewise;
 * traffic (``--prompts FILE``, JSONL as ``calib eval data=jsonl`` reads): your own prompts, ``--ragged`` rows
   at a time (the last batch filled from the file's start), ``--steps`` new tokens each; ms for the whole
   file and tokens/s of the new tokens, paired likewise, and how many prompts the method continues exactly as

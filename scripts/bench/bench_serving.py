@@ -370,10 +370,7 @@ def ragged_row(model, tok, method: str, t: int, b: int, compiled: bool, setup: S
     rows = [text_rows(tok, 1, n, seed=3 + i)[0].tolist() for i, n in enumerate(lengths)]
     gen = generator(model, b, t + setup.steps + 8, compiled, method, setup)
     generate = lambda: gen.generate(rows, setup.steps)  # noqa: E731
-    try:
-        ms, dense_ms = _paired_ms(model, lambda: _event_ms(generate, cuda), RAGGED_REPEATS)
-    except ValueError as exc:  # a runtime that keeps one length per batch (SAAP)
-        return Row(method, "ragged", t, b, compiled, note=str(exc).split(";")[0])
+    ms, dense_ms = _paired_ms(model, lambda: _event_ms(generate, cuda), RAGGED_REPEATS)
     if setup.profile is not None:
         profile_prefill(model, generate, setup.profile / f"ragged_{method}_T{t}_B{b}.txt")
     return Row(method, "ragged", t, b, compiled, ms=ms, tokens_per_s=b * setup.steps / ms * 1e3, peak_gb=_peak_gb(cuda),
@@ -389,10 +386,7 @@ def traffic_row(model, tok, method: str, compiled: bool, setup: Setup) -> Row:
     longest = max(len(row) for row in ids)
     gen = generator(model, setup.ragged, longest + setup.steps + 8, compiled, method, setup)
     whole = lambda: sum(_event_ms(lambda: gen.generate(g, setup.steps), cuda) for g in groups)  # noqa: E731
-    try:
-        ms, dense_ms = _paired_ms(model, whole, RAGGED_REPEATS)
-    except ValueError as exc:  # a runtime that keeps one length per batch (SAAP)
-        return Row(method, "traffic", longest, setup.ragged, compiled, note=str(exc).split(";")[0])
+    ms, dense_ms = _paired_ms(model, whole, RAGGED_REPEATS)
     new_tokens = setup.ragged * setup.steps * len(groups)
     same = continued_as_dense(model, gen, groups, setup.steps, len(ids))
     return Row(method, "traffic", longest, setup.ragged, compiled, ms=ms, tokens_per_s=new_tokens / ms * 1e3,

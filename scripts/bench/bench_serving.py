@@ -12,15 +12,17 @@ All through :class:`runtime_kernels.generate.StaticGenerator` with ``hf.apply``'
 * decode: median device ms of ``--steps`` graph replays at each ``B x T``; tokens/s = B / that;
 * TTFT: the prompt's forward pass and first token at ``--ttft-batches``, the median of 15 or more (two seconds
   of calls), the garbage collector off, timed in ABBA pairs with dense in the same process; × dense is to that
-  (for the ``dense`` row: dense against itself, the noise of a ratio at that point);
+  (for the ``dense`` row: dense against itself, the noise of a ratio at that point), beside it the 95 %
+  interval of the median per-pair ratio (``paired.py``): a cell is below dense only where all of it is;
 * second: first token to second (a kept graph's replay, or the method's per-request set-up: SAAP's index
   build, the step's warm-up and capture), host wall time, 3 or more (a quarter second of steps), paired likewise;
 * ragged: ``--ragged`` rows of lengths spread over [T/4, T], prefilled in runs of close lengths and decoded
-  together; tokens/s of the whole generation (prefill included), 7 or more (host-bound), paired likewise;
+  together; tokens/s of the whole generation (prefill included), 15 or more (host-bound), paired likewise;
 * traffic (``--prompts FILE``, JSONL as ``calib eval data=jsonl`` reads): your own prompts, ``--ragged`` rows
   at a time (the last batch filled from the file's start), ``--steps`` new tokens each; ms for the whole
   file and tokens/s of the new tokens, paired likewise, and how many prompts the method continues exactly as
-  dense does (greedy, ``--steps`` tokens: no labels needed); ``--lengths ''`` for this row alone;
+  dense does (greedy, ``--steps`` tokens: no labels needed) and where its prefill layers went;
+  ``--lengths ''`` for this row alone;
 * beside every row: the KV-read floor (the dense K+V bytes of a step / the copy rate measured here),
   the ``no-attention`` step or prefill (everything but attention: the floor of any method), peak GPU memory,
   and the held-out accuracy of the same artifact given with ``--accuracy`` (a ``calib eval`` result JSON).
@@ -41,7 +43,6 @@ import argparse
 import contextlib
 import datetime
 import faulthandler
-import gc
 import json
 import os
 import statistics
@@ -50,7 +51,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Sequence
 
 ROOT = Path(__file__).resolve().parents[2]
 for _path in (ROOT, ROOT / "scripts" / "bench"):  # run from a checkout without `pip install -e .`
@@ -71,15 +72,13 @@ from runtime_kernels import hf  # noqa: E402
 from runtime_kernels.generate import StaticGenerator, StepTimes  # noqa: E402
 from runtime_kernels.ragged import ragged_runs  # noqa: E402
 from runtime_kernels.santa.runtime import SantaDecode  # noqa: E402
+from paired import SECOND_MIN_S, Paired, dense_prefill, paired_ms  # noqa: E402
 from traffic import batches, prompt_ids  # noqa: E402
 
 PREFILL_METHODS = ("sale", "sampleattention")
 TTFT_REPEATS = 15  # timed prefills per TTFT point and path (the medians are reported)
 SECOND_REPEATS = 3  # timed first-to-second-token intervals per point and path (each with a prefill before it)
-RAGGED_REPEATS = 7  # timed generations of the ragged batch per path (host-bound: its wall time moves with the host)
-PAIRED_MIN_S = 2.0  # and more pairs until the timed calls of both paths add up to this many seconds
-SECOND_MIN_S = 0.25  # the same for second tokens (each timed step follows an untimed prefill)
-PAIRED_MAX_REPEATS = 400  # pairs at most (a sub-millisecond call would otherwise repeat thousands of times)
+RAGGED_REPEATS = 15  # timed generations of the ragged batch per path (host-bound: its wall time moves with the host)
 
 
 @dataclass
@@ -98,6 +97,7 @@ class Row:
     dense_layers: int | None = None  # decode: at the last view; ttft: in one prefill (layers not running the method)
     note: str = ""
     dense_ms: float | None = None  # ttft / second / ragged: dense's, timed alternately in this process (dense: itself)
+    ratio_ci: tuple[float, float] | None = None  # the 95 % interval of the median per-pair dense / method
 
 
 @dataclass
@@ -213,53 +213,9 @@ def decode_row(model, tok, method: str, t: int, b: int, compiled: bool, setup: S
     return row
 
 
-@contextlib.contextmanager
-def dense_prefill(model) -> Iterator[None]:
-    """The attached method's prefill work switched off (its prefill kernel, SAAP's index build): the
-    same loop's dense prefill, for a reference measured in the method's own process."""
-    state = getattr(model, "calib_attention", None)
-    if state is None:
-        yield
-        return
-    saved = state.prefill, state.decode
-    state.prefill = state.decode = None
-    try:
-        yield
-    finally:
-        state.prefill, state.decode = saved
-
-
-def _paired_ms(model, timed, repeats: int, min_s: float = PAIRED_MIN_S) -> tuple[float, float]:
-    """Medians of calls of ``timed()`` (ms) and of the same under :func:`dense_prefill` (for dense itself:
-    the same path twice, an A/A pair whose ratio is the measurement's noise), each path warmed up once
-    first, with the garbage collector off (a host-bound prefill would otherwise pay a collection in some
-    repeats). Pairs run in ABBA order (method, dense, dense, method, ...), so neither path always goes
-    first after the other, and repeat until ``repeats`` pairs and ``min_s`` seconds of timed calls: a
-    launch-bound prefill's time moves with the host from call to call, and a few dozen pairs settle the ratio."""
-    timed()
-    with dense_prefill(model):
-        timed()
-
-    def dense() -> float:
-        with dense_prefill(model):
-            return timed()
-
-    method_ms, dense_ms = [], []
-    gc.collect()
-    gc.disable()
-    try:
-        while len(method_ms) < repeats or sum(method_ms) + sum(dense_ms) < min_s * 1e3:
-            if len(method_ms) % 2 == 0:
-                method_ms.append(timed())
-                dense_ms.append(dense())
-            else:
-                dense_ms.append(dense())
-                method_ms.append(timed())
-            if len(method_ms) >= PAIRED_MAX_REPEATS:
-                break
-    finally:
-        gc.enable()
-    return statistics.median(method_ms), statistics.median(dense_ms)
+def _paired_fields(paired: Paired) -> dict:
+    """A row's fields from a :func:`paired.paired_ms` measurement."""
+    return {"ms": paired.ms, "dense_ms": paired.dense_ms, "ratio_ci": (paired.ratio_low, paired.ratio_high)}
 
 
 def ttft_row(model, tok, method: str, t: int, b: int, setup: Setup) -> Row:
@@ -268,11 +224,11 @@ def ttft_row(model, tok, method: str, t: int, b: int, setup: Setup) -> Row:
     cuda = not setup.smoke
     prompts = text_rows(tok, b, t, seed=1).to(model.device)
     gen = generator(model, b, t + 8, False, method, setup)
-    ms, dense_ms = _paired_ms(model, lambda: _event_ms(lambda: gen.prefill(prompts), cuda), TTFT_REPEATS)
+    paired = paired_ms(model, lambda: _event_ms(lambda: gen.prefill(prompts), cuda), TTFT_REPEATS)
     if setup.profile is not None:
         profile_prefill(model, lambda: gen.prefill(prompts), setup.profile / f"ttft_{method}_T{t}_B{b}.txt")
-    return Row(method, "ttft", t, b, False, ms=ms, tokens_per_s=b * t / ms * 1e3, peak_gb=_peak_gb(cuda),
-               dense_layers=prefill_dense_layers(model, lambda: gen.prefill(prompts)), dense_ms=dense_ms)
+    return Row(method, "ttft", t, b, False, tokens_per_s=b * t / paired.ms * 1e3, peak_gb=_peak_gb(cuda),
+               dense_layers=prefill_dense_layers(model, lambda: gen.prefill(prompts)), **_paired_fields(paired))
 
 
 def profile_prefill(model, prefill, path: Path) -> None:
@@ -310,15 +266,15 @@ def prefill_dense_layers(model, prefill) -> int | None:
     return int(model.config.num_hidden_layers) - state.prefill_chooser.method_calls
 
 
-def ragged_prefill_layers(model, generate, lengths: list[int]) -> str:
-    """Where the prefill layers of one more ``generate()`` of a ragged batch of ``lengths`` went: ran the
-    method, went dense (the layer's timing or the artifact), or never asked (the whole-prefill check switched
-    the method off); '' without a prefill method."""
+def ragged_prefill_layers(model, generate, lengths: list[list[int]]) -> str:
+    """Where the prefill layers of one more ``generate()`` of ragged batches of ``lengths`` (one list per
+    batch) went: ran the method, went dense (the layer's timing or the artifact), or never asked (the
+    whole-prefill check switched the method off); '' without a prefill method."""
     state = getattr(model, "calib_attention", None)
     if state is None or state.prefill is None or state.serve != "fastest":
         return ""
     alone = not getattr(state.prefill, "ragged_prefill", False)
-    calls = len(ragged_runs(lengths, alone)) if len(set(lengths)) > 1 else 1
+    calls = sum(len(ragged_runs(batch, alone)) if len(set(batch)) > 1 else 1 for batch in lengths)
     chooser = state.prefill_chooser
     chooser.reset_counts()
     generate()
@@ -358,9 +314,9 @@ def second_row(model, tok, method: str, t: int, b: int, setup: Setup) -> Row:
             view_ms.append(times.view_ms)
         return ms
 
-    ms, dense_ms = _paired_ms(model, second, SECOND_REPEATS, SECOND_MIN_S)
+    paired = paired_ms(model, second, SECOND_REPEATS, SECOND_MIN_S)
     note = f"of which view upkeep {statistics.median(view_ms):.2f} ms" if view_ms else ""
-    return Row(method, "second", t, b, False, ms=ms, peak_gb=_peak_gb(cuda), dense_ms=dense_ms, note=note)
+    return Row(method, "second", t, b, False, peak_gb=_peak_gb(cuda), note=note, **_paired_fields(paired))
 
 
 def ragged_row(model, tok, method: str, t: int, b: int, compiled: bool, setup: Setup) -> Row:
@@ -370,11 +326,11 @@ def ragged_row(model, tok, method: str, t: int, b: int, compiled: bool, setup: S
     rows = [text_rows(tok, 1, n, seed=3 + i)[0].tolist() for i, n in enumerate(lengths)]
     gen = generator(model, b, t + setup.steps + 8, compiled, method, setup)
     generate = lambda: gen.generate(rows, setup.steps)  # noqa: E731
-    ms, dense_ms = _paired_ms(model, lambda: _event_ms(generate, cuda), RAGGED_REPEATS)
+    paired = paired_ms(model, lambda: _event_ms(generate, cuda), RAGGED_REPEATS)
     if setup.profile is not None:
         profile_prefill(model, generate, setup.profile / f"ragged_{method}_T{t}_B{b}.txt")
-    return Row(method, "ragged", t, b, compiled, ms=ms, tokens_per_s=b * setup.steps / ms * 1e3, peak_gb=_peak_gb(cuda),
-               dense_ms=dense_ms, note=ragged_prefill_layers(model, generate, lengths))
+    return Row(method, "ragged", t, b, compiled, tokens_per_s=b * setup.steps / paired.ms * 1e3, peak_gb=_peak_gb(cuda),
+               note=ragged_prefill_layers(model, generate, [lengths]), **_paired_fields(paired))
 
 
 def traffic_row(model, tok, method: str, compiled: bool, setup: Setup) -> Row:
@@ -386,12 +342,14 @@ def traffic_row(model, tok, method: str, compiled: bool, setup: Setup) -> Row:
     longest = max(len(row) for row in ids)
     gen = generator(model, setup.ragged, longest + setup.steps + 8, compiled, method, setup)
     whole = lambda: sum(_event_ms(lambda: gen.generate(g, setup.steps), cuda) for g in groups)  # noqa: E731
-    ms, dense_ms = _paired_ms(model, whole, RAGGED_REPEATS)
+    paired = paired_ms(model, whole, RAGGED_REPEATS)
     new_tokens = setup.ragged * setup.steps * len(groups)
     same = continued_as_dense(model, gen, groups, setup.steps, len(ids))
-    return Row(method, "traffic", longest, setup.ragged, compiled, ms=ms, tokens_per_s=new_tokens / ms * 1e3,
-               peak_gb=_peak_gb(cuda), dense_ms=dense_ms,
-               note=f"{len(ids)} prompts in {len(groups)} batches, {same} continued as dense does")
+    layers = ragged_prefill_layers(model, lambda: [gen.generate(g, setup.steps) for g in groups],
+                                   [[len(row) for row in g] for g in groups])
+    note = f"{len(ids)} prompts in {len(groups)} batches, {same} continued as dense does{f'; {layers}' if layers else ''}"
+    return Row(method, "traffic", longest, setup.ragged, compiled, tokens_per_s=new_tokens / paired.ms * 1e3,
+               peak_gb=_peak_gb(cuda), note=note, **_paired_fields(paired))
 
 
 def continued_as_dense(model, gen, groups: list[list[list[int]]], steps: int, count: int) -> int:
@@ -455,6 +413,10 @@ def _f(x: float | None, spec: str = ".2f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _interval(ci: Sequence[float] | None) -> str:
+    return "-" if ci is None else f"{ci[0]:.2f}-{ci[1]:.2f}"
+
+
 def accuracy_line(path: str) -> str:
     """The held-out figures of a ``calib eval`` result JSON: the paired difference and CI overall and
     per suite (``suite.<name>.diff`` metrics), and the method's sparsity."""
@@ -473,16 +435,17 @@ def accuracy_line(path: str) -> str:
 def print_tables(rows: list[Row], accuracy: dict[str, str]) -> None:
     dense = {(r.kind, r.length, r.batch, r.compiled): r for r in rows if r.method == "dense"}
     floor = {(r.kind, r.length, r.batch, r.compiled): r for r in rows if r.method == "no-attention"}
-    print("| kind | T | B | method | compiled | ms | x dense | tokens/s | KV floor ms | no-attention ms "
-          "| dense layers | peak GB | held-out accuracy (sparse - dense) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| kind | T | B | method | compiled | ms | x dense | 95 % of pairs | tokens/s | KV floor ms "
+          "| no-attention ms | dense layers | peak GB | held-out accuracy (sparse - dense) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in sorted(rows, key=lambda r: (r.kind, r.length, r.batch, r.compiled, r.method)):
         d = dense.get((r.kind, r.length, r.batch, r.compiled))
         reference = r.dense_ms or (d.ms if d else None)  # in-process dense (dense itself: A/A), else the dense row's
         ratio = reference / r.ms if reference and r.ms else None
         none = floor.get((r.kind, r.length, r.batch, r.compiled))
         print(f"| {r.kind} | {r.length} | {r.batch} | {r.method}{f' ({r.note})' if r.note else ''} "
-              f"| {'yes' if r.compiled else 'no'} | {_f(r.ms)} | {_f(ratio)} | {_f(r.tokens_per_s, '.0f')} "
+              f"| {'yes' if r.compiled else 'no'} | {_f(r.ms)} | {_f(ratio)} | {_interval(r.ratio_ci)} "
+              f"| {_f(r.tokens_per_s, '.0f')} "
               f"| {_f(r.kv_floor_ms)} | {_f(none.ms if none else None)} | {_f(r.dense_layers, 'd')} "
               f"| {_f(r.peak_gb, '.1f')} | {accuracy.get(r.method, '')} |")
 

@@ -90,60 +90,6 @@ def test_no_attention_replaces_attention_in_prefill_and_decode():
     assert torch.equal(floor.decode(0, q[:, :, -1:], k, v, 0.3, None), q[:, :, -1:])
 
 
-def test_dense_prefill_switches_the_method_off_and_always_back_on():
-    class Model:
-        calib_attention = SimpleNamespace(prefill="sale kernel", decode="saap index")
-
-    model = Model()
-    with bench.dense_prefill(model):
-        assert (model.calib_attention.prefill, model.calib_attention.decode) == (None, None)
-    assert (model.calib_attention.prefill, model.calib_attention.decode) == ("sale kernel", "saap index")
-    with pytest.raises(RuntimeError), bench.dense_prefill(model):
-        raise RuntimeError("a prefill failed")
-    assert model.calib_attention.prefill == "sale kernel"
-    with bench.dense_prefill(object()):  # nothing attached: nothing to switch
-        pass
-
-
-def test_paired_timing_alternates_the_two_paths_abba_with_the_collector_off():
-    """A method's calls and dense's alternate in ABBA order after one warm-up each; each median is its own
-    path's; the garbage collector is off while timing and on again after; with nothing attached the pair
-    is A/A."""
-    import gc
-
-    state = SimpleNamespace(prefill="sale", decode=None)
-    seen: list[tuple[str | None, bool]] = []
-    times = {"sale": iter([9.0, 1.0, 2.0, 30.0]), None: iter([9.0, 5.0, 7.0, 6.0])}
-
-    def timed() -> float:
-        seen.append((state.prefill, gc.isenabled()))
-        return next(times[state.prefill])
-
-    assert bench._paired_ms(SimpleNamespace(calib_attention=state), timed, 3, min_s=0) == (2.0, 6.0)
-    on, off = ("sale", False), (None, False)
-    assert seen == [("sale", True), (None, True), on, off, off, on, on, off] and gc.isenabled()
-    calls = iter([4.0, 4.0, 3.0, 5.0, 3.0, 4.0])
-    # dense against itself: pair 1 takes 3 then 5, pair 2 (dense first) 3 then 4
-    assert bench._paired_ms(object(), lambda: next(calls), 2, min_s=0) == (3.5, 4.0)
-
-
-def test_paired_timing_repeats_until_the_timed_calls_fill_the_minimum_time():
-    """Past ``repeats`` pairs, more pairs until both paths' timed calls add up to ``min_s``: 10 ms calls
-    and 0.1 s need five pairs; a cap bounds the count for calls too short to fill it."""
-    count = 0
-
-    def timed() -> float:
-        nonlocal count
-        count += 1
-        return 10.0
-
-    bench._paired_ms(object(), timed, 2, min_s=0.1)
-    assert count == 2 + 2 * 5
-    count = 0
-    bench._paired_ms(object(), timed, 2, min_s=1e9)
-    assert count == 2 + 2 * bench.PAIRED_MAX_REPEATS
-
-
 @pytest.mark.slow
 def test_smoke_run_on_the_cpu_prints_every_kind_of_row(tmp_path):
     script = ROOT / "scripts" / "bench" / "bench_serving.py"
@@ -197,12 +143,15 @@ def test_a_ragged_row_says_where_its_prefill_layers_went():
         state.prefill_chooser.run("sig", q, q, lambda: q, lambda: q)
         state.prefill_chooser.run("sig", q, q, lambda: None, lambda: q)
 
-    note = bench.ragged_prefill_layers(model, generate, [100, 101, 40])
+    note = bench.ragged_prefill_layers(model, generate, [[100, 101, 40]])
     assert note == "prefill layers of 2 calls: 3 method, 1 dense, 0 method off"
     runtime.ragged_prefill = False  # each row alone: three calls, two layers of one ran with the method off
-    assert bench.ragged_prefill_layers(model, generate, [100, 101, 40]) == \
+    assert bench.ragged_prefill_layers(model, generate, [[100, 101, 40]]) == \
         "prefill layers of 3 calls: 3 method, 1 dense, 2 method off"
-    assert bench.ragged_prefill_layers(SimpleNamespace(calib_attention=None), generate, [1, 2]) == ""
+    # the traffic row's batches: one of lengths 7, 7 (one call) and one of 40, 100 (two calls, alone or not)
+    assert bench.ragged_prefill_layers(model, generate, [[7, 7], [40, 100]]) == \
+        "prefill layers of 3 calls: 3 method, 1 dense, 2 method off"
+    assert bench.ragged_prefill_layers(SimpleNamespace(calib_attention=None), generate, [[1, 2]]) == ""
 
 
 def test_profile_writes_the_method_and_the_in_process_dense_tables(tmp_path):

@@ -12,8 +12,9 @@ All through :class:`runtime_kernels.generate.StaticGenerator` with ``hf.apply``'
 * decode: median device ms of ``--steps`` graph replays at each ``B x T``; tokens/s = B / that;
 * TTFT: the prompt's forward pass and first token at ``--ttft-batches``, the median of 15 or more (two seconds
   of calls), the garbage collector off, timed in ABBA pairs with dense in the same process; × dense is to that
-  (for the ``dense`` row: dense against itself, the noise of a ratio at that point), beside it the 95 %
-  interval of the median per-pair ratio (``paired.py``): a cell is below dense only where all of it is;
+  (the median of the per-pair ratios; for the ``dense`` row: dense against itself, the noise of a ratio at
+  that point), beside it that median's 95 % interval (``paired.py``): a cell is below dense only where all
+  of it is;
 * second: first token to second (a kept graph's replay, or the method's per-request set-up: SAAP's index
   build, the step's warm-up and capture), host wall time, 3 or more (a quarter second of steps), paired likewise;
 * ragged: ``--ragged`` rows of lengths spread over [T/4, T], prefilled in runs of close lengths and decoded
@@ -97,7 +98,8 @@ class Row:
     dense_layers: int | None = None  # decode: at the last view; ttft: in one prefill (layers not running the method)
     note: str = ""
     dense_ms: float | None = None  # ttft / second / ragged: dense's, timed alternately in this process (dense: itself)
-    ratio_ci: tuple[float, float] | None = None  # the 95 % interval of the median per-pair dense / method
+    ratio: float | None = None  # paired rows: the median per-pair dense / method (× dense)
+    ratio_ci: tuple[float, float] | None = None  # and its 95 % interval
 
 
 @dataclass
@@ -215,7 +217,8 @@ def decode_row(model, tok, method: str, t: int, b: int, compiled: bool, setup: S
 
 def _paired_fields(paired: Paired) -> dict:
     """A row's fields from a :func:`paired.paired_ms` measurement."""
-    return {"ms": paired.ms, "dense_ms": paired.dense_ms, "ratio_ci": (paired.ratio_low, paired.ratio_high)}
+    return {"ms": paired.ms, "dense_ms": paired.dense_ms, "ratio": paired.ratio,
+            "ratio_ci": (paired.ratio_low, paired.ratio_high)}
 
 
 def ttft_row(model, tok, method: str, t: int, b: int, setup: Setup) -> Row:
@@ -441,7 +444,7 @@ def print_tables(rows: list[Row], accuracy: dict[str, str]) -> None:
     for r in sorted(rows, key=lambda r: (r.kind, r.length, r.batch, r.compiled, r.method)):
         d = dense.get((r.kind, r.length, r.batch, r.compiled))
         reference = r.dense_ms or (d.ms if d else None)  # in-process dense (dense itself: A/A), else the dense row's
-        ratio = reference / r.ms if reference and r.ms else None
+        ratio = r.ratio or (reference / r.ms if reference and r.ms else None)  # paired rows: the pairs' median
         none = floor.get((r.kind, r.length, r.batch, r.compiled))
         print(f"| {r.kind} | {r.length} | {r.batch} | {r.method}{f' ({r.note})' if r.note else ''} "
               f"| {'yes' if r.compiled else 'no'} | {_f(r.ms)} | {_f(ratio)} | {_interval(r.ratio_ci)} "

@@ -22,11 +22,14 @@ RATIO_LEVEL = 0.95  # coverage of the interval of the median per-pair ratio
 
 @dataclass(frozen=True)
 class Paired:
-    """Medians of the two paths' calls (ms) and the interval of the median of the per-pair ratios
-    dense / method (× dense, above 1 where the method is faster)."""
+    """Medians of the two paths' calls (ms), the median of the per-pair ratios dense / method (× dense,
+    above 1 where the method is faster) and its interval. The per-pair median, not the ratio of the two
+    medians: a call time that moves with the host between modes can put the two medians in different
+    modes while every pair, taken side by side, reads the same."""
 
     ms: float
     dense_ms: float
+    ratio: float
     ratio_low: float
     ratio_high: float
     pairs: int
@@ -94,5 +97,7 @@ def paired_ms(model, timed: Callable[[], float], repeats: int, min_s: float = PA
                 break
     finally:
         gc.enable()
-    low, high = median_interval([d / m for m, d in zip(method_ms, dense_ms)])
-    return Paired(statistics.median(method_ms), statistics.median(dense_ms), low, high, len(method_ms))
+    ratios = [d / m for m, d in zip(method_ms, dense_ms)]
+    low, high = median_interval(ratios)
+    return Paired(statistics.median(method_ms), statistics.median(dense_ms), statistics.median(ratios), low, high,
+                  len(method_ms))

@@ -78,6 +78,17 @@ def test_a_ttft_ratio_is_to_the_dense_prefill_timed_in_the_same_process(capsys):
     assert "| 12.50 |" in sale and "| 2.50 |" not in sale  # the prefill floor beside a TTFT, not the step's
 
 
+def test_a_paired_row_reads_the_median_of_its_pairs_with_the_interval_beside_it(capsys):
+    """A row that carries its pairs' median ratio and interval prints those, not the ratio of its medians
+    (27.0 / 30.0 = 0.90); rows saved before the pairs' figures existed print the ratio of medians and '-'."""
+    rows = [bench.Row("sale", "ragged", 8000, 16, False, ms=30.0, dense_ms=27.0, ratio=1.01, ratio_ci=(0.99, 1.02)),
+            bench.Row("sale", "ragged", 2048, 16, False, ms=30.0, dense_ms=27.0)]
+    bench.print_tables(rows, {})
+    out = capsys.readouterr().out
+    assert "| 30.00 | 1.01 | 0.99-1.02 |" in next(line for line in out.splitlines() if "| 8000 |" in line)
+    assert "| 30.00 | 0.90 | - |" in next(line for line in out.splitlines() if "| 2048 |" in line)
+
+
 def test_no_attention_replaces_attention_in_prefill_and_decode():
     """The floor rows: a model with :class:`NoAttention` attached returns the query as every layer's
     attention output, in the prompt's forward pass and in a decode step."""

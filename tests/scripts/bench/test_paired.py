@@ -47,13 +47,14 @@ def test_paired_timing_alternates_the_two_paths_abba_with_the_collector_off():
 
     got = paired_ms(SimpleNamespace(calib_attention=state), timed, 3, min_s=0)
     # pairs (1, 5), (2, 7), (30, 6): ratios 5, 3.5, 0.2; three pairs give no 95 % interval narrower than their range
-    assert (got.ms, got.dense_ms, got.ratio_low, got.ratio_high, got.pairs) == (2.0, 6.0, 0.2, 5.0, 3)
+    assert (got.ms, got.dense_ms, got.ratio, got.ratio_low, got.ratio_high, got.pairs) == (2.0, 6.0, 3.5, 0.2, 5.0, 3)
     on, off = ("sale", False), (None, False)
     assert seen == [("sale", True), (None, True), on, off, off, on, on, off] and gc.isenabled()
     calls = iter([4.0, 4.0, 3.0, 5.0, 3.0, 4.0])
     # dense against itself: pair 1 takes 3 (method) then 5 (dense), pair 2 (dense first) 3 then 4 (method)
     got = paired_ms(object(), lambda: next(calls), 2, min_s=0)
     assert (got.ms, got.dense_ms, got.ratio_low, got.ratio_high) == (3.5, 4.0, 3 / 4, 5 / 3)
+    assert got.ratio == pytest.approx((3 / 4 + 5 / 3) / 2)  # the pairs' median, not 4.0 / 3.5
 
 
 def test_paired_timing_repeats_until_the_timed_calls_fill_the_minimum_time():

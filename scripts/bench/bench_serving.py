@@ -348,11 +348,21 @@ def traffic_row(model, tok, method: str, compiled: bool, setup: Setup) -> Row:
     paired = paired_ms(model, whole, RAGGED_REPEATS)
     new_tokens = setup.ragged * setup.steps * len(groups)
     same = continued_as_dense(model, gen, groups, setup.steps, len(ids))
-    layers = ragged_prefill_layers(model, lambda: [gen.generate(g, setup.steps) for g in groups],
-                                   [[len(row) for row in g] for g in groups])
-    note = f"{len(ids)} prompts in {len(groups)} batches, {same} continued as dense does{f'; {layers}' if layers else ''}"
+    where = [ragged_prefill_layers(model, lambda: [gen.generate(g, setup.steps) for g in groups],
+                                   [[len(row) for row in g] for g in groups]), decode_layers(model)]
+    note = "; ".join([f"{len(ids)} prompts in {len(groups)} batches, {same} continued as dense does", *filter(None, where)])
     return Row(method, "traffic", longest, setup.ragged, compiled, tokens_per_s=new_tokens / paired.ms * 1e3,
                peak_gb=_peak_gb(cuda), note=note, **_paired_fields(paired))
+
+
+def decode_layers(model) -> str:
+    """How many layers the decode method ran in at the last step of the last generation (the serving policy
+    serves a layer dense where the method timed slower); '' without a decode method."""
+    state = getattr(model, "calib_attention", None)
+    if state is None or state.decode is None:
+        return ""
+    layers = int(model.config.num_hidden_layers)
+    return f"decode method in {layers - len(state.serve_dense)} of {layers} layers at the last step"
 
 
 def continued_as_dense(model, gen, groups: list[list[list[int]]], steps: int, count: int) -> int:

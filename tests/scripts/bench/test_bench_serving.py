@@ -165,6 +165,18 @@ def test_a_ragged_row_says_where_its_prefill_layers_went():
     assert bench.ragged_prefill_layers(SimpleNamespace(calib_attention=None), generate, [[1, 2]]) == ""
 
 
+def test_the_traffic_note_says_in_how_many_layers_the_decode_method_ran():
+    """30 layers, the policy serving 27 dense at the last view: the method ran in 3; a prefill-only method
+    (no decode runtime) or nothing attached: nothing to say."""
+    config = SimpleNamespace(num_hidden_layers=30)
+    state = SimpleNamespace(decode="santa", serve_dense=frozenset(range(27)))
+    assert bench.decode_layers(SimpleNamespace(calib_attention=state, config=config)) == \
+        "decode method in 3 of 30 layers at the last step"
+    state.decode = None
+    assert bench.decode_layers(SimpleNamespace(calib_attention=state, config=config)) == ""
+    assert bench.decode_layers(SimpleNamespace(config=config)) == ""
+
+
 def test_profile_writes_the_method_and_the_in_process_dense_tables(tmp_path):
     """One profiled prefill each way: the method's path, then the same with its prefill switched off (the
     runtime really off during the second, back on after); without a method, one table."""
